@@ -1,0 +1,137 @@
+"""Ready-made optimizers as chains of building blocks (optax's ``alias``).
+
+Each takes ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``,
+``"fp8"``, ``"8bit_bnb"``), ``block_size`` and ``min_quant_size`` for its moment
+states, and ``stochastic_round`` (with ``seed``) to round bfloat16 params
+stochastically (see :func:`~lowbit_tree.update.stochastic_rounding`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import GradientTransformation, ScalarOrSchedule, identity
+from .combine import chain
+from .transform import add_decayed_weights, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace
+from .update import stochastic_rounding
+
+__all__ = ["adam", "adamw", "lion", "sgd"]
+
+
+def _is_zero(x) -> bool:
+    """Statically zero (a Python number); a tensor may change later, so it is not."""
+    return not isinstance(x, torch.Tensor) and not callable(x) and x == 0
+
+
+def _finish(*txs, stochastic_round: bool, seed: int) -> GradientTransformation:
+    return chain(*txs, stochastic_rounding(seed)) if stochastic_round else chain(*txs)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    *,
+    amsgrad: bool = False,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    rank1_normalization: bool = False,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """Adam (torch.optim.Adam semantics): ``chain(scale_by_adam, scale_by_learning_rate)``."""
+    return _finish(
+        scale_by_adam(
+            b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
+            min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
+        ),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+    )
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    weight_decay: float | torch.Tensor = 1e-2,
+    mask: Any = None,
+    *,
+    amsgrad: bool = False,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    rank1_normalization: bool = False,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """AdamW with decoupled decay as torch.optim.AdamW: ``p - lr * (adam_update + wd * p)``.
+
+    ``mask``: tree of bools (or ``params -> tree``) choosing the decayed leaves.
+    """
+    return _finish(
+        scale_by_adam(
+            b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
+            min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
+        ),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+    )
+
+
+def lion(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.99,
+    weight_decay: float | torch.Tensor = 0.0,
+    mask: Any = None,
+    *,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """Lion (arXiv 2302.06675) with decoupled decay: ``p - lr * (sign(...) + wd * p)``."""
+    return _finish(
+        scale_by_lion(b1, b2, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size),
+        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+    )
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float | torch.Tensor = 0.0,
+    nesterov: bool = False,
+    weight_decay: float | torch.Tensor = 0.0,
+    *,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """SGD as torch.optim.SGD (dampening 0): L2 ``weight_decay`` is added to the
+    gradient before momentum; the momentum buffer exists (and is quantized, as a
+    first moment) unless ``momentum`` is the number 0."""
+    if nesterov and _is_zero(momentum):
+        raise ValueError("nesterov momentum needs momentum > 0")
+    return _finish(
+        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
+        identity() if _is_zero(momentum) else trace(
+            momentum, nesterov, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size
+        ),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+    )

@@ -1,0 +1,79 @@
+"""The types every transformation shares (optax's ``base``).
+
+A transformation is a pair of pure functions: ``init(params) -> state`` and
+``update(updates, state, params=None, **extra) -> (updates, state)``. Neither
+modifies its inputs; states are NamedTuples of tensors (and quantized
+records), so they checkpoint with ``torch.save`` and trace with torch.compile.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol, Union
+
+import torch
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "Schedule",
+    "ScalarOrSchedule",
+    "identity",
+    "init_count",
+    "scalar_value",
+]
+
+Params = Any  # a pytree of tensors (None for "no parameter / no gradient")
+Updates = Any
+State = Any
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+"""``count -> value``: a 0-d integer tensor in, a 0-d float32 tensor out (torch ops only)."""
+ScalarOrSchedule = Union[float, torch.Tensor, Schedule]
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> State: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(self, updates: Updates, state: State, params: Params | None = None, **extra: Any) -> tuple[Updates, State]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(updates, state, params=None, **extra) -> (updates, state)``.
+
+    ``update`` accepts (and ignores) keyword arguments it does not know, so a
+    caller can pass extra context (``loss=...``) to a whole chain.
+    """
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged."""
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None, **extra):
+        return updates, state
+
+    return GradientTransformation(init, update)
+
+
+def init_count(params: Params) -> torch.Tensor:
+    """A 0-d int32 step counter on the device of the first parameter."""
+    from .tree_utils import tree_device
+
+    return torch.zeros((), dtype=torch.int32, device=tree_device(params))
+
+
+def scalar_value(value: ScalarOrSchedule, count: torch.Tensor) -> float | torch.Tensor:
+    """A hyperparameter's value at ``count``: schedules are called, numbers pass through."""
+    return value(count) if callable(value) else value
+
+
+torch.serialization.add_safe_globals([EmptyState])

@@ -1,0 +1,155 @@
+"""Applying updates to parameters, with optional stochastic rounding.
+
+Stochastic rounding to bfloat16 keeps updates smaller than bf16's resolution
+alive on average: ``x`` (float32) rounds up with probability equal to its
+distance from the lower neighbour. The random bits come from a counter-based
+hash of ``(seed, counter, leaf index, element index)`` computed with int64 torch
+ops, so they are a pure function of a key kept in the optimizer state: a run
+resumed from a checkpoint draws the same bits as an uninterrupted one.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .base import GradientTransformation
+from .tree_utils import flatten
+
+__all__ = [
+    "apply_updates",
+    "stochastic_round",
+    "stochastic_rounding",
+    "StochasticRoundingState",
+    "rounding_key",
+]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding uint32 values.
+
+    Products are taken modulo 2**64 by int64 wrap-around; masking keeps the low
+    32 bits, which wrap-around leaves exact.
+    """
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _random_bits(key: torch.Tensor, leaf_index: int, numel: int, device) -> torch.Tensor:
+    """``numel`` hashed uint32 values (as int64) for one leaf under ``key``."""
+    words = key.reshape(-1).to(device=device, dtype=torch.int64)
+    h = _mix32(words[0] + 0x9E3779B9 * (leaf_index + 1))
+    for i in range(1, words.numel()):
+        h = _mix32(h ^ _mix32(words[i]))
+    idx = torch.arange(numel, device=device, dtype=torch.int64)
+    return _mix32(_mix32(idx & _MASK32) ^ (_mix32((idx >> 32) + h) + h))
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, key: torch.Tensor, leaf_index: int = 0) -> torch.Tensor:
+    """Round float32 ``x`` to ``dtype``: stochastically for bfloat16, to nearest otherwise.
+
+    For bf16 the low 16 bits of the float32 pattern are dropped after adding 16
+    random bits, so ``E[result] == x`` for finite values. Non-finite values round
+    to nearest.
+    """
+    if dtype != torch.bfloat16:
+        return x.to(dtype)
+    x = x.float()
+    r = (_random_bits(key, leaf_index, x.numel(), x.device) & 0xFFFF).to(torch.int32).reshape(x.shape)
+    bits = (x.view(torch.int32) + r) & -65536
+    rounded = bits.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
+    return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+
+
+_stochastic_round = stochastic_round  # apply_updates has an argument of the same name
+
+
+def _compute_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, key: torch.Tensor | None = None) -> Any:
+    """``params + updates`` as new tensors, each in its param's dtype (pure).
+
+    Sums are float32 (float64 for float64 params). ``None`` params, and params
+    whose update is ``None``, pass through unchanged.
+
+    Args:
+      stochastic_round: round bfloat16 results stochastically (other dtypes
+        round to nearest).
+      key: int64 tensor with one or more words (e.g. ``rounding_key(state)``),
+        required with ``stochastic_round``; the same key gives the same result.
+    """
+    if stochastic_round and key is None:
+        raise ValueError("stochastic_round=True needs key= (an int64 tensor, e.g. rounding_key(state))")
+    leaves, spec = flatten(params)
+    ups = spec.flatten_up_to(updates)
+    out = []
+    for i, (p, u) in enumerate(zip(leaves, ups)):
+        if p is None or u is None:
+            out.append(p)
+            continue
+        x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
+        if stochastic_round:
+            out.append(_stochastic_round(x, p.dtype, key, i))
+        else:
+            out.append(x.to(p.dtype))
+    return spec.unflatten(out)
+
+
+class StochasticRoundingState(NamedTuple):
+    seed: torch.Tensor  # int64, 0-d
+    count: torch.Tensor  # int64, 0-d: steps taken
+
+
+def rounding_key(state: StochasticRoundingState) -> torch.Tensor:
+    """The ``(seed, count)`` key this step's rounding uses."""
+    return torch.stack([state.seed, state.count])
+
+
+def stochastic_rounding(seed: int = 0) -> GradientTransformation:
+    """Last link of a chain: make ``apply_updates(params, updates)`` land on a
+    stochastically rounded bfloat16 value.
+
+    For each bf16 param, the target ``t = stochastic_round(p + u)`` is drawn with
+    the key ``(seed, count)`` from this transformation's state, and the update
+    becomes ``t - p``. Between bf16 numbers within a factor 2 of each other that
+    difference is exact in bf16 (Sterbenz), so the plain round-to-nearest sum in
+    :func:`apply_updates` reproduces ``t`` exactly; a larger step (a sign change,
+    a jump past 2x) is rounded once more, still deterministically. Other
+    dtypes pass through.
+    """
+
+    def init(params):
+        from .tree_utils import tree_device
+
+        device = tree_device(params)
+        return StochasticRoundingState(
+            torch.tensor(seed, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
+        )
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("stochastic_rounding needs params: call update(updates, state, params)")
+        key = rounding_key(state)
+        leaves, spec = flatten(params)
+        ups = spec.flatten_up_to(updates)
+        out = []
+        for i, (p, u) in enumerate(zip(leaves, ups)):
+            if p is None or u is None or p.dtype != torch.bfloat16:
+                out.append(u)
+                continue
+            target = stochastic_round(p.float() + u.float(), torch.bfloat16, key, i)
+            out.append((target.float() - p.float()).to(u.dtype))
+        return spec.unflatten(out), StochasticRoundingState(state.seed, state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+torch.serialization.add_safe_globals([StochasticRoundingState])

@@ -1,0 +1,133 @@
+"""Wrappers around a transformation: ``masked`` and ``inject_hyperparams``."""
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from .base import GradientTransformation, init_count
+from .tree_utils import broadcast_mask, map_leaves, tree_device
+
+__all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState", "STATIC_HYPERPARAMS"]
+
+
+class MaskedState(NamedTuple):
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> GradientTransformation:
+    """Apply ``inner`` only to the leaves where ``mask`` is True; others pass through.
+
+    Args:
+      inner: the transformation to restrict.
+      mask: a tree of Python bools shaped like params (or a prefix of it), or a
+        function ``params -> mask`` (called with ``params`` in ``init`` and with
+        ``params`` -- or ``updates`` when no params are given -- in ``update``).
+        ``inner`` sees masked-out leaves as ``None``: no state is created for them.
+    """
+
+    def select(tree, m):
+        return map_leaves(lambda x, keep: x if keep else None, tree, m)
+
+    def init(params):
+        return MaskedState(inner.init(select(params, broadcast_mask(mask, params))))
+
+    def update(updates, state, params=None, **extra):
+        m = broadcast_mask(mask, params if params is not None else updates)
+        inner_updates, inner_state = inner.update(
+            select(updates, m), state.inner_state, None if params is None else select(params, m), **extra
+        )
+        new = map_leaves(lambda u, keep, iu: iu if keep else u, updates, m, inner_updates)
+        return new, MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+class InjectHyperparamsState(NamedTuple):
+    count: torch.Tensor  # int32, 0-d
+    hyperparams: dict  # {name: 0-d float32 tensor}; replace entries to change them
+    inner_state: Any
+
+
+STATIC_HYPERPARAMS = frozenset(
+    {
+        "state_format",
+        "block_size",
+        "min_quant_size",
+        "amsgrad",
+        "mask",
+        "nesterov",
+        "rank1_normalization",
+        "stochastic_round",
+        "seed",
+        "flip_sign",
+    }
+)
+"""Arguments that shape the state or the code: always passed through unchanged."""
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation],
+    static_args: Iterable[str] = (),
+    hyperparam_dtype: torch.dtype = torch.float32,
+) -> Callable[..., GradientTransformation]:
+    """Make a factory's numeric arguments part of the state, so they can change between steps.
+
+    ``inject_hyperparams(adamw)(learning_rate=1e-3, weight_decay=0.1)`` returns a
+    transformation whose state is :class:`InjectHyperparamsState`. Every numeric
+    argument given (float, int, 0-d tensor) becomes a 0-d ``hyperparam_dtype``
+    tensor in ``state.hyperparams`` on the params' device; a callable argument
+    is a schedule, evaluated at ``state.count`` each step and its value stored
+    there. Write a new 0-d tensor into ``state.hyperparams[name]`` (e.g. the
+    learning rate) to change it: a compiled ``update`` sees a new input value,
+    not a new program, so nothing recompiles. Arguments named in
+    ``static_args`` or :data:`STATIC_HYPERPARAMS`, and non-numeric ones
+    (str, bool, None, trees), are passed through unchanged. Arguments left at
+    their defaults are not injected (as in optax).
+    """
+    static_names = STATIC_HYPERPARAMS | frozenset(static_args)
+    signature = inspect.signature(factory)
+
+    def wrapped(*args, **kwargs) -> GradientTransformation:
+        given = signature.bind(*args, **kwargs).arguments
+        static, numeric, schedules = {}, {}, {}
+        for name, value in given.items():
+            if name in static_names or isinstance(value, bool):
+                static[name] = value
+            elif isinstance(value, (numbers.Real, torch.Tensor)):
+                numeric[name] = value
+            elif callable(value):
+                schedules[name] = value
+            else:
+                static[name] = value
+
+        def as_tensor(value, device):
+            return torch.as_tensor(value, dtype=hyperparam_dtype, device=device).reshape(())
+
+        def build(hyperparams):
+            return factory(**static, **hyperparams)
+
+        def init(params):
+            count = init_count(params)
+            hyperparams = {k: as_tensor(v, count.device) for k, v in numeric.items()}
+            hyperparams.update({k: as_tensor(s(count), count.device) for k, s in schedules.items()})
+            return InjectHyperparamsState(count, hyperparams, build(hyperparams).init(params))
+
+        def update(updates, state, params=None, **extra):
+            device = state.count.device
+            hyperparams = {
+                k: v if isinstance(v, torch.Tensor) and v.dtype == hyperparam_dtype else as_tensor(v, device)
+                for k, v in state.hyperparams.items()
+            }
+            hyperparams.update({k: s(state.count).to(hyperparam_dtype) for k, s in schedules.items()})
+            updates, inner = build(hyperparams).update(updates, state.inner_state, params, **extra)
+            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner)
+
+        return GradientTransformation(init, update)
+
+    return wrapped
+
+
+torch.serialization.add_safe_globals([MaskedState, InjectHyperparamsState])
