@@ -1,0 +1,26 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # golden_maps, helpers
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _device_params():
+    params = [pytest.param("cpu", id="cpu")]
+    params.append(
+        pytest.param(
+            "cuda",
+            id="cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")],
+        )
+    )
+    return params
+
+
+@pytest.fixture(params=_device_params())
+def device(request):
+    return torch.device(request.param)
