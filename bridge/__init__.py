@@ -1,0 +1,24 @@
+"""torch.optim optimizers over lowbit_tree's functional core, with FSDP2 and DCP support."""
+from .optimizer import STATE_DICT_VERSION, LowBitOptimizer, StateReportRow
+from .optimizers import (
+    SGD,
+    Adam,
+    Adam4bit,
+    Adam8bit,
+    AdamFp8,
+    AdamW,
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFp8,
+    Lion,
+    Lion4bit,
+    Lion8bit,
+    SGD8bit,
+)
+from .qstate import QState
+
+__all__ = [
+    "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow",
+    "Adam", "AdamW", "Lion", "SGD",
+    "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
+]

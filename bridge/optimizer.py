@@ -1,0 +1,482 @@
+"""``LowBitOptimizer``: any lowbit_tree transformation as a ``torch.optim.Optimizer``.
+
+The optimizer is a shell. Each ``step()`` rebuilds, per parameter, the core
+state pytree of that parameter from ``self.state[p]`` (torch names: ``step``,
+``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) and the
+group's current hyperparameters, runs the transformation's pure ``update`` on
+plain local tensors, and writes the results back in place (params and state
+storage keep their identity, as torch.optim users expect).
+
+Static choices (state format, block size, quantize-or-not) are fixed when a
+param's state is created, from the *global* param shape, and never recomputed.
+Numeric hyperparameters (lr, betas, eps, weight decay, momentum) are read from
+the param group at every step, as Python floats or 0-d tensors, and enter the
+core as 0-d float32 tensors (``inject_hyperparams``), so a scheduler can change
+them at any time.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Iterable
+
+import torch
+
+import lowbit_tree as lt
+from lowbit_tree import QTensor
+from lowbit_tree.moments import check_state_format
+from lowbit_tree.update import apply_updates
+from lowbit_tree.wrappers import inject_hyperparams
+
+from .distributed import is_dtensor, local_row_range, row_dtensor, to_local, wrap_like
+from .qstate import QState
+
+__all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
+
+STATE_DICT_VERSION = 1
+"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
+
+VERSION_KEY = "lowbit_tree_version"
+
+# core state field -> torch.optim state name
+STATE_NAMES = {
+    "mu": "exp_avg",
+    "nu": "exp_avg_sq",
+    "nu_max": "max_exp_avg_sq",
+    "trace": "momentum_buffer",
+}
+
+# group keys that shape the state: fixed per param, compared on load
+STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
+
+
+class StateReportRow(tuple):
+    """(param_index, state_name, format, shape, nbytes)."""
+
+    __slots__ = ()
+
+    def __new__(cls, index, name, format, shape, nbytes):
+        return super().__new__(cls, (index, name, format, tuple(shape), nbytes))
+
+    index = property(lambda s: s[0])
+    name = property(lambda s: s[1])
+    format = property(lambda s: s[2])
+    shape = property(lambda s: s[3])
+    nbytes = property(lambda s: s[4])
+
+
+# ----------------------------------------------------------------------------
+# walking core state trees by field name
+# ----------------------------------------------------------------------------
+def _is_record(x) -> bool:
+    return isinstance(x, QTensor) or type(x).__name__ == "Rank1QTensor"
+
+
+def _walk(tree, path=()):
+    """Yield ``(path, leaf)`` for every leaf; NamedTuple fields are named by field."""
+    if tree is None:
+        return
+    if _is_record(tree) or isinstance(tree, torch.Tensor):
+        yield path, tree
+    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        for f in tree._fields:
+            yield from _walk(getattr(tree, f), path + (f,))
+    elif isinstance(tree, (tuple, list)):
+        for i, x in enumerate(tree):
+            yield from _walk(x, path + (i,))
+    elif isinstance(tree, dict):
+        for k in sorted(tree):
+            yield from _walk(tree[k], path + (k,))
+    else:
+        yield path, tree
+
+
+def _rebuild(tree, fn, path=()):
+    """``tree`` with every leaf replaced by ``fn(path, leaf)``."""
+    if tree is None:
+        return None
+    if _is_record(tree) or isinstance(tree, torch.Tensor):
+        return fn(path, tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*[_rebuild(getattr(tree, f), fn, path + (f,)) for f in tree._fields])
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_rebuild(x, fn, path + (i,)) for i, x in enumerate(tree))
+    if isinstance(tree, dict):
+        return {k: _rebuild(v, fn, path + (k,)) for k, v in tree.items()}
+    return fn(path, tree)
+
+
+def _kind(path) -> str:
+    """What a leaf at ``path`` is: 'hyper', 'count', 'seed' or a torch state name."""
+    if "hyperparams" in path:
+        return "hyper"
+    named = [p for p in path if isinstance(p, str)]
+    last = named[-1] if named else ""
+    if last == "count":
+        return "count"
+    if last == "seed":
+        return "seed"
+    for p in reversed(named):
+        if p in STATE_NAMES:
+            return STATE_NAMES[p]
+    return "/".join(str(p) for p in path)
+
+
+def _float_tensor(value, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------
+# the optimizer
+# ----------------------------------------------------------------------------
+class LowBitOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` running a lowbit_tree transformation per parameter.
+
+    Args:
+      params: iterable of tensors or param-group dicts (as torch.optim).
+      transform_factory: a function of keyword arguments returning a
+        ``lowbit_tree.GradientTransformation`` (e.g. ``lowbit_tree.adamw``).
+      defaults: default group options. Keys that are parameters of
+        ``transform_factory`` (after ``group_to_kwargs``) are passed to it:
+        numbers and 0-d tensors as injected (changeable) hyperparameters,
+        everything else as static arguments.
+      group_to_kwargs: maps a param group to the factory's keyword arguments
+        (default: the group entries whose names the factory accepts).
+
+    Extra group options understood by every LowBitOptimizer:
+      skip_nonfinite (bool, default False): if any gradient of the step is
+        NaN/inf, leave every param and state of the step unchanged, decided on
+        the device without a host sync. (Without it, a non-finite gradient
+        poisons only the blocks of its own parameter's state.)
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        transform_factory: Callable[..., lt.base.GradientTransformation],
+        defaults: dict,
+        *,
+        group_to_kwargs: Callable[[dict], dict] | None = None,
+    ):
+        self._factory = transform_factory
+        self._group_to_kwargs = group_to_kwargs or self._default_group_to_kwargs
+        self._transforms: dict = {}
+        self._templates: dict = {}
+        defaults = dict(defaults)
+        defaults.setdefault("skip_nonfinite", False)
+        super().__init__(params, defaults)
+
+    # -- param groups ---------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}: params must be tensors, got {type(p).__name__}")
+            if p.is_complex():
+                raise ValueError(
+                    f"{type(self).__name__}: complex parameter of shape {tuple(p.shape)} is not supported; "
+                    "optimize torch.view_as_real(param) instead"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__}: parameter of dtype {p.dtype} is not a floating-point tensor")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if "state_format" in group:
+            check_state_format(group["state_format"])
+        bs = group.get("block_size")
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+            raise ValueError(f"block_size must be a positive int or None, got {bs!r}")
+
+    def _default_group_to_kwargs(self, group: dict) -> dict:
+        accepted = inspect.signature(self._factory).parameters
+        return {k: v for k, v in group.items() if k in accepted}
+
+    def _split(self, group: dict) -> tuple[dict, dict]:
+        """(static kwargs, numeric kwargs) for a group's factory call."""
+        static, numeric = {}, {}
+        for k, v in self._group_to_kwargs(group).items():
+            if isinstance(v, bool) or v is None or isinstance(v, str):
+                static[k] = v
+            elif isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1):
+                if k in ("block_size", "min_quant_size", "seed"):
+                    static[k] = v
+                else:
+                    numeric[k] = v
+            else:
+                static[k] = v
+        return static, numeric
+
+    def _transform(self, group: dict):
+        static, numeric = self._split(group)
+        key = (tuple(sorted((k, repr(v)) for k, v in static.items())), tuple(sorted(numeric)))
+        tx = self._transforms.get(key)
+        if tx is None:
+            tx = inject_hyperparams(self._factory)(**static, **{k: 0.0 for k in numeric})
+            self._transforms[key] = tx
+        return tx, key, numeric
+
+    # -- per-param state ------------------------------------------------------
+    def _param_index(self, p) -> int:
+        i = 0
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return i
+                i += 1
+        raise KeyError("parameter not in this optimizer")
+
+    def _template(self, p, group):
+        """tx.init on a meta tensor of the *global* shape: fixes formats and block sizes."""
+        tx, key, _ = self._transform(group)
+        cache_key = (id(p), key)
+        tmpl = self._templates.get(cache_key)
+        if tmpl is None:
+            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+            tmpl = tx.init(meta)
+            self._templates[cache_key] = tmpl
+        return tmpl
+
+    def _init_state(self, p, group) -> dict:
+        tmpl = self._template(p, group)
+        local = to_local(p)
+        st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=local.device)}
+        for path, leaf in _walk(tmpl):
+            kind = _kind(path)
+            if kind in ("hyper", "count", "seed"):
+                continue
+            if isinstance(leaf, QTensor):
+                q = QState(lt.zeros(tuple(local.shape), leaf.format, leaf.block_size, device=local.device))
+                st[kind] = wrap_like(q, p)
+            elif _is_record(leaf):
+                if is_dtensor(p):
+                    raise ValueError(
+                        "rank-1 normalized 4-bit states need column maxima over all rows; they are not "
+                        "supported under FSDP2 sharding (use rank1_normalization=False)"
+                    )
+                st[kind] = _Rank1Holder(type(leaf).__module__, leaf, local)
+            elif isinstance(leaf, torch.Tensor):
+                if tuple(leaf.shape) == tuple(p.shape):
+                    st[kind] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
+                else:
+                    st[kind] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=local.device)
+        return st
+
+    def _core_state(self, p, st, group, hyper: dict):
+        tmpl = self._template(p, group)
+        local = to_local(p)
+        step = st["step"]
+        seed = self._param_index(p)
+
+        def leaf(path, t):
+            kind = _kind(path)
+            if kind == "hyper":
+                return hyper[path[-1]]
+            if kind == "count":
+                return step.to(device=local.device, dtype=t.dtype)
+            if kind == "seed":
+                return torch.tensor(seed, dtype=t.dtype, device=local.device)
+            value = st[kind]
+            if isinstance(value, _Rank1Holder):
+                return value.record
+            value = to_local(value)
+            return value.record if isinstance(value, QState) else value
+
+        return _rebuild(tmpl, leaf)
+
+    def _write_back(self, st, new_tree, ok) -> None:
+        for path, leaf in _walk(new_tree):
+            kind = _kind(path)
+            if kind in ("hyper", "count", "seed"):
+                continue
+            target = st[kind]
+            if isinstance(target, _Rank1Holder):
+                target.record = leaf if ok is None else _where_tree(ok, leaf, target.record)
+                continue
+            target = to_local(target)
+            if isinstance(target, QState):
+                codes, scale = leaf.codes, leaf.scale
+                if ok is not None:
+                    codes = _where(ok, codes, target.codes)
+                    scale = torch.where(ok, scale, target.scale)
+                target.codes.copy_(codes)
+                target.scale.copy_(scale)
+            else:
+                target.copy_(leaf if ok is None else torch.where(ok, leaf, target))
+
+    # -- step -------------------------------------------------------------------
+    def _all_finite(self) -> torch.Tensor | None:
+        """On-device flag: every gradient of this step is finite (or None if no group asks)."""
+        if not any(g.get("skip_nonfinite") for g in self.param_groups):
+            return None
+        flags = []
+        device = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = to_local(p.grad)
+                    device = g.device
+                    flags.append(torch.isfinite(g).all() if g.numel() else torch.ones((), dtype=torch.bool, device=g.device))
+        if not flags:
+            return None
+        ok = torch.stack([f.to(device) for f in flags]).all()
+        if any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
+            import torch.distributed as dist
+
+            flag = ok.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = flag.bool()
+        return ok
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform one optimization step (``closure`` re-evaluates the loss, as torch.optim)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ok_all = self._all_finite()
+        for group in self.param_groups:
+            tx, _, numeric = self._transform(group)
+            ok = ok_all if group.get("skip_nonfinite") else None
+            hyper_cache: dict = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients (param of shape "
+                        f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
+                    )
+                local = to_local(p)
+                grad = to_local(p.grad)
+                if grad.shape != local.shape:
+                    raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match param shape {tuple(local.shape)}")
+                st = self.state[p]
+                if len(st) == 0:
+                    st.update(self._init_state(p, group))
+                dev = local.device
+                if dev not in hyper_cache:
+                    hyper_cache[dev] = {k: _float_tensor(v, dev) for k, v in numeric.items()}
+                tree = self._core_state(p, st, group, hyper_cache[dev])
+                updates, new_tree = tx.update(grad, tree, local)
+                new_param = apply_updates(local, updates)
+                local.copy_(new_param if ok is None else torch.where(ok, new_param, local))
+                self._write_back(st, new_tree, ok)
+                st["step"].add_(1 if ok is None else ok.to(torch.float32))
+        return loss
+
+    # -- introspection ------------------------------------------------------------
+    def state_report(self) -> list[StateReportRow]:
+        """Each param's states: (param index, name, format, local shape, bytes). Nothing is hidden:
+        unquantized states show as ``fp32`` / ``bf16``."""
+        rows = []
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                for name, v in self.state.get(p, {}).items():
+                    if name == "step":
+                        continue
+                    v = to_local(v)
+                    if isinstance(v, QState):
+                        rows.append(StateReportRow(i, name, v.format, tuple(v.shape), v.state_nbytes))
+                    elif isinstance(v, _Rank1Holder):
+                        rows.append(StateReportRow(i, name, "linear4_rank1", v.record.shape, v.nbytes))
+                    elif isinstance(v, torch.Tensor):
+                        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype))
+                        rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
+                i += 1
+        return rows
+
+    def state_bytes(self) -> int:
+        return sum(r.nbytes for r in self.state_report())
+
+    def format_state_report(self) -> str:
+        rows = self.state_report()
+        lines = [f"{'param':>5s} {'state':16s} {'format':16s} {'shape':>18s} {'bytes':>12s}"]
+        for r in rows:
+            lines.append(f"{r.index:5d} {r.name:16s} {r.format:16s} {str(r.shape):>18s} {r.nbytes:12d}")
+        nparams = sum(math.prod(to_local(p).shape) for g in self.param_groups for p in g["params"])
+        total = sum(r.nbytes for r in rows)
+        lines.append(f"total {total} bytes for {nparams} param elements ({total / max(nparams, 1):.3f} bytes/param)")
+        return "\n".join(lines)
+
+    # -- state dict -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim layout; each quantized state ``name`` appears as two plain tensors
+        ``name::codes`` (uint8; fp8 codes as their uint8 bit pattern) and ``name::scale``
+        (float32), row-sharded DTensors under FSDP2. Groups carry the format version."""
+        sd = super().state_dict()
+        for gi, group in enumerate(sd["param_groups"]):
+            group[VERSION_KEY] = STATE_DICT_VERSION
+        params = [p for g in self.param_groups for p in g["params"]]
+        new_state = {}
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            out = {}
+            for name, v in st.items():
+                local = to_local(v)
+                if isinstance(local, QState):
+                    codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
+                    out[f"{name}::codes"] = row_dtensor(codes, p, codes.shape[1])
+                    out[f"{name}::scale"] = row_dtensor(local.scale, p, local.scale.shape[1])
+                elif isinstance(local, _Rank1Holder):
+                    for k, t in local.tensors().items():
+                        out[f"{name}::{k}"] = t
+                else:
+                    out[name] = v
+            new_state[idx] = out
+        sd["state"] = new_state
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from ``state_dict()`` (any device, any FSDP world size), or a
+        plain ``torch.optim.Adam/AdamW/SGD`` one (its fp32 states are quantized into this
+        optimizer's formats). A state dict of another version, state format or block size
+        is rejected with an error naming what differs."""
+        from .state_dict import load_into
+
+        load_into(self, state_dict)
+
+    def torch_state_dict(self) -> dict:
+        """This optimizer's state as a plain torch.optim state dict with dequantized float32
+        moments (e.g. to resume with ``torch.optim.AdamW``)."""
+        from .state_dict import export_torch
+
+        return export_torch(self)
+
+
+def _where(ok, new, old):
+    if new.dtype == torch.float8_e4m3fn:
+        return torch.where(ok, new.view(torch.uint8), old.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return torch.where(ok, new, old)
+
+
+def _where_tree(ok, new, old):
+    import optree
+
+    return optree.tree_map(lambda a, b: _where(ok, a, b), new, old)
+
+
+class _Rank1Holder:
+    """Holds a (non-sharded) rank-1 normalized record in ``state[p]``.
+
+    The record has no row-sharded layout (its column maxima span all rows), so it
+    is kept as a plain record rather than a QState.
+    """
+
+    def __init__(self, module, template, local):
+        from lowbit_tree.moments import rank1_zeros
+
+        self.record = rank1_zeros(tuple(local.shape), device=local.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict:
+        r = self.record
+        return {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
