@@ -24,3 +24,8 @@ def _device_params():
 @pytest.fixture(params=_device_params())
 def device(request):
     return torch.device(request.param)
+
+
+# One intra-op thread per test process: the suite runs under pytest-xdist on a
+# 2-core machine, and oversubscribed OpenMP threads make small ops 10-100x slower.
+torch.set_num_threads(1)
