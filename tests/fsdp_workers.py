@@ -1,0 +1,321 @@
+"""Worker functions for the multi-process FSDP2 / DCP tests (tests/test_fsdp.py).
+
+Each ``*_worker(rank, world, *args)`` runs in one of ``world`` spawned processes with a
+gloo process group already initialised (see :func:`launch`). They are plain module-level
+functions so that ``torch.multiprocessing`` (start method ``spawn``) can pickle them.
+Results that the test compares across runs are written by rank 0 with ``torch.save``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+PG_TIMEOUT_S = 60
+
+
+# ----------------------------------------------------------------------------
+# launching
+# ----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, args):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world: int, *args) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; raise if any fails."""
+    mp.start_processes(_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True, start_method="spawn")
+
+
+# ----------------------------------------------------------------------------
+# a tiny transformer whose weights shard unevenly and, on 3 ranks, emptily
+# ----------------------------------------------------------------------------
+VOCAB, D, HIDDEN, SEQ, BATCH = 13, 12, 21, 6, 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)        # (36, 12): even shards
+        self.proj = nn.Linear(D, D)
+        self.ln2 = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, HIDDEN)       # (21, 12): 11+10, 7+7+7
+        self.fc2 = nn.Linear(HIDDEN, D)       # (12, 21): odd rows (4-bit packing)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, D // 2).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, nblocks: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)       # (13, 12): 7+6, 5+5+3
+        self.blocks = nn.ModuleList([Block() for _ in range(nblocks)])
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.router = nn.Linear(D, 2, bias=False)  # (2, 12): 1+1+0 on 3 ranks (an empty shard)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.ln(x)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        return loss + 0.1 * self.router(x).pow(2).mean()
+
+
+def make_model(seed: int = 0, dtype=torch.float32) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM().to(dtype)
+
+
+def shard(model: TinyLM, world: int, offload: bool = False) -> TinyLM:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kw = {"mesh": init_device_mesh("cpu", (world,))}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pin_memory needs an accelerator
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def batch(step: int, rank: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+OPTIMIZERS = {
+    "8bit": "AdamW8bit",
+    "4bit": "AdamW4bit",
+    "fp8": "AdamWFp8",
+}
+
+
+def make_opt(params, fmt: str, **kw):
+    import bridge
+
+    cls = getattr(bridge, OPTIMIZERS[fmt])
+    kw.setdefault("block_size", 8)      # rows of 12 and 21: blocks 8+4 and 8+8+5
+    kw.setdefault("min_quant_size", 1)  # quantize every 2-D state of the tiny model
+    return cls(params, lr=1e-2, weight_decay=0.1, **kw)
+
+
+def global_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    """A fixed full gradient per param name, independent of the mesh."""
+    out = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(7919 * step + i)
+        out[name] = torch.randn(tuple(p.shape), generator=g)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# gathering states
+# ----------------------------------------------------------------------------
+def full_states(opt) -> list[dict[str, torch.Tensor]]:
+    """Per param (in order), each state gathered to full: QStates as
+    {name::codes (uint8 view), name::scale, name::deq}, plain tensors as themselves."""
+    from bridge import QState
+    from bridge.distributed import is_dtensor
+
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = {}
+            for name, v in opt.state[p].items():
+                full = v.full_tensor() if is_dtensor(v) else v
+                if isinstance(full, QState):
+                    assert tuple(full.shape) == tuple(p.shape), (name, full.shape, p.shape)
+                    st[f"{name}::codes"] = full.codes.view(torch.uint8).clone()
+                    st[f"{name}::scale"] = full.scale.clone()
+                    st[f"{name}::deq"] = full.dequantize()
+                    st[f"{name}::format"] = full.format
+                else:
+                    st[name] = full.detach().clone()
+            out.append(st)
+    return out
+
+
+def assert_states_equal(a, b, exact=True, what=""):
+    assert len(a) == len(b), (len(a), len(b))
+    for i, (sa, sb) in enumerate(zip(a, b)):
+        assert sorted(sa) == sorted(sb), (what, i, sorted(sa), sorted(sb))
+        for k in sa:
+            x, y = sa[k], sb[k]
+            if isinstance(x, str):
+                assert x == y, (what, i, k, x, y)
+            elif exact:
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (what, i, k, x, y)
+            else:
+                torch.testing.assert_close(x, y, msg=f"{what} param {i} {k}")
+
+
+def local_rows(t: torch.Tensor, p) -> torch.Tensor:
+    """Rows of a full tensor ``t`` that this rank holds of param ``p``."""
+    from bridge.distributed import local_row_range
+
+    a, b = local_row_range(p)
+    return t[a:b]
+
+
+def set_global_grads(model: nn.Module, step: int) -> None:
+    from bridge.distributed import is_dtensor, wrap_like
+
+    for name, p in model.named_parameters():
+        g = global_grads_for(name, p, step)
+        p.grad = wrap_like(local_rows(g, p).clone(), p) if is_dtensor(p) else g.to(p.dtype)
+
+
+def global_grads_for(name: str, p, step: int) -> torch.Tensor:
+    seed = 7919 * step + sum(ord(c) * (i + 1) for i, c in enumerate(name))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(p.shape), generator=g).to(p.dtype)
+
+
+# ----------------------------------------------------------------------------
+# 1, 3, 7, 8, 10: parity with an unsharded model, CPU offload, bf16, missing ops
+# ----------------------------------------------------------------------------
+def _parity_run(rank, world, fmt, offload, steps=6):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    shard(model, world, offload=offload)
+    opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
+    for step in range(steps):
+        tokens = batch(step, rank)
+        loss = model(tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(tokens)
+        ref_loss.backward()
+        for p in ref.parameters():  # what FSDP's reduce-scatter computes, unsharded
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0, msg=f"{fmt} step {step} loss")
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0)
+        assert p.device.type == "cpu"
+        for v in opt.state[p].values():
+            assert v.device == p.device, (v.device, p.device)
+    assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"{fmt} offload={offload}")
+    return model, opt
+
+
+def _check_quantized_like_global(opt, min_quant_size):
+    """No state that the global rule quantizes is fp32 on any rank (uneven and empty shards too)."""
+    from lowbit_tree.moments import should_quantize
+
+    from bridge import QState
+    from bridge.distributed import to_local
+
+    n = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, v in opt.state[p].items():
+                if name == "step":
+                    continue
+                expect = should_quantize(tuple(p.shape), min_quant_size)
+                assert isinstance(to_local(v), QState) == expect, (name, tuple(p.shape), to_local(v).shape, type(to_local(v)))
+                n += expect
+    assert n > 0
+
+
+def parity_worker(rank, world):
+    for fmt in ("8bit", "4bit", "fp8"):
+        _, opt = _parity_run(rank, world, fmt, offload=False)
+        _check_quantized_like_global(opt, 1)
+    _parity_run(rank, world, "8bit", offload=True, steps=3)
+
+
+def bf16_worker(rank, world):
+    """bf16 params + stochastic rounding under FSDP2, fed identical global grads."""
+    model = make_model(dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    shard(model, world)
+    opt = make_opt(model.parameters(), "8bit", bf16_stochastic_round=True)
+    ref_opt = make_opt(ref.parameters(), "8bit", bf16_stochastic_round=True)
+    before = [p.detach().clone() for p in ref.parameters()]
+    for step in range(3):
+        set_global_grads(model, step)
+        set_global_grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for p, rp, p0 in zip(model.parameters(), ref.parameters(), before):
+        assert p.dtype == torch.bfloat16 and p.to_local().dtype == torch.bfloat16
+        full = p.full_tensor()
+        assert torch.isfinite(full.float()).all() and not torch.equal(full, p0)
+        # rounding bits are drawn per local element: rank 0's rows match the unsharded run
+        # exactly; other ranks' rows may round the other way (one bf16 step per step taken)
+        if rank == 0:
+            assert torch.equal(p.to_local(), local_rows(rp.detach(), p))
+        torch.testing.assert_close(full.float(), rp.detach().float(), rtol=2 ** -5, atol=1e-3)
+    for st, rst in zip(full_states(opt), full_states(ref_opt)):
+        for k in st:  # states depend on gradients only: exact
+            assert isinstance(st[k], str) or torch.equal(st[k], rst[k]), k
+
+
+def errors_worker(rank, world):
+    """Failures raise on every rank (no rank left waiting in a collective)."""
+    from lowbit_tree.alias import adamw
+
+    from bridge import LowBitOptimizer
+
+    model = shard(make_model(), world)
+    opt = make_opt(model.parameters(), "4bit")
+    set_global_grads(model, 0)
+    opt.step()
+    d = opt.state[model.head.weight]["exp_avg"]
+    try:
+        torch.sin(d)
+    except NotImplementedError as e:
+        assert "QState" in str(e)
+    else:
+        raise AssertionError("torch.sin on a DTensor(QState) did not raise")
+    rank1 = LowBitOptimizer(model.parameters(), adamw, dict(learning_rate=1e-3, state_format="4bit",
+                                                                rank1_normalization=True, min_quant_size=1))
+    try:
+        rank1.step()
+    except ValueError as e:
+        assert "rank-1" in str(e) and "FSDP2" in str(e), e
+    else:
+        raise AssertionError("rank-1 normalization under FSDP2 did not raise")
+    dist.barrier()  # every rank got here: nobody hangs
+
+
+def parity_all_worker(rank, world):
+    parity_worker(rank, world)
+    bf16_worker(rank, world)
+    errors_worker(rank, world)
