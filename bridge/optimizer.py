@@ -220,15 +220,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return tx, key, numeric
 
     # -- per-param state ------------------------------------------------------
-    def _param_index(self, p) -> int:
-        i = 0
-        for group in self.param_groups:
-            for q in group["params"]:
-                if q is p:
-                    return i
-                i += 1
-        raise KeyError("parameter not in this optimizer")
-
     def _template(self, p, group):
         """tx.init on a meta tensor of the *global* shape: fixes formats and block sizes."""
         tx, key, _ = self._transform(group)
@@ -265,11 +256,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     st[kind] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=local.device)
         return st
 
-    def _core_state(self, p, st, group, hyper: dict):
+    def _core_state(self, p, st, group, hyper: dict, seed: int):
         tmpl = self._template(p, group)
         local = to_local(p)
         step = st["step"]
-        seed = self._param_index(p)
 
         def leaf(path, t):
             kind = _kind(path)
@@ -339,11 +329,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ok_all = self._all_finite()
+        index = 0  # the param's position in the optimizer: its stochastic-rounding seed
         for group in self.param_groups:
             tx, _, numeric = self._transform(group)
             ok = ok_all if group.get("skip_nonfinite") else None
             hyper_cache: dict = {}
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -361,7 +353,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 dev = local.device
                 if dev not in hyper_cache:
                     hyper_cache[dev] = {k: _float_tensor(v, dev) for k, v in numeric.items()}
-                tree = self._core_state(p, st, group, hyper_cache[dev])
+                tree = self._core_state(p, st, group, hyper_cache[dev], index - 1)
                 updates, new_tree = tx.update(grad, tree, local)
                 new_param = apply_updates(local, updates)
                 local.copy_(new_param if ok is None else torch.where(ok, new_param, local))
