@@ -1,0 +1,20 @@
+"""Every ```python block of the README runs (top to bottom, one namespace)."""
+import os
+import re
+
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+
+
+def python_blocks():
+    text = open(README, encoding="utf-8").read()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch):
+    blocks = python_blocks()
+    assert len(blocks) >= 2
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, block in enumerate(blocks):
+        code = block.replace("/tmp/", str(tmp_path) + "/")
+        exec(compile(code, f"README block {i}", "exec"), namespace)
