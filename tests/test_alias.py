@@ -276,3 +276,108 @@ def test_rosenbrock_reaches_optimum(fmt):
         u, s = tx.update(_rosenbrock_grad(p), s, p)
         p = apply_updates(p, u)
     assert (p - 1).abs().max() < 1e-3
+
+
+# ---------------------------------------------------------------------------
+# robustness: heavy-tailed and intermittent gradients
+# ---------------------------------------------------------------------------
+def _heavy_tailed_sequence(steps=100, rows=32, cols=256, seed=0, bursty=False):
+    """Values spanning 1e-8..1 within every row; whole rows exactly zero at
+    random steps (embedding rows absent from a batch). ``bursty``: most entries
+    1e-12..1e-4, rare (0.2%) entries +-1 -- a big gradient once, then tiny ones."""
+    g = torch.Generator().manual_seed(seed)
+    seq = []
+    for _ in range(steps):
+        x = 10 ** (-8 * torch.rand(rows, cols, generator=g))
+        x = x * torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+        if bursty:
+            x = torch.where(torch.rand(rows, cols, generator=g) < 0.002, x.sign(), x * 1e-4)
+        present = torch.rand(rows, 1, generator=g) >= (0.7 if bursty else 0.5)
+        seq.append(x * present)
+    return seq
+
+
+def _largest_step(tx, seq):
+    p = torch.zeros(seq[0].shape)  # 32 x 256 = 8192 >= min_quant_size: quantized
+    s = tx.init(p)
+    worst = torch.zeros(())
+    for g in seq:
+        u, s = tx.update(g, s, p)  # gradients do not depend on p: compare the steps themselves
+        worst = torch.maximum(worst, u.abs().max())
+    assert torch.isfinite(worst)
+    return worst.item()
+
+
+_ROBUST_REF = {}
+
+
+@pytest.mark.parametrize("bursty", [False, True], ids=["iid", "bursty"])
+@pytest.mark.parametrize(
+    "fmt",
+    ["bf16", "8bit", "4bit", "fp8", "4bit_rank1",
+     pytest.param("8bit_bnb", marks=pytest.mark.xfail(strict=True, reason=(
+         "bitsandbytes' unsigned map stores v (not sqrt v) and rounds small v to 0: "
+         "measured 1.2e4x (iid) and 2.7e3x (bursty) the largest fp32 step")))],
+)
+def test_no_step_exceeds_3x_largest_fp32_adam_step(fmt, bursty):
+    """Measured ratios (largest quantized step / largest fp32 step, 100 steps):
+    iid: bf16 0.99, 8bit 1.0, 4bit 1.0, fp8 1.0, 4bit+rank1 0.96;
+    bursty: bf16 1.0, 8bit 1.8, 4bit 0.75, fp8 0.97, 4bit+rank1 0.75."""
+    seq = _heavy_tailed_sequence(bursty=bursty)
+    if bursty not in _ROBUST_REF:
+        _ROBUST_REF[bursty] = _largest_step(adam(1.0, state_format="fp32"), seq)
+    state_format, rank1 = ("4bit", True) if fmt == "4bit_rank1" else (fmt, False)
+    worst = _largest_step(adam(1.0, state_format=state_format, rank1_normalization=rank1), seq)
+    assert worst <= 3 * _ROBUST_REF[bursty], worst / _ROBUST_REF[bursty]
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+@pytest.mark.parametrize("algo", ["adam", "adamw", "lion", "sgd"])
+def test_always_zero_gradient_leaves_param_unchanged(algo, fmt):
+    make = {
+        "adam": lambda: adam(0.1, state_format=fmt, min_quant_size=0),
+        "adamw": lambda: adamw(0.1, weight_decay=0.5, state_format=fmt, min_quant_size=0),
+        "lion": lambda: lion(0.1, state_format=fmt, min_quant_size=0),
+        "sgd": lambda: sgd(0.1, momentum=0.9, nesterov=True, state_format=fmt, min_quant_size=0),
+    }[algo]
+    tx = make()
+    params = {"frozen": torch.randn(8, 32), "live": torch.randn(8, 32)}
+    frozen0 = params["frozen"].clone()
+    s = tx.init(params)
+    for i in range(20):
+        g = {"frozen": torch.zeros(8, 32), "live": torch.randn(8, 32)}
+        u, s = tx.update(g, s, params)
+        params = apply_updates(params, u)
+    assert torch.isfinite(params["frozen"]).all() and torch.isfinite(params["live"]).all()
+    if algo == "adamw":  # decay only: p * (1 - lr*wd)^20, computed as p - lr*wd*p each step
+        expected = frozen0.double() * (1 - 0.05) ** 20
+        torch.testing.assert_close(params["frozen"].double(), expected, rtol=1e-5, atol=0)
+    else:
+        assert torch.equal(params["frozen"], frozen0)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "8bit", "4bit"])
+def test_bf16_params_and_grads(fmt):
+    """bf16 params: updates come back bf16, params stay bf16, states keep their
+    format, and the run tracks the fp32-param run."""
+    x, y = _ls_problem()
+
+    def run(dtype):
+        tx = adamw(1e-2, state_format=fmt, min_quant_size=0)
+        p = {"w": torch.zeros(x.shape[1], y.shape[1], dtype=dtype), "b": torch.zeros(y.shape[1], dtype=dtype)}
+        s = tx.init(p)
+        kinds0 = [type(l) for l in __import__("optree").tree_leaves(s)]
+        for _ in range(30):
+            r = (x @ p["w"].float() + p["b"].float() - y) * (2 / len(x))
+            g = {"w": (x.T @ r).to(dtype), "b": r.sum(0).to(dtype)}
+            u, s = tx.update(g, s, p)
+            assert all(u[k].dtype == dtype for k in u)
+            p = apply_updates(p, u)
+            assert all(p[k].dtype == dtype for k in p)
+        assert [type(l) for l in __import__("optree").tree_leaves(s)] == kinds0
+        return p
+
+    p16, p32 = run(torch.bfloat16), run(torch.float32)
+    for k in p32:
+        dist = (p16[k].float() - p32[k]).norm() / p32[k].norm()
+        assert dist < 0.05, (k, dist)  # bf16 param rounding (2^-9) over 30 steps of ~1e-2
