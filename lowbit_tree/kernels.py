@@ -67,8 +67,9 @@ class CodeTable:
     """Static lookup data for one format, on one device.
 
     Attributes:
-      shift, key_min, key_max, bucket_offset: static ints of the bucket map
-        (``bucket = (clamp(|bits|, key_min, key_max) * sign >> shift) - bucket_offset``).
+      shift, key_min, key_max, bucket_offset: static ints of the bucket map:
+        ``rel = clamp(|bits|, key_min, key_max) - key_min``, ``key = rel`` (or
+        ``~rel`` for negative values), ``bucket = (key >> shift) - bucket_offset``.
       last: the largest code index (``len(map) - 1``).
       base: int32 ``(nbuckets,)``, number of thresholds below each bucket.
       thresholds: float32 ``(len(map),)``, the float32 ceilings of the midpoints,
@@ -102,27 +103,26 @@ def _build_code_table(fmt: Format) -> CodeTable:
     thr = _float32_ceil(mids)
     assert (thr.astype(np.float64) >= mids).all() and (np.diff(thr) > 0).all()
     mag = thr.view(np.int32).astype(np.int64) & 0x7FFFFFFF
-    keys = np.where(thr < 0, -mag, mag)
-    # One bucket above the largest and below the smallest threshold magnitude:
-    # clamping |bits| into [key_min, key_max] then never moves a value across a
-    # threshold, and inf / NaN land in the top bucket (index ``last``).
     for shift in range(23, 0, -1):
-        unit = 1 << shift
+        # Keys: clamp |bits| into [key_min, key_max] (one bucket below the
+        # smallest and above the largest threshold magnitude, so clamping never
+        # moves a value across a threshold; inf and NaN land in the top bucket),
+        # rel = |bits| - key_min, key = rel for n >= 0 and ~rel for n < 0:
+        # monotone in n and dense, so the table is small.
         key_min = max(0, ((int(mag.min()) >> shift) - 1) << shift)
         key_max = min(_INF_BITS, ((int(mag.max()) >> shift) + 1) << shift)
-        if key_max < _INF_BITS:
-            key_max = _INF_BITS  # keep huge values, inf and NaN above every threshold
+        rel = mag - key_min
+        keys = np.where(thr < 0, ~rel, rel)
         kb = keys >> shift
-        if (np.diff(kb) >= 1).all() and (kb > ((-key_max) >> shift)).all():
+        if (np.diff(kb) >= 1).all():
             break
     else:  # pragma: no cover - every map has distinct float32 midpoints
         raise AssertionError(f"no bucket shift separates the thresholds of {fmt.name}")
-    lo = (-key_max if fmt.signed else 0) >> shift
-    hi = key_max >> shift
-    starts = np.arange(lo, hi + 1, dtype=np.int64) << shift  # smallest key in each bucket
-    base = np.searchsorted(keys, starts, side="left").astype(np.int32)
-    # (a bucket of clamped keys: key_min's bucket is the smallest reachable for
-    # unsigned, and no threshold lies below key_min, so base there is 0)
+    top = (key_max - key_min) >> shift
+    lo = ~top if fmt.signed else 0
+    buckets = np.arange(lo, top + 1, dtype=np.int64)
+    # number of thresholds whose bucket is below each bucket
+    base = np.searchsorted(kb, buckets, side="left").astype(np.int32)
     thresholds = np.concatenate([thr, np.array([np.inf], np.float32)])
 
     if fmt.float8:
@@ -150,6 +150,18 @@ def _build_code_table(fmt: Format) -> CodeTable:
 _CPU_TABLES: dict[str, CodeTable] = {name: _build_code_table(f) for name, f in FORMATS.items()}
 
 
+def _mark_static(tab: CodeTable) -> CodeTable:
+    # table sizes are compile-time constants (dynamic=True would make them symbols)
+    for t in (tab.base, tab.thresholds, tab.decode, tab.encode):
+        torch._dynamo.mark_static(t)
+    return tab
+
+
+for _tab in _CPU_TABLES.values():
+    _mark_static(_tab)
+del _tab
+
+
 def _cpu_code_table(name: str) -> CodeTable:
     return _CPU_TABLES[name]
 
@@ -159,12 +171,14 @@ def _device_code_table(name: str, device: torch.device) -> CodeTable:
     t = _cpu_code_table(name)
     if device.type == "cpu":
         return t
-    return dataclasses.replace(
-        t,
-        base=t.base.to(device),
-        thresholds=t.thresholds.to(device),
-        decode=t.decode.to(device),
-        encode=t.encode.to(device),
+    return _mark_static(
+        dataclasses.replace(
+            t,
+            base=t.base.to(device),
+            thresholds=t.thresholds.to(device),
+            decode=t.decode.to(device),
+            encode=t.encode.to(device),
+        )
     )
 
 
@@ -198,12 +212,14 @@ def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, threshold
     """int32 index of the nearest map value to float32 ``n`` (ties up; NaN -> last)."""
     tab = _CPU_TABLES[fmt_name]  # static ints only; the tensors come as arguments
     bits = n.view(torch.int32)
-    mag = (bits & 0x7FFFFFFF).clamp(tab.key_min, tab.key_max)
-    key = torch.where(n < 0, -mag, mag)
-    bucket = (key >> tab.shift) - tab.bucket_offset
-    b = base[bucket]
+    rel = (bits & 0x7FFFFFFF).clamp(tab.key_min, tab.key_max) - tab.key_min
+    key = torch.where(n < 0, ~rel, rel) if FORMATS[fmt_name].signed else rel
+    # the clamps are no-ops that tell inductor the gathers are in bounds (no
+    # wrap-around of negative indices, no bounds checks, vectorized code)
+    bucket = ((key >> tab.shift) - tab.bucket_offset).clamp(0, tab.base.numel() - 1)
+    b = base[bucket].clamp(0, tab.last + 1)
     idx = b + (n >= thresholds[b]).to(torch.int32)
-    return idx.clamp(max=tab.last)
+    return idx.clamp(0, tab.last)
 
 
 def _block_index(r: int, block_size: int, device) -> torch.Tensor:
@@ -237,8 +253,10 @@ def _quantize_core(
     if fmt.bits == 4:
         idx = torch.nn.functional.pad(idx, (0, r % 2)).reshape(rows, (r + 1) // 2, 2)
         codes = (idx[..., 0] | (idx[..., 1] << 4)).to(torch.uint8)
-    else:
+    elif fmt.float8:
         codes = encode[idx]
+    else:
+        codes = idx.to(torch.uint8)
     return codes, scale
 
 
@@ -321,21 +339,19 @@ def _compile_options(device_type: str) -> dict:
 _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "adam": _adam_core}
 
 
+def _bound(*tensors):
+    return _CORE(*tensors, *_STATIC)
+
+
 def _bind_static(core, static: tuple):
     """``core`` with its trailing static arguments fixed, as a function with its
-    own code object: dynamo caches (and counts recompilations) per code object,
-    so each static combination gets its own small cache of graphs."""
-
-    def bound(*tensors):
-        return core(*tensors, *static)
-
-    return types.FunctionType(
-        bound.__code__.replace(co_name=f"{core.__name__}_{len(static)}"),
-        bound.__globals__,
-        bound.__name__,
-        None,
-        bound.__closure__,
-    )
+    own code object and globals: dynamo caches (and counts recompilations) per
+    code object, and specializes on globals (block sizes stay compile-time
+    constants even under ``dynamic=True``)."""
+    glb = dict(globals())
+    glb["_CORE"], glb["_STATIC"] = core, static
+    code = _bound.__code__.replace(co_name=f"{core.__name__}_bound")
+    return types.FunctionType(code, glb, code.co_name)
 
 
 @functools.lru_cache(maxsize=None)
