@@ -45,7 +45,9 @@ def _entry(rank, fn, world, port, args):
 
 
 def launch(fn, world: int, *args) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; raise if any fails."""
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; raise if any fails.
+
+    The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``)."""
     mp.start_processes(_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True, start_method="spawn")
 
 
@@ -319,3 +321,156 @@ def parity_all_worker(rank, world):
     parity_worker(rank, world)
     bf16_worker(rank, world)
     errors_worker(rank, world)
+
+
+# ----------------------------------------------------------------------------
+# 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
+# ----------------------------------------------------------------------------
+FORMATS = ("8bit", "4bit", "fp8")
+GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
+MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84
+
+
+def global_batch_step(model, opt, step, rank, world) -> float:
+    """One step on this rank's slice of a fixed global batch; returns the global mean loss."""
+    g = torch.Generator().manual_seed(555 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+    n = GLOBAL_BATCH // world
+    loss = model(tokens[rank * n:(rank + 1) * n])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach().clone()
+    if dist.is_initialized() and world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    return loss.item()
+
+
+def full_params(model):
+    from bridge.distributed import is_dtensor
+
+    return [p.full_tensor() if is_dtensor(p) else p.detach().clone() for p in model.parameters()]
+
+
+def mesh_invariance_part(rank, world, workdir):
+    out = {}
+    for fmt in FORMATS:
+        model = shard(make_model(), world)
+        opt = make_opt(model.parameters(), fmt, min_quant_size=MESH_MIN_QUANT)
+        for step in range(3):
+            set_global_grads(model, step)
+            opt.step()
+        _check_quantized_like_global(opt, MESH_MIN_QUANT)
+        out[fmt] = {"states": full_states(opt), "params": full_params(model)}
+    if rank == 0:
+        torch.save(out, os.path.join(workdir, f"mesh_{world}.pt"))
+
+
+def _fresh(world, fmt, seed=1):
+    model = shard(make_model(seed=seed), world)  # other weights than the saved run: loading must overwrite them
+    return model, make_opt(model.parameters(), fmt)
+
+
+def _dcp_load(model, opt, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    )
+
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+
+def checkpoint_save_part(rank, world, workdir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    out = {}
+    for fmt in FORMATS:
+        path = os.path.join(workdir, f"ckpt_{fmt}")
+        model = shard(make_model(), world)
+        opt = make_opt(model.parameters(), fmt)
+        for step in range(4):
+            global_batch_step(model, opt, step, rank, world)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+        saved = full_states(opt)
+        full_osd = copy.deepcopy(get_optimizer_state_dict(model, opt, options=full_cpu))  # rank 0 only
+        full_msd = copy.deepcopy(get_model_state_dict(model, options=full_cpu))
+        # on every rank. Copies: as with torch.optim, 0-d states ('step') are the live tensors
+        # (on a CPU-only box, cpu_offload does not copy them either)
+        full_all = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
+        full_msd_all = copy.deepcopy(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        assert (len(full_osd) > 0) == (rank == 0)
+        if rank == 0:
+            for st in full_osd["state"].values():
+                for v in st.values():
+                    assert not isinstance(v, torch.distributed.tensor.DTensor) and v.device.type == "cpu"
+        losses = [global_batch_step(model, opt, step, rank, world) for step in range(4, 7)]
+        after = full_states(opt)
+        out[fmt] = {"saved": saved, "losses": losses, "after": after, "full_osd": full_osd, "full_msd": full_msd}
+
+        # 4. DCP round trip at the same world size: exact states, identical continuation
+        m2, o2 = _fresh(world, fmt)
+        _dcp_load(m2, o2, path)
+        assert_states_equal(full_states(o2), saved, what=f"{fmt} dcp round trip")
+        assert [global_batch_step(m2, o2, step, rank, world) for step in range(4, 7)] == losses
+        assert_states_equal(full_states(o2), after, what=f"{fmt} dcp continued")
+
+        # 6, 9. set_optimizer_state_dict(full_state_dict=True), with and without broadcast_from_rank0
+        for bcast in (False, True):
+            m3, o3 = _fresh(world, fmt)
+            if bcast:
+                osd, msd = (copy.deepcopy(full_osd), copy.deepcopy(full_msd)) if rank == 0 else ({}, {})
+                opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            else:
+                osd = copy.deepcopy(full_all)
+                msd = copy.deepcopy(full_msd_all)
+                opts = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(m3, o3, osd, options=opts)
+            assert_states_equal(full_states(o3), saved, what=f"{fmt} full sd bcast={bcast}")
+            set_model_state_dict(m3, msd, options=opts)
+            assert [global_batch_step(m3, o3, step, rank, world) for step in range(4, 7)] == losses
+    if rank == 0:
+        torch.save(out, os.path.join(workdir, "saved.pt"))
+
+
+def checkpoint_load_part(rank, world, workdir):
+    """5. Reshard: load the 2-rank checkpoint at this world size."""
+    ref = torch.load(os.path.join(workdir, "saved.pt"), weights_only=False)
+    for fmt in FORMATS:
+        model, opt = _fresh(world, fmt)
+        _dcp_load(model, opt, os.path.join(workdir, f"ckpt_{fmt}"))
+        assert_states_equal(full_states(opt), ref[fmt]["saved"], what=f"{fmt} resharded 2->{world}")
+        losses = [global_batch_step(model, opt, step, rank, world) for step in range(4, 7)]
+        # another world size sums gradients in another order: close, not bit-equal
+        torch.testing.assert_close(losses, ref[fmt]["losses"], rtol=1e-5, atol=1e-6)
+
+
+def checkpoint_worker(rank, world, mode, workdir):
+    mesh_invariance_part(rank, world, workdir)
+    if mode == "save":
+        checkpoint_save_part(rank, world, workdir)
+    elif mode == "load":
+        checkpoint_load_part(rank, world, workdir)
+
+
+def mesh_worker(rank, world, workdir):
+    mesh_invariance_part(rank, world, workdir)
+
+
+# ----------------------------------------------------------------------------
+# single process (no process group): the full state dict of a sharded run
+# ----------------------------------------------------------------------------
+def by_index(full_osd: dict, model: nn.Module) -> dict:
+    """A get_optimizer_state_dict(full_state_dict=True) dict (FQN keys) in torch.optim's
+    param-index layout, for a plain optimizer over ``model.parameters()``."""
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in full_osd["param_groups"]]
+    return {"state": {index[n]: st for n, st in full_osd["state"].items()}, "param_groups": groups}
