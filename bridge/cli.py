@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -37,8 +38,73 @@ def main(argv=None) -> int:
     rt.add_argument("--cols", type=int, default=1024)
     rt.add_argument("--seed", type=int, default=0)
     rt.set_defaults(func=roundtrip_report)
-    args = ap.parse_args(argv)
+
+    demo = sub.add_parser(
+        "demo", help="train a small char-level transformer with fp32, 8-bit, 4-bit and FP8 AdamW and compare",
+        description="Train a byte-level GPT on Python's own standard-library source with fp32 AdamW and "
+                    "lowbit-tree's 8-bit, 4-bit and FP8 AdamW (same init, same data order); print a table and "
+                    "write loss_curves.png and results.json to --out.",
+    )
+    from .demo import add_arguments
+
+    add_arguments(demo)
+    demo.set_defaults(func=_run_demo)
+
+    bench = sub.add_parser("bench", help="the step-time benchmark (benchmarks/step_time.py; arguments pass through)",
+                           add_help=False)
+    bench.set_defaults(func=_run_bench)
+
+    ins = sub.add_parser("inspect", help="what precision each state of a saved optimizer state is stored in",
+                         description="PATH: a torch.save'd optimizer state dict, a DCP checkpoint directory, or a "
+                                     "torch.save'd lowbit_tree core state. Loaded with weights_only=True.")
+    ins.add_argument("path")
+    ins.set_defaults(func=_run_inspect)
+    args, rest = ap.parse_known_args(argv)
+    if args.command == "bench":
+        return _run_bench(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
+
+
+def _run_demo(args) -> int:
+    from .demo import run
+
+    return run(args)
+
+
+def _run_inspect(args) -> int:
+    from .inspect_state import run
+
+    return run(args)
+
+
+def step_time_script() -> str:
+    """benchmarks/step_time.py of the source checkout this package was installed (editable) from."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "step_time.py")
+
+
+def _run_bench(rest) -> int:
+    """Run benchmarks/step_time.py's ``main`` with the remaining arguments."""
+    import importlib.util
+
+    path = step_time_script()
+    if not os.path.exists(path):
+        print(f"lowbit-tree bench: {path} not found; the step-time benchmark ships with the source checkout "
+              "(run from a clone installed with pip install -e .)", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("lowbit_tree_step_time", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "main"):
+        print(f"lowbit-tree bench: {path} has no main()", file=sys.stderr)
+        return 2
+    sys.argv = [path, *rest]  # for a main() that parses sys.argv itself
+    import inspect
+
+    takes_argv = bool(inspect.signature(module.main).parameters)
+    result = module.main(rest) if takes_argv else module.main()
+    return int(result or 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,379 @@
+"""``lowbit-tree inspect PATH``: what precision each saved optimizer state is really stored in.
+
+Reads, without running any pickled code (``torch.load(weights_only=True)``, DCP metadata):
+
+- a ``torch.save``d ``LowBitOptimizer.state_dict()`` (or a plain torch.optim one): each
+  quantized state is a ``name::codes`` / ``name::scale`` pair; the format comes from the
+  param group's ``state_format`` (first or second moment by state name) and the block size
+  from its ``block_size`` (or the format's default), checked against the tensors' shapes;
+- a distributed checkpoint (DCP) directory: global shapes and dtypes from its metadata,
+  the groups' ``state_format`` / ``block_size`` / version read from the checkpoint;
+- a ``torch.save``d core state pytree (``tx.init`` / ``tx.update`` output), or its flat
+  ``lowbit_tree.checkpoint.state_to_dict`` form: every record's own format and block size.
+
+Anything else is an :class:`InspectError` (one line, no traceback).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+import lowbit_tree as lt
+import lowbit_tree.alias  # noqa: F401  (registers every state class as a safe global)
+import lowbit_tree.checkpoint
+import lowbit_tree.update  # noqa: F401
+import lowbit_tree.wrappers  # noqa: F401
+from lowbit_tree.formats import STATE_FORMATS, get_format
+from lowbit_tree.moments import Rank1QTensor
+
+# torch.optim state name -> is it a first (signed) moment
+SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+GROUP_KEYS = ("state_format", "block_size", "lowbit_tree_version", "params")
+
+
+class InspectError(Exception):
+    """A one-line, user-facing reason the path cannot be inspected."""
+
+
+@dataclass
+class Row:
+    path: str
+    format: str
+    block: str
+    shape: tuple
+    nbytes: int
+    detail: str = ""
+
+
+@dataclass
+class Report:
+    kind: str
+    version: str
+    rows: list
+
+    def render(self) -> str:
+        width = max([len(r.path) for r in self.rows] + [5])
+        fw = max([len(r.format) for r in self.rows] + [6])
+        lines = [f"{self.kind}", f"format version: {self.version}",
+                 f"{'state':<{width}}  {'format':<{fw}} {'block':>6} {'shape':<18} {'bytes':>12}  stored as"]
+        for r in self.rows:
+            lines.append(f"{r.path:<{width}}  {r.format:<{fw}} {r.block:>6} {str(tuple(r.shape)):<18} {r.nbytes:>12}  {r.detail}")
+        total = sum(r.nbytes for r in self.rows)
+        by_fmt: dict[str, int] = {}
+        for r in self.rows:
+            by_fmt[r.format] = by_fmt.get(r.format, 0) + r.nbytes
+        lines.append(f"total: {len(self.rows)} states, {total} bytes ({total / 2**20:.3f} MiB)")
+        lines.append("by format: " + ", ".join(f"{k} {v} B" for k, v in sorted(by_fmt.items(), key=lambda kv: -kv[1])))
+        return "\n".join(lines)
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _plain_format(dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, _dtype_name(dtype))
+
+
+# ----------------------------------------------------------------------------
+# quantized states described by (group options, codes/scale shapes)
+# ----------------------------------------------------------------------------
+def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -> Row:
+    """``parts``: suffix -> (shape, dtype, nbytes) of one state's ``name::suffix`` tensors."""
+    nbytes = sum(p[2] for p in parts.values())
+    detail = ", ".join(f"{k} {_dtype_name(p[1])}{list(p[0])}" for k, p in parts.items())
+    if "row_max" in parts:  # rank-1 normalized 4-bit record
+        return Row(path, "rank1_linear4_unsigned", "-", _rank1_shape(parts), nbytes, detail)
+    codes, scale = parts.get("codes"), parts.get("scale")
+    state_format = group.get("state_format")
+    signed = SIGNED_STATES.get(name)
+    if state_format not in STATE_FORMATS or signed is None or codes is None or scale is None:
+        return Row(path, f"?({state_format})", "?", codes[0] if codes else (), nbytes, detail)
+    fmt = get_format(STATE_FORMATS[state_format][0 if signed else 1])
+    block = group.get("block_size") or fmt.default_block_size
+    if len(codes[0]) != 2 or len(scale[0]) != 2:
+        return Row(path, fmt.name, "?", tuple(codes[0]), nbytes, detail + "  [not a (rows, cols) layout]")
+    rows, cols = codes[0]
+    packed = fmt.bits == 4
+    candidates = (2 * cols - 1, 2 * cols) if packed else (cols,)
+    nblocks = scale[0][1]
+    ok = any(math.ceil(r / block) == nblocks for r in candidates if r > 0) or (cols == 0 and nblocks == 0)
+    block_text = str(block) if ok else f"{block}?"
+    if not ok:
+        detail += f"  [scale has {nblocks} blocks a row: not block size {block}]"
+    if packed:  # two codes a byte: the row length is 2*cols or 2*cols - 1
+        detail += "  [row view; 4-bit rows may be one shorter]"
+    return Row(path, fmt.name, block_text, (rows, 2 * cols if packed else cols), nbytes, detail)
+
+
+def _rank1_shape(parts) -> tuple:
+    return (parts["row_max"][0][0], parts["col_max"][0][0])
+
+
+def _group_of(groups: list[dict], pid) -> dict:
+    for g in groups:
+        if pid in g.get("params", []) or str(pid) in [str(x) for x in g.get("params", [])]:
+            return g
+    return groups[0] if len(groups) == 1 else {}
+
+
+def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
+    """``entries``: (param id, state key) -> (shape, dtype, nbytes), in saved order."""
+    rows = []
+    pending: dict[tuple, dict] = {}
+    order: list[tuple] = []
+    for (pid, key), info in entries.items():
+        if key == "step":
+            continue
+        if "::" in key:
+            name, part = key.split("::", 1)
+            if (pid, name) not in pending:
+                pending[(pid, name)] = {}
+                order.append((pid, name))
+            pending[(pid, name)][part] = info
+        else:
+            order.append((pid, key))
+            pending[(pid, key)] = {"": info}
+    for pid, name in order:
+        parts = pending[(pid, name)]
+        path = f"{pid}/{name}"
+        if "" in parts:
+            shape, dtype, nbytes = parts[""]
+            rows.append(Row(path, _plain_format(dtype), "-", tuple(shape), nbytes, _dtype_name(dtype)))
+        else:
+            rows.append(_quantized_row(path, name, _group_of(groups, pid), parts))
+    return rows
+
+
+def _versions(groups: list[dict]) -> str:
+    vs = sorted({str(g.get("lowbit_tree_version")) for g in groups})
+    if vs == ["None"]:
+        return "none (a plain torch.optim state dict: every state is a float tensor)"
+    return ", ".join(vs) + f" (this lowbit-tree reads {_bridge_version()})"
+
+
+def _bridge_version() -> int:
+    from .optimizer import STATE_DICT_VERSION
+
+    return STATE_DICT_VERSION
+
+
+def _group_summary(groups: list[dict]) -> str:
+    parts = []
+    for i, g in enumerate(groups):
+        parts.append(f"group {i}: state_format={g.get('state_format', '?')!s} block_size={g.get('block_size')!s}"
+                     f" min_quant_size={g.get('min_quant_size', '?')!s}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------------------
+# the three inputs
+# ----------------------------------------------------------------------------
+def inspect_optimizer_state_dict(sd: dict) -> Report:
+    groups = list(sd["param_groups"])
+    entries = {}
+    for pid, st in sd["state"].items():
+        if not isinstance(st, dict):
+            raise InspectError(f"state of param {pid!r} is a {type(st).__name__}, not a dict")
+        for key, t in st.items():
+            if isinstance(t, torch.Tensor):
+                entries[(pid, key)] = (tuple(t.shape), t.dtype, t.numel() * t.element_size())
+    kind = "torch.save'd optimizer state dict; " + _group_summary(groups)
+    return Report(kind, _versions(groups), _state_rows(entries, groups))
+
+
+def inspect_dcp(path: str) -> Report:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any failure here means "not a readable DCP checkpoint"
+        raise InspectError(f"a directory but not a readable DCP checkpoint ({type(e).__name__}: {_first_line(e)})")
+    tensors, group_keys = {}, []
+    for key, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            tensors[key] = (tuple(m.size), m.properties.dtype, math.prod(m.size) * _itemsize(m.properties.dtype))
+        elif ".param_groups." in f".{key}" and key.rsplit(".", 1)[-1] in GROUP_KEYS:
+            group_keys.append(key)
+    groups_by_prefix = _read_dcp_groups(path, group_keys)
+    entries, other = {}, []
+    for key, info in tensors.items():
+        if ".state." in f".{key}":
+            prefix, rest = f".{key}".split(".state.", 1)
+            pid, name = rest.rsplit(".", 1)
+            entries[(prefix.lstrip(".") + ("/" if prefix.strip(".") else "") + pid, name)] = info
+        else:
+            other.append(key)
+    if not entries:
+        raise InspectError(f"a DCP checkpoint with {len(tensors)} tensors but no optimizer state ('...state.<param>.<name>' keys)")
+    groups = [g for gs in groups_by_prefix.values() for g in gs]
+    # the param id in a DCP key is "<prefix>/<fqn or index>"; groups list bare ids
+    bare = {k: v for k, v in entries.items()}
+    rows = _state_rows(bare, [dict(g, params=[f"{g['_prefix']}{p}" for p in g.get("params", [])]) for g in groups])
+    kind = f"DCP checkpoint directory ({len(tensors)} tensors, {len(md.state_dict_metadata) - len(tensors)} other entries)"
+    if groups:
+        kind += "; " + _group_summary(groups)
+    if other:
+        kind += f"; {len(other)} non-optimizer tensors not listed"
+    return Report(kind, _versions(groups) if groups else "unknown (no param_groups saved)", rows)
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:
+    """{prefix: [group dict]} with the group keys we need (small pickled values, loaded by key)."""
+    if not keys:
+        return {}
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    try:
+        loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001
+        raise InspectError(f"DCP checkpoint: cannot read its param groups ({type(e).__name__}: {_first_line(e)})")
+    out: dict[str, list[dict]] = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if "param_groups" in node and isinstance(node["param_groups"], list):
+                pre = prefix + "/" if prefix else ""
+                out[prefix] = [dict(g, _prefix=pre) for g in node["param_groups"] if isinstance(g, dict)]
+            for k, v in node.items():
+                if k != "param_groups":
+                    walk(v, f"{prefix}.{k}" if prefix else str(k))
+
+    walk(loaded, "")
+    return out
+
+
+def _is_record(x) -> bool:
+    return isinstance(x, (lt.QTensor, Rank1QTensor))
+
+
+def _has_core_nodes(tree) -> bool:
+    import optree
+
+    if any(_is_record(x) for x in optree.tree_leaves(tree, is_leaf=_is_record)):
+        return True
+    found = []
+
+    def visit(x):
+        if type(x).__module__.startswith("lowbit_tree"):
+            found.append(x)
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                visit(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                visit(y)
+
+    visit(tree)
+    return bool(found)
+
+
+def inspect_core_state(tree) -> Report:
+    import optree
+
+    from lowbit_tree.tree_utils import path_string
+
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_record)
+    rows = []
+    for acc, leaf in zip(accessors, leaves):
+        path = path_string(acc) or "."
+        if isinstance(leaf, lt.QTensor):
+            detail = f"codes {_dtype_name(leaf.codes.dtype)}{list(leaf.codes.shape)}, scale {_dtype_name(leaf.scale.dtype)}{list(leaf.scale.shape)}"
+            rows.append(Row(path, leaf.format, str(leaf.block_size), leaf.shape, leaf.nbytes, detail))
+        elif isinstance(leaf, Rank1QTensor):
+            detail = f"codes {list(leaf.codes.shape)}, row_max {list(leaf.row_max.shape)}, col_max {list(leaf.col_max.shape)}"
+            rows.append(Row(path, "rank1_" + leaf.format, "-", leaf.shape, leaf.nbytes, detail))
+        elif isinstance(leaf, torch.Tensor):
+            rows.append(Row(path, _plain_format(leaf.dtype), "-", tuple(leaf.shape), leaf.numel() * leaf.element_size(),
+                            _dtype_name(leaf.dtype)))
+    return Report("torch.save'd lowbit_tree core state pytree",
+                  f"none stored (a pickled pytree of records; read by lowbit_tree {lt.__version__})", rows)
+
+
+def inspect_flat_core_dict(d: dict) -> Report:
+    """A ``lowbit_tree.checkpoint.state_to_dict`` dict: records announce themselves by metadata keys."""
+    version = int(d[lowbit_tree.checkpoint.VERSION_KEY])
+    records = sorted(k[: -len("/__format__")] for k in d if k.endswith("/__format__"))
+    rows, used = [], {lowbit_tree.checkpoint.VERSION_KEY}
+    for rec in records:
+        fmt = bytes(d[f"{rec}/__format__"].tolist()).decode(errors="replace")
+        shape = tuple(d[f"{rec}/__shape__"].tolist())
+        block = d.get(f"{rec}/__block_size__")
+        parts = {k: v for k, v in d.items() if k.startswith(rec + "/") and not k.endswith("__")}
+        used.update(k for k in d if k.startswith(rec + "/"))
+        detail = ", ".join(f"{k[len(rec) + 1:]} {_dtype_name(v.dtype)}{list(v.shape)}" for k, v in parts.items())
+        rows.append(Row(rec, fmt, str(int(block)) if block is not None else "-", shape,
+                        sum(v.numel() * v.element_size() for v in parts.values()), detail))
+    for k, v in d.items():
+        if k not in used and isinstance(v, torch.Tensor):
+            rows.append(Row(k, _plain_format(v.dtype), "-", tuple(v.shape), v.numel() * v.element_size(), _dtype_name(v.dtype)))
+    return Report("torch.save'd flat lowbit_tree state dict (lowbit_tree.checkpoint.state_to_dict)",
+                  f"{version} (this lowbit_tree reads {lowbit_tree.checkpoint.STATE_DICT_VERSION})", rows)
+
+
+# ----------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _describe(obj) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor {_dtype_name(obj.dtype)}{list(obj.shape)}"
+    if isinstance(obj, dict):
+        n = sum(isinstance(v, torch.Tensor) for v in obj.values())
+        return f"a dict of {len(obj)} entries ({n} tensors)"
+    return f"a {type(obj).__name__}"
+
+
+def load_file(path: str):
+    with open(path, "rb") as f:
+        head = f.read(4)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch.load raises many types for bad input
+        if head == b"PK\x03\x04":
+            raise InspectError(f"a corrupt or truncated torch.save file ({type(e).__name__}: {_first_line(e)})")
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise InspectError("a torch.save file holding objects that are not safe to load "
+                               f"(weights_only=True refused: {_first_line(e)})")
+        raise InspectError(f"not a torch.save file or DCP checkpoint directory ({type(e).__name__}: {_first_line(e)})")
+
+
+def inspect_path(path: str) -> Report:
+    if not os.path.exists(path):
+        raise InspectError("no such file or directory")
+    if os.path.isdir(path):
+        return inspect_dcp(path)
+    obj = load_file(path)
+    if isinstance(obj, dict) and "state" in obj and "param_groups" in obj:
+        if not isinstance(obj["state"], dict) or not isinstance(obj["param_groups"], list):
+            raise InspectError("has 'state' and 'param_groups' but they are not a dict and a list")
+        return inspect_optimizer_state_dict(obj)
+    if isinstance(obj, dict) and lowbit_tree.checkpoint.VERSION_KEY in obj:
+        return inspect_flat_core_dict(obj)
+    if _has_core_nodes(obj):
+        return inspect_core_state(obj)
+    raise InspectError(f"holds {_describe(obj)}: not an optimizer state dict, a lowbit_tree state or a DCP checkpoint")
+
+
+def run(args) -> int:
+    import sys
+
+    try:
+        report = inspect_path(args.path)
+    except InspectError as e:
+        print(f"lowbit-tree inspect: {args.path}: {e}", file=sys.stderr)
+        return 2
+    print(report.render())
+    return 0
