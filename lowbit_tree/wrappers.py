@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 
 from .base import GradientTransformation, init_count
-from .tree_utils import broadcast_mask, map_leaves, tree_device
+from .tree_utils import broadcast_mask, map_leaves
 
 __all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState", "STATIC_HYPERPARAMS"]
 
