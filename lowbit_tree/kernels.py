@@ -372,8 +372,25 @@ def _tables(tab: CodeTable):
     return tab.base, tab.thresholds, tab.decode, tab.encode
 
 
+def _use_native(device: torch.device, backend: Optional[str]) -> bool:
+    if backend not in (None, "auto", "native", "torch"):
+        raise ValueError(f"backend must be None, 'auto', 'native' or 'torch', got {backend!r}")
+    if device.type != "cpu" or backend == "torch":
+        return False
+    from . import kernels_cpu
+
+    if backend == "native" and not kernels_cpu.available():
+        raise RuntimeError("the native CPU kernels could not be built (no C compiler, or LOWBIT_TREE_NATIVE=0)")
+    return kernels_cpu.available()
+
+
 def quantize_rows_fast(
-    x2: torch.Tensor, fmt: str | Format, block_size: int, *, compile: Optional[bool] = None
+    x2: torch.Tensor,
+    fmt: str | Format,
+    block_size: int,
+    *,
+    compile: Optional[bool] = None,
+    backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for :func:`lowbit_tree.qtensor.quantize_rows`: same ``(codes, scale)``,
     bit for bit.
@@ -382,29 +399,46 @@ def quantize_rows_fast(
       x2: floating ``(rows, R)`` tensor (any float dtype; computed in float32).
       fmt: a :class:`Format` or format name.
       block_size: elements per block within a row.
+      compile: torch path only: compiled (default) or eager (``False`` or
+        ``LOWBIT_TREE_EAGER=1``).
+      backend: ``None``/``"auto"``: the native C kernel on CPU when it builds, else
+        the torch path; ``"native"`` or ``"torch"`` to force one.
     Returns:
       codes ``(rows, R)`` uint8 (float8_e4m3fn for fp8 formats; ``(rows, ceil(R/2))``
       for 4-bit) and scale float32 ``(rows, ceil(R / block_size))``.
     """
     fmt = get_format(fmt)
     rows, r = x2.shape
-    tab = code_table(fmt, x2.device)
+    ncols = (r + 1) // 2 if fmt.bits == 4 else r
+    nblocks = -(-r // block_size)
     if x2.numel() == 0:
-        ncols = (r + 1) // 2 if fmt.bits == 4 else r
         codes = torch.zeros(rows, ncols, dtype=fmt.code_dtype, device=x2.device)
-        scale = torch.zeros(rows, -(-r // block_size), dtype=torch.float32, device=x2.device)
-        if r == 0 or rows == 0:
-            return codes, scale
-    codes, scale = _run(
-        "quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode), (fmt.name, block_size), x2.device, compile
-    )
+        return codes, torch.zeros(rows, nblocks, dtype=torch.float32, device=x2.device)
+    if _use_native(x2.device, backend):
+        from . import kernels_cpu
+
+        codes = torch.empty(rows, ncols, dtype=torch.uint8)
+        scale = torch.empty(rows, nblocks, dtype=torch.float32)
+        kernels_cpu.quantize(x2.detach().float().contiguous(), fmt.name, block_size, codes, scale)
+    else:
+        tab = code_table(fmt, x2.device)
+        codes, scale = _run(
+            "quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode), (fmt.name, block_size), x2.device, compile
+        )
     if fmt.float8:
         codes = codes.view(torch.float8_e4m3fn)
     return codes, scale
 
 
 def dequantize_rows_fast(
-    codes: torch.Tensor, scale: torch.Tensor, fmt: str | Format, block_size: int, r: int, *, compile: Optional[bool] = None
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str | Format,
+    block_size: int,
+    r: int,
+    *,
+    compile: Optional[bool] = None,
+    backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Codes and scale of a ``(rows, r)`` row view -> float32 ``(rows, r)``, bit-identical
     to :func:`lowbit_tree.qtensor.dequantize`."""
@@ -412,16 +446,22 @@ def dequantize_rows_fast(
     rows = codes.shape[0]
     if rows == 0 or r == 0:
         return torch.zeros(rows, r, dtype=torch.float32, device=codes.device)
-    tab = code_table(fmt, codes.device)
     if codes.dtype != torch.uint8:
         codes = codes.view(torch.uint8)
+    if _use_native(codes.device, backend):
+        from . import kernels_cpu
+
+        out = torch.empty(rows, r, dtype=torch.float32)
+        kernels_cpu.dequantize(codes.contiguous(), scale.float().contiguous(), fmt.name, block_size, r, out)
+        return out
+    tab = code_table(fmt, codes.device)
     return _run("dequantize", (codes, scale, tab.decode), (fmt.name, block_size, bool(r % 2)), codes.device, compile)
 
 
-def dequantize_fast(q, dtype: torch.dtype = torch.float32, *, compile: Optional[bool] = None) -> torch.Tensor:
+def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
     """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
     rows, r = row_layout(q.shape)
-    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, compile=compile)
+    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
     return out.reshape(q.shape).to(dtype)
 
 
@@ -478,7 +518,10 @@ def adam_step_quantized(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     hyper: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    state_out: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     compile: Optional[bool] = None,
+    backend: Optional[str] = None,
     return_moments: bool = False,
 ):
     """Fused Adam(W) step with block-quantized moments, on plain tensors.
@@ -486,11 +529,12 @@ def adam_step_quantized(
     Per element, in float32: ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*(g*g)``,
     ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc = 1 - b**(count+1)``; the new
     ``m`` and ``v`` are requantized (codes bit-identical to
-    :func:`~lowbit_tree.qtensor.quantize_rows` of those float32 moments).
+    :func:`~lowbit_tree.qtensor.quantize_rows` of those float32 moments). One pass
+    per tile of whole blocks: the float32 moments never exist for the whole tensor.
 
     Args:
-      p32: the parameter (any float dtype, any shape with ``numel == prod(shape)``)
-        or ``None``.
+      p32: the parameter (float32 for the native in-place path; any float dtype
+        otherwise), any shape with ``numel == prod(shape)``, or ``None``.
       grad: gradient, same numel (any float dtype; used as float32).
       m_codes, m_scale, v_codes, v_scale: the moments' codes and scales in the
         ``(rows, R)`` row layout of ``shape`` (as held by a ``QTensor``).
@@ -500,15 +544,18 @@ def adam_step_quantized(
       count: steps taken so far (int or 0-d tensor); lr, b1, b2, eps, weight_decay:
         hyperparameters. ``hyper``: a precomputed :func:`adam_hyperparams` tensor
         (overrides them; build it once per step to save per-parameter overhead).
-      compile: force the compiled (True) or eager (False) path; default compiled
-        unless ``LOWBIT_TREE_EAGER=1``.
+      out: where to write the result (may be ``p32`` itself: in-place update).
+      state_out: ``(m_codes, m_scale, v_codes, v_scale)`` to write the new state
+        into (may be the input tensors themselves: in-place).
+      compile, backend: see :func:`quantize_rows_fast`.
       return_moments: also return the new float32 moments (tests / debugging).
 
     Returns:
       ``(out, m_codes, m_scale, v_codes, v_scale)``: ``out`` is the new parameter
       ``p + (-lr) * (u + weight_decay * p)`` in ``p32``'s dtype and shape when
       ``p32`` is given, else the Adam direction ``u`` (float32, ``shape``); codes in
-      the formats' code dtypes. Inputs are not modified.
+      the formats' code dtypes. Inputs are not modified unless passed as ``out`` /
+      ``state_out``.
     """
     fm, fv = get_format(fmt_m), get_format(fmt_v)
     bs_m, bs_v = _bs_pair(block_size, fm, fv)
@@ -517,34 +564,60 @@ def adam_step_quantized(
     device = grad.device
     if hyper is None:
         hyper = adam_hyperparams(count=count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, device=device)
-    g2 = grad.reshape(rows, r)
-    p2 = None if p32 is None else p32.reshape(rows, r)
     if rows * r == 0:
-        out = torch.zeros(shape, dtype=torch.float32, device=device) if p32 is None else p32.clone()
-        res = (out, m_codes.clone(), m_scale.clone(), v_codes.clone(), v_scale.clone())
+        res = (
+            (torch.zeros(shape, device=device) if p32 is None else p32.clone()) if out is None else out,
+            *(state_out if state_out is not None else (m_codes.clone(), m_scale.clone(), v_codes.clone(), v_scale.clone())),
+        )
         if return_moments:
-            z = torch.zeros(rows, r, device=device)
-            return res + (z, z.clone())
+            return res + (torch.zeros(rows, r, device=device), torch.zeros(rows, r, device=device))
         return res
+    native = _use_native(device, backend) and (p32 is None or p32.dtype == torch.float32)
+    if native:
+        from . import kernels_cpu
+
+        res_dtype = torch.float32
+        if out is None:
+            out = torch.empty(shape, dtype=res_dtype)
+        if state_out is None:
+            state_out = (torch.empty_like(m_codes), torch.empty_like(m_scale), torch.empty_like(v_codes), torch.empty_like(v_scale))
+        mc_o, ms_o, vc_o, vs_o = state_out
+        m32 = torch.empty(rows, r) if return_moments else None
+        v32 = torch.empty(rows, r) if return_moments else None
+        p_c = None if p32 is None else p32.detach().contiguous()
+        kernels_cpu.adam(
+            rows, r, p_c, grad.detach().float().contiguous(), out,
+            m_codes.view(torch.uint8), m_scale, v_codes.view(torch.uint8), v_scale,
+            mc_o.view(torch.uint8), ms_o, vc_o.view(torch.uint8), vs_o, m32, v32, hyper.float().contiguous(),
+            fm.name, bs_m, fv.name, bs_v,
+        )
+        res = (out, mc_o, ms_o, vc_o, vs_o)
+        return res + ((m32, v32) if return_moments else ())
     tm, tv = code_table(fm, device), code_table(fv, device)
+    p2 = None if p32 is None else p32.reshape(rows, r)
     res = _run(
         "adam",
-        (p2, g2, m_codes.view(torch.uint8), m_scale, v_codes.view(torch.uint8), v_scale, hyper)
+        (p2, grad.reshape(rows, r), m_codes.view(torch.uint8), m_scale, v_codes.view(torch.uint8), v_scale, hyper)
         + _tables(tm)
         + _tables(tv),
         (fm.name, fv.name, bs_m, bs_v, return_moments),
         device,
         compile,
     )
-    out, mc, ms, vc, vs = res[:5]
-    out = out.reshape(shape)
+    new, mc, ms, vc, vs = res[:5]
+    new = new.reshape(shape)
     if fm.float8:
         mc = mc.view(torch.float8_e4m3fn)
     if fv.float8:
         vc = vc.view(torch.float8_e4m3fn)
-    return (out, mc, ms, vc, vs) + tuple(res[5:])
-
-
+    if out is not None:
+        out.copy_(new)
+        new = out
+    if state_out is not None:
+        for dst, src in zip(state_out, (mc, ms, vc, vs)):
+            dst.view(torch.uint8).copy_(src.view(torch.uint8)) if dst.dtype != torch.float32 else dst.copy_(src)
+        mc, ms, vc, vs = state_out
+    return (new, mc, ms, vc, vs) + tuple(res[5:])
 def adam_step_reference(
     p32: Optional[torch.Tensor],
     grad: torch.Tensor,
