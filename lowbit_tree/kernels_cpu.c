@@ -24,62 +24,86 @@ typedef struct {
 
 static inline int32_t f2i(float x) { int32_t i; memcpy(&i, &x, 4); return i; }
 
-static inline int32_t nearest_index(float n, const lbt_format *f) {
-    int32_t mag = f2i(n) & 0x7FFFFFFF;
-    if (mag < f->key_min) mag = f->key_min;
-    if (mag > f->key_max) mag = f->key_max;
-    int32_t rel = mag - f->key_min;
-    int32_t key = (f->is_signed && n < 0.0f) ? ~rel : rel;
-    int32_t b = (key >> f->shift) - f->offset;
-    if (b < 0) b = 0;
-    if (b >= f->nbuckets) b = f->nbuckets - 1;
-    int32_t base = f->base[b];
-    int32_t idx = base + (n >= f->thresholds[base] ? 1 : 0);
-    return idx > f->last ? f->last : idx;
+/* Nearest map index of each x[i] / safe (see kernels.py for the bucket scheme).
+ * Branch-free so that GCC vectorizes it (AVX2 gathers for the two lookups). */
+static void nearest_indices(const float *restrict x, int64_t n, float safe, const lbt_format *f,
+                            int32_t *restrict idx) {
+    const int32_t kmin = f->key_min, kmax = f->key_max, shift = f->shift, off = f->offset;
+    const int32_t last = f->last, nbm1 = f->nbuckets - 1, sgn = f->is_signed;
+    const int32_t *restrict base = f->base;
+    const float *restrict thr = f->thresholds;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i] / safe;
+        int32_t mag = f2i(v) & 0x7FFFFFFF;
+        mag = mag < kmin ? kmin : mag;
+        mag = mag > kmax ? kmax : mag;
+        int32_t rel = mag - kmin;
+        int32_t key = (sgn & (v < 0.0f)) ? ~rel : rel;
+        int32_t b = (key >> shift) - off;
+        b = b < 0 ? 0 : b;
+        b = b > nbm1 ? nbm1 : b;
+        int32_t bs = base[b];
+        int32_t k = bs + (v >= thr[bs]);
+        idx[i] = k > last ? last : k;
+    }
 }
 
 /* Quantize x[0..len) of one row segment that starts at a block boundary:
- * transforms x in place (unsigned: negative -> NaN; sqrt), writes scales of its
- * blocks and codes (8-bit: codes[j]; 4-bit: start must be even, codes indexed by
- * j/2 relative to the segment). */
-static void quantize_segment(float *x, int64_t len, int64_t bs, const lbt_format *f,
-                             uint8_t *codes, float *scale) {
+ * transforms x in place (unsigned: negative -> NaN; sqrt), writes the scales of
+ * its blocks and its codes (4-bit: the segment starts at an even element; codes
+ * point at its first byte). ``idx``: scratch of len int32. */
+static void quantize_segment(float *restrict x, int64_t len, int64_t bs, const lbt_format *f,
+                             uint8_t *restrict codes, float *restrict scale, int32_t *restrict idx) {
     if (!f->is_signed) {
-        for (int64_t j = 0; j < len; j++) if (x[j] < 0.0f) x[j] = NAN;
+        for (int64_t j = 0; j < len; j++) x[j] = x[j] < 0.0f ? NAN : x[j];
     }
     if (f->sqrt_) {
         for (int64_t j = 0; j < len; j++) x[j] = sqrtf(x[j]);
     }
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
-        int64_t b1 = b0 + bs < len ? b0 + bs : len;
-        float amax = 0.0f;
-        int bad = 0;
-        for (int64_t j = b0; j < b1; j++) {
-            float a = fabsf(x[j]);
-            bad |= !(a <= INFINITY) | (a == INFINITY); /* NaN or inf */
+        int64_t n = b0 + bs < len ? bs : len - b0;
+        /* absmax on the bits of |x|: monotone for non-negative floats, and NaN /
+         * inf have the largest bit patterns (either -> NaN scale) */
+        int32_t amax = 0;
+        for (int64_t j = 0; j < n; j++) {
+            int32_t a = f2i(x[b0 + j]) & 0x7FFFFFFF;
             amax = a > amax ? a : amax;
         }
-        float s = bad ? NAN : amax / f->divisor;
+        float am;
+        memcpy(&am, &amax, 4);
+        float s = amax >= 0x7F800000 ? NAN : am / f->divisor;
         scale[blk] = s;
-        float safe = s > 0.0f ? s : 1.0f;
-        if (f->bits == 4) {
-            for (int64_t j = b0; j < b1; j++) {
-                int32_t idx = nearest_index(x[j] / safe, f);
-                uint8_t *c = codes + (j >> 1);
-                if (j & 1) *c = (uint8_t)((*c & 0x0F) | (idx << 4));
-                else *c = (uint8_t)idx; /* high nibble set by j+1, or stays 0 (padding) */
-            }
-        } else if (f->float8) {
-            for (int64_t j = b0; j < b1; j++) codes[j] = f->encode[nearest_index(x[j] / safe, f)];
-        } else {
-            for (int64_t j = b0; j < b1; j++) codes[j] = (uint8_t)nearest_index(x[j] / safe, f);
-        }
+        nearest_indices(x + b0, n, s > 0.0f ? s : 1.0f, f, idx + b0);
+    }
+    if (f->bits == 4) {
+        int64_t pairs = len / 2;
+        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(idx[2 * j] | (idx[2 * j + 1] << 4));
+        if (len & 1) codes[pairs] = (uint8_t)idx[len - 1]; /* high nibble: padding 0 */
+    } else if (f->float8) {
+        const uint8_t *restrict enc = f->encode;
+        for (int64_t j = 0; j < len; j++) codes[j] = enc[idx[j]];
+    } else {
+        for (int64_t j = 0; j < len; j++) codes[j] = (uint8_t)idx[j];
     }
 }
 
-static inline float decode_at(const uint8_t *codes, int64_t j, const lbt_format *f) {
-    uint8_t c = f->bits == 4 ? (uint8_t)((codes[j >> 1] >> ((j & 1) * 4)) & 0x0F) : codes[j];
-    return f->decode[c];
+/* out[i] = decode(code i) * scale of its block (squared for sqrt formats), for a
+ * segment starting at a block boundary (4-bit: at an even element). */
+static void dequantize_segment(const uint8_t *restrict codes, const float *restrict scale, int64_t len,
+                               int64_t bs, const lbt_format *f, float *restrict out) {
+    const float *restrict dec = f->decode;
+    for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
+        int64_t n = b0 + bs < len ? bs : len - b0;
+        float s = scale[blk];
+        if (f->bits == 4) {
+            for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[(codes[j >> 1] >> ((j & 1) << 2)) & 0x0F] * s;
+        } else {
+            for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[codes[j]] * s;
+        }
+    }
+    if (f->sqrt_) {
+        for (int64_t j = 0; j < len; j++) out[j] = out[j] * out[j];
+    }
 }
 
 static int64_t gcd64(int64_t a, int64_t b) { while (b) { int64_t t = a % b; a = b; b = t; } return a; }
@@ -101,34 +125,37 @@ void lbt_quantize(int64_t rows, int64_t R, const float *x, uint8_t *codes, float
     #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc(sizeof(float) * T);
+        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * T);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * tiles; t++) {
             int64_t r = t / tiles, j0 = (t % tiles) * T;
             int64_t len = R - j0 < T ? R - j0 : T;
             memcpy(buf, x + r * R + j0, sizeof(float) * len);
             uint8_t *c = codes + r * cc + (f->bits == 4 ? j0 / 2 : j0);
-            quantize_segment(buf, len, bs, f, c, scale + r * nb + j0 / bs);
+            quantize_segment(buf, len, bs, f, c, scale + r * nb + j0 / bs, idx);
         }
         free(buf);
+        free(idx);
     }
 }
 
 void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *scale, float *out,
                     const lbt_format *f, int64_t bs, int nthreads) {
-    int64_t nb = (R + bs - 1) / bs, cc = code_cols(f, R);
+    int64_t T = tile_size(bs, bs);
+    int64_t tiles = (R + T - 1) / T, nb = (R + bs - 1) / bs, cc = code_cols(f, R);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *c = codes + r * cc;
-        for (int64_t j = 0; j < R; j++) {
-            float v = decode_at(c, j, f) * scale[r * nb + j / bs];
-            out[r * R + j] = f->sqrt_ ? v * v : v;
-        }
+    for (int64_t t = 0; t < rows * tiles; t++) {
+        int64_t r = t / tiles, j0 = (t % tiles) * T;
+        int64_t len = R - j0 < T ? R - j0 : T;
+        dequantize_segment(codes + r * cc + (f->bits == 4 ? j0 / 2 : j0), scale + r * nb + j0 / bs, len, bs, f,
+                           out + r * R + j0);
     }
 }
 
 /* hyper: b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd (float32).
  * p == NULL: out = u (the Adam direction); else out = p + (-lr) * (u + wd * p).
- * out may alias p; the *_out code/scale arrays may alias the inputs.
+ * out may alias p; the *_out code/scale arrays may alias the inputs (a tile is
+ * read whole before it is written).
  * m_out / v_out (optional): the new float32 moments (before quantization). */
 void lbt_adam(int64_t rows, int64_t R, const float *p, const float *g, float *out,
               const uint8_t *mc, const float *ms, const uint8_t *vc, const float *vs,
@@ -143,40 +170,43 @@ void lbt_adam(int64_t rows, int64_t R, const float *p, const float *g, float *ou
     int64_t ccm = code_cols(fm, R), ccv = code_cols(fv, R);
     #pragma omp parallel num_threads(nthreads)
     {
-        float *mb = (float *)malloc(sizeof(float) * T);
-        float *vb = (float *)malloc(sizeof(float) * T);
+        float *restrict mb = (float *)malloc(sizeof(float) * T);
+        float *restrict vb = (float *)malloc(sizeof(float) * T);
+        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * T);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * tiles; t++) {
             int64_t r = t / tiles, j0 = (t % tiles) * T;
             int64_t len = R - j0 < T ? R - j0 : T;
-            const uint8_t *mcr = mc + r * ccm, *vcr = vc + r * ccv;
-            const float *msr = ms + r * nbm, *vsr = vs + r * nbv;
             int64_t off = r * R + j0;
+            int64_t cm = r * ccm + (fm->bits == 4 ? j0 / 2 : j0), cv = r * ccv + (fv->bits == 4 ? j0 / 2 : j0);
+            int64_t sm = r * nbm + j0 / bs_m, sv = r * nbv + j0 / bs_v;
+            dequantize_segment(mc + cm, ms + sm, len, bs_m, fm, mb);
+            dequantize_segment(vc + cv, vs + sv, len, bs_v, fv, vb);
+            const float *restrict gt = g + off;
             for (int64_t i = 0; i < len; i++) {
-                int64_t j = j0 + i;
-                float m = decode_at(mcr, j, fm) * msr[j / bs_m];
-                float v = decode_at(vcr, j, fv) * vsr[j / bs_v];
-                if (fm->sqrt_) m = m * m;
-                if (fv->sqrt_) v = v * v;
-                float gi = g[off + i];
-                m = b1 * m + omb1 * gi;
-                v = b2 * v + omb2 * (gi * gi);
-                mb[i] = m;
-                vb[i] = v;
-                float u = (m / bc1) / (sqrtf(v / bc2) + eps);
-                if (p) {
-                    float pi = p[off + i];
-                    out[off + i] = pi + nlr * (u + wd * pi);
-                } else {
-                    out[off + i] = u;
+                float gi = gt[i];
+                mb[i] = b1 * mb[i] + omb1 * gi;
+                vb[i] = b2 * vb[i] + omb2 * (gi * gi);
+            }
+            if (p) {
+                const float *restrict pt = p + off;
+                float *ot = out + off; /* may alias pt: same element read then written */
+                for (int64_t i = 0; i < len; i++) {
+                    float u = (mb[i] / bc1) / (sqrtf(vb[i] / bc2) + eps);
+                    float pi = pt[i];
+                    ot[i] = pi + nlr * (u + wd * pi);
                 }
+            } else {
+                float *restrict ot = out + off;
+                for (int64_t i = 0; i < len; i++) ot[i] = (mb[i] / bc1) / (sqrtf(vb[i] / bc2) + eps);
             }
             if (m_out) memcpy(m_out + off, mb, sizeof(float) * len);
             if (v_out) memcpy(v_out + off, vb, sizeof(float) * len);
-            quantize_segment(mb, len, bs_m, fm, mc_out + r * ccm + (fm->bits == 4 ? j0 / 2 : j0), ms_out + r * nbm + j0 / bs_m);
-            quantize_segment(vb, len, bs_v, fv, vc_out + r * ccv + (fv->bits == 4 ? j0 / 2 : j0), vs_out + r * nbv + j0 / bs_v);
+            quantize_segment(mb, len, bs_m, fm, mc_out + cm, ms_out + sm, idx);
+            quantize_segment(vb, len, bs_v, fv, vc_out + cv, vs_out + sv, idx);
         }
         free(mb);
         free(vb);
+        free(idx);
     }
 }
