@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from lowbit_tree.moments import Rank1QTensor
 
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
-GROUP_KEYS = ("state_format", "block_size", "lowbit_tree_version", "params")
+GROUP_KEYS = ("state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
 
 
 class InspectError(Exception):
@@ -212,8 +213,7 @@ def inspect_dcp(path: str) -> Report:
         raise InspectError(f"a DCP checkpoint with {len(tensors)} tensors but no optimizer state ('...state.<param>.<name>' keys)")
     groups = [g for gs in groups_by_prefix.values() for g in gs]
     # the param id in a DCP key is "<prefix>/<fqn or index>"; groups list bare ids
-    bare = {k: v for k, v in entries.items()}
-    rows = _state_rows(bare, [dict(g, params=[f"{g['_prefix']}{p}" for p in g.get("params", [])]) for g in groups])
+    rows = _state_rows(entries, [dict(g, params=[f"{g['_prefix']}{p}" for p in g.get("params", [])]) for g in groups])
     kind = f"DCP checkpoint directory ({len(tensors)} tensors, {len(md.state_dict_metadata) - len(tensors)} other entries)"
     if groups:
         kind += "; " + _group_summary(groups)
@@ -233,7 +233,9 @@ def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
-        loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=path)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore")
+            loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=path)
     except Exception as e:  # noqa: BLE001
         raise InspectError(f"DCP checkpoint: cannot read its param groups ({type(e).__name__}: {_first_line(e)})")
     out: dict[str, list[dict]] = {}
@@ -304,7 +306,7 @@ def inspect_flat_core_dict(d: dict) -> Report:
     records = sorted(k[: -len("/__format__")] for k in d if k.endswith("/__format__"))
     rows, used = [], {lowbit_tree.checkpoint.VERSION_KEY}
     for rec in records:
-        fmt = bytes(d[f"{rec}/__format__"].tolist()).decode(errors="replace")
+        fmt = bytes(d[f"{rec}/__format__"].tolist()).decode(errors="replace").replace("rank1:", "rank1_")
         shape = tuple(d[f"{rec}/__shape__"].tolist())
         block = d.get(f"{rec}/__block_size__")
         parts = {k: v for k, v in d.items() if k.startswith(rec + "/") and not k.endswith("__")}
@@ -342,11 +344,12 @@ def load_file(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torch.load raises many types for bad input
+        if "Unsupported global" in str(e):
+            glob = str(e).split("Unsupported global:", 1)[-1].strip().splitlines()[0].split(" was not")[0]
+            raise InspectError(f"a torch.save file holding objects that are not safe to load "
+                               f"(weights_only=True refused: {glob})")
         if head == b"PK\x03\x04":
             raise InspectError(f"a corrupt or truncated torch.save file ({type(e).__name__}: {_first_line(e)})")
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise InspectError("a torch.save file holding objects that are not safe to load "
-                               f"(weights_only=True refused: {_first_line(e)})")
         raise InspectError(f"not a torch.save file or DCP checkpoint directory ({type(e).__name__}: {_first_line(e)})")
 
 

@@ -1,0 +1,131 @@
+"""``lowbit-tree inspect`` on each input kind, and its one-line errors; ``bench`` and ``roundtrip``."""
+import warnings
+
+import pytest
+import torch
+
+import bridge
+from bridge.cli import main
+from lowbit_tree import alias
+from lowbit_tree.checkpoint import state_to_dict
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 7))
+
+
+def _stepped(opt_cls, **kw):
+    m = _model()
+    opt = opt_cls(m.parameters(), **kw)
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return opt
+
+
+def _inspect(path, capsys):
+    rc = main(["inspect", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("fmt, first, second, block", [
+    ("8bit", "dynamic8", "dynamic8_sqrt", "256"),
+    ("4bit", "dynamic4", "linear4_unsigned", "128"),
+    ("fp8", "e4m3", "e4m3_sqrt", "256"),
+])
+def test_inspect_optimizer_state_dict(tmp_path, capsys, fmt, first, second, block):
+    opt = _stepped(bridge.AdamW, state_format=fmt, min_quant_size=0)
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    rc, out, err = _inspect(tmp_path / "opt.pt", capsys)
+    assert rc == 0, err
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert lines["0/exp_avg"][1:3] == [first, block]
+    assert lines["0/exp_avg_sq"][1:3] == [second, block]
+    assert lines["1/exp_avg"][1] == "fp32"  # bias: never quantized
+    assert "format version: 1" in out
+    assert f"total: 8 states, {opt.state_bytes()} bytes" in out
+
+
+def test_inspect_flags_block_size_that_does_not_fit_the_scales(tmp_path, capsys):
+    sd = _stepped(bridge.AdamW8bit, min_quant_size=0, block_size=32).state_dict()
+    sd["param_groups"][0]["block_size"] = 64  # a lie: the scales say 2 blocks of 32 a row
+    torch.save(sd, tmp_path / "opt.pt")
+    rc, out, _ = _inspect(tmp_path / "opt.pt", capsys)
+    assert rc == 0 and "64?" in out and "not block size 64" in out
+
+
+def test_inspect_dcp_directory(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    opt = _stepped(bridge.AdamW4bit, min_quant_size=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    rc, out, err = _inspect(tmp_path / "ckpt", capsys)
+    assert rc == 0, err
+    assert out.startswith("DCP checkpoint directory")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("optim/")}
+    assert rows["optim/0/exp_avg"][1:3] == ["dynamic4", "128"]
+    assert rows["optim/2/exp_avg_sq"][1:3] == ["linear4_unsigned", "128"]
+    assert "format version: 1" in out
+    assert f"{opt.state_bytes()} bytes" in out
+
+
+def test_inspect_core_state_pytree(tmp_path, capsys):
+    params = {"w": torch.randn(64, 33), "b": torch.randn(33)}
+    tx = alias.adamw(1e-3, state_format="4bit", block_size=64, min_quant_size=0, rank1_normalization=True)
+    state = tx.init(params)
+    torch.save(state, tmp_path / "core.pt")
+    rc, out, err = _inspect(tmp_path / "core.pt", capsys)
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[3:] if "/" in line.split()[0]}
+    assert rows["0/mu/w"][1:3] == ["dynamic4", "64"]
+    assert rows["0/nu/w"][1] == "rank1_linear4_unsigned"
+    assert rows["0/mu/b"][1] == "fp32"
+    # the flat state_to_dict form says the same, plus its version
+    torch.save(state_to_dict(state), tmp_path / "flat.pt")
+    rc, flat, _ = _inspect(tmp_path / "flat.pt", capsys)
+    assert rc == 0 and "format version: 1" in flat
+    assert out.splitlines()[-2] == flat.splitlines()[-2]  # same totals
+
+
+def _error(path, capsys):
+    rc, out, err = _inspect(path, capsys)
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_inspect_corrupt_file(tmp_path, capsys):
+    torch.save(_stepped(bridge.AdamW8bit, min_quant_size=0).state_dict(), tmp_path / "opt.pt")
+    data = (tmp_path / "opt.pt").read_bytes()
+    (tmp_path / "bad.pt").write_bytes(data[: len(data) // 2])
+    assert "corrupt or truncated" in _error(tmp_path / "bad.pt", capsys)
+
+
+def test_inspect_rejects_non_checkpoints(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    assert "not a torch.save file" in _error(tmp_path / "notes.txt", capsys)
+    torch.save(_model().state_dict(), tmp_path / "model.pt")
+    assert "not an optimizer state dict" in _error(tmp_path / "model.pt", capsys)
+    torch.save(_model(), tmp_path / "module.pt")  # pickled code: weights_only refuses it
+    assert "not safe to load" in _error(tmp_path / "module.pt", capsys)
+    (tmp_path / "empty_dir").mkdir()
+    assert "not a readable DCP checkpoint" in _error(tmp_path / "empty_dir", capsys)
+    assert "no such file" in _error(tmp_path / "missing.pt", capsys)
+
+
+def test_bench_missing_or_passthrough(capsys):
+    from bridge.cli import step_time_script
+    import os
+
+    if os.path.exists(step_time_script()):
+        pytest.skip("benchmarks/step_time.py exists; its own tests cover it")
+    assert main(["bench", "--anything"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_roundtrip_still_works(capsys):
+    assert main(["roundtrip", "--rows", "8", "--cols", "64"]) == 0
+    assert "dynamic8" in capsys.readouterr().out
