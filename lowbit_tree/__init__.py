@@ -1,5 +1,39 @@
-"""lowbit-tree: block-wise quantized (8-bit, 4-bit, FP8) optimizer states as pytrees."""
+"""lowbit-tree: block-wise quantized (8-bit, 4-bit, FP8) optimizer states as pytrees.
+
+The functional core: quantized records (``QTensor``), optax-style
+transformations over pytrees of torch tensors, schedules and checkpoint helpers.
+Depends on torch, optree and numpy only.
+"""
 from .formats import FORMATS, STATE_FORMATS, Format, get_format
 from .qtensor import QTensor, dequantize, has_nonfinite, quantize, row_layout, zeros
+from .base import EmptyState, GradientTransformation, Schedule, identity
+from .combine import PartitionState, chain, named_chain, partition
+from .transform import (
+    ScaleByAdamState,
+    ScaleByLionState,
+    ScaleByScheduleState,
+    TraceState,
+    adam_leaf_update,
+    add_decayed_weights,
+    clip_by_global_norm,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_lion,
+    trace,
+)
+from .wrappers import InjectHyperparamsState, MaskedState, inject_hyperparams, masked
+from .schedule import (
+    constant_schedule,
+    cosine_decay_schedule,
+    join_schedules,
+    linear_schedule,
+    polynomial_schedule,
+    warmup_cosine_decay_schedule,
+)
+from .alias import adam, adamw, lion, sgd
+from .update import StochasticRoundingState, apply_updates, rounding_key, stochastic_round, stochastic_rounding
+from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
+from .checkpoint import state_from_dict, state_to_dict
 
 __version__ = "0.1.0"
