@@ -74,6 +74,8 @@ class CodeTable:
       base: int32 ``(nbuckets,)``, number of thresholds below each bucket.
       thresholds: float32 ``(len(map),)``, the float32 ceilings of the midpoints,
         then ``+inf``.
+      bucket_thresholds: float32 ``(nbuckets,)``, the threshold inside each bucket
+        (``+inf`` if none).
       decode: float32 ``(256,)``, code byte -> normalized value (fp8: the e4m3
         value of the byte, NaN for the NaN bytes; 4-bit: the first 16 entries).
       encode: uint8 ``(len(map),)``, code index -> stored byte (the index itself,
@@ -87,6 +89,7 @@ class CodeTable:
     last: int
     base: torch.Tensor
     thresholds: torch.Tensor
+    bucket_thresholds: torch.Tensor
     decode: torch.Tensor
     encode: torch.Tensor
 
@@ -124,6 +127,10 @@ def _build_code_table(fmt: Format) -> CodeTable:
     # number of thresholds whose bucket is below each bucket
     base = np.searchsorted(kb, buckets, side="left").astype(np.int32)
     thresholds = np.concatenate([thr, np.array([np.inf], np.float32)])
+    # the one threshold inside each bucket (+inf if none): a lookup that does not
+    # wait for ``base`` (idx = base[b] + (n >= bucket_thresholds[b]))
+    bucket_thresholds = np.full(len(buckets), np.inf, dtype=np.float32)
+    bucket_thresholds[kb - lo] = thr
 
     if fmt.float8:
         encode = torch.from_numpy(values.copy()).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -140,6 +147,7 @@ def _build_code_table(fmt: Format) -> CodeTable:
         last=len(values) - 1,
         base=torch.from_numpy(base),
         thresholds=torch.from_numpy(thresholds),
+        bucket_thresholds=torch.from_numpy(bucket_thresholds),
         decode=decode,
         encode=encode,
     )
@@ -176,6 +184,7 @@ def _device_code_table(name: str, device: torch.device) -> CodeTable:
             t,
             base=t.base.to(device),
             thresholds=t.thresholds.to(device),
+            bucket_thresholds=t.bucket_thresholds.to(device),
             decode=t.decode.to(device),
             encode=t.encode.to(device),
         )

@@ -18,7 +18,7 @@ typedef struct {
     int32_t shift, key_min, key_max, offset, nbuckets, last;
     const float *decode;         /* 256: code byte -> normalized value */
     const int32_t *base;         /* nbuckets */
-    const float *thresholds;     /* last + 2 (ends with +inf) */
+    const float *thresholds;     /* nbuckets: the threshold inside each bucket, +inf if none */
     const uint8_t *encode;       /* last + 1: index -> stored byte */
 } lbt_format;
 
@@ -42,8 +42,7 @@ static void nearest_indices(const float *restrict x, int64_t n, float safe, cons
         int32_t b = (key >> shift) - off;
         b = b < 0 ? 0 : b;
         b = b > nbm1 ? nbm1 : b;
-        int32_t bs = base[b];
-        int32_t k = bs + (v >= thr[bs]);
+        int32_t k = base[b] + (v >= thr[b]);
         idx[i] = k > last ? last : k;
     }
 }

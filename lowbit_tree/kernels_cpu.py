@@ -116,7 +116,7 @@ def _format_struct(name: str) -> _Format:
     return _Format(
         fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
         tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
-        tab.decode.data_ptr(), tab.base.data_ptr(), tab.thresholds.data_ptr(), tab.encode.data_ptr(),
+        tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
     )  # the tables live as long as the process (module constants)
 
 
