@@ -254,7 +254,10 @@ def train(
     timing_from = min(5, steps // 4)
     for step in range(steps):
         for g in opt.param_groups:
-            g[lr_key] = lr_at(step, steps, lr, warmup)
+            if isinstance(g[lr_key], torch.Tensor):  # torchao keeps lr as a tensor and wants it kept so
+                g[lr_key].fill_(lr_at(step, steps, lr, warmup))
+            else:
+                g[lr_key] = lr_at(step, steps, lr, warmup)
         batch = batches(step)[rank::world]
         t0 = time.perf_counter()
         loss = loss_fn(model, batch)

@@ -1,0 +1,208 @@
+"""Convergence: held-out loss of each low-bit AdamW relative to fp32 AdamW, over seeds.
+
+The task is the demo's (``bridge/demo.py``): a byte-level GPT on the Python standard
+library's source. For each seed every variant starts from the same initial weights and
+sees the same batches; the figure of merit is the final held-out loss relative to fp32
+AdamW *of the same seed*, with the spread over seeds. Acceptance (issue 7): within +1%
+for 8-bit, +2% for FP8 and 4-bit.
+
+Variants:
+  fp32, 8bit, 4bit, fp8   bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
+  4bit-rank1              core ``lowbit_tree.alias.adamw(state_format="4bit",
+                          rank1_normalization=True)`` in a LowBitOptimizer shell (the named
+                          bridge optimizers do not pass ``rank1_normalization`` yet)
+  torchao-8bit            torchao.optim.AdamW8bit, when installed
+  bnb-8bit                bitsandbytes.optim.AdamW8bit, when installed (CPU works in 0.50)
+
+    python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
+    python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, train
+
+ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-rank1", "fp8", "torchao-8bit", "bnb-8bit")
+TOLERANCE = {"8bit": 1.0, "4bit": 2.0, "4bit-rank1": 2.0, "fp8": 2.0}  # % over fp32 held-out loss
+
+
+def available(variant: str) -> bool:
+    import importlib.util
+
+    if variant == "torchao-8bit":
+        return importlib.util.find_spec("torchao") is not None
+    if variant == "bnb-8bit":
+        return importlib.util.find_spec("bitsandbytes") is not None
+    return True
+
+
+def make(variant: str, params, args) -> tuple[torch.optim.Optimizer, str]:
+    """(optimizer, the param-group key holding its learning rate)."""
+    betas, wd = (0.9, 0.99), args.weight_decay
+    if variant in ("fp32", "8bit", "4bit", "fp8"):
+        return make_optimizer(variant, params, args.lr, wd, args.min_quant_size), "lr"
+    if variant == "4bit-rank1":
+        from bridge import LowBitOptimizer
+        from lowbit_tree import alias
+
+        defaults = dict(learning_rate=args.lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=wd,
+                        state_format="4bit", min_quant_size=args.min_quant_size, rank1_normalization=True)
+        return LowBitOptimizer(params, alias.adamw, defaults), "learning_rate"
+    if variant == "torchao-8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=args.lr, betas=betas, weight_decay=wd), "lr"
+    if variant == "bnb-8bit":
+        from bitsandbytes.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=args.lr, betas=betas, weight_decay=wd), "lr"
+    raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(ALL_VARIANTS)}")
+
+
+def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
+    """Per variant: held-out loss mean/std over seeds, and relative to fp32 of the same seed."""
+    base = results.get("fp32", {})
+    rows = []
+    for variant, by_seed in results.items():
+        losses = [r.held_out_loss for r in by_seed.values()]
+        rel = [100 * (r.held_out_loss / base[s].held_out_loss - 1) for s, r in by_seed.items() if s in base]
+        tol = TOLERANCE.get(variant)
+        any_r = next(iter(by_seed.values()))
+        rows.append(dict(
+            variant=variant, seeds=sorted(by_seed), held_out_mean=statistics.mean(losses),
+            held_out_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
+            rel_mean=statistics.mean(rel) if rel else None, rel_min=min(rel) if rel else None,
+            rel_max=max(rel) if rel else None, tolerance=tol,
+            within=None if tol is None or not rel else max(rel) <= tol,
+            bytes_per_param=any_r.bytes_per_param, ms_per_step=statistics.mean(r.ms_per_step for r in by_seed.values()),
+            state_formats=any_r.state_formats,
+        ))
+    return rows
+
+
+def format_summary(rows: list[dict]) -> str:
+    head = (f"{'variant':13s} {'held-out (mean +- sd)':>22s} {'vs fp32 mean':>12s} {'[min, max] over seeds':>22s} "
+            f"{'target':>7s} {'ok':>4s} {'B/param':>8s} {'ms/step':>8s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rel = "-" if r["rel_mean"] is None else f"{r['rel_mean']:+.2f}%"
+        spread = "-" if r["rel_min"] is None else f"[{r['rel_min']:+.2f}%, {r['rel_max']:+.2f}%]"
+        tol = "-" if r["tolerance"] is None else f"+{r['tolerance']:.0f}%"
+        ok = "-" if r["within"] is None else ("yes" if r["within"] else "NO")
+        lines.append(f"{r['variant']:13s} {r['held_out_mean']:14.4f} +- {r['held_out_std']:.4f} {rel:>12s} {spread:>22s} "
+                     f"{tol:>7s} {ok:>4s} {r['bytes_per_param']:8.3f} {r['ms_per_step']:8.1f}")
+    return "\n".join(lines)
+
+
+def plot(results, rows, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for variant, by_seed in results.items():
+        runs = list(by_seed.values())
+        steps = runs[0].eval_steps
+        mean = [statistics.mean(r.eval_curve[i] for r in runs) for i in range(len(steps))]
+        a.plot(steps, mean, marker=".", lw=1, label=variant)
+    a.set(xlabel="step", ylabel="held-out loss (mean over seeds)", title="held-out loss")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    rel_rows = [r for r in rows if r["rel_mean"] is not None and r["variant"] != "fp32"]
+    xs = range(len(rel_rows))
+    for x, r in zip(xs, rel_rows):
+        b.errorbar([x], [r["rel_mean"]], yerr=[[r["rel_mean"] - r["rel_min"]], [r["rel_max"] - r["rel_mean"]]],
+                   fmt="o", capsize=4)
+        if r["tolerance"] is not None:
+            b.hlines(r["tolerance"], x - 0.3, x + 0.3, colors="r", linestyles="--", lw=1)
+    b.axhline(0, color="k", lw=0.8)
+    b.set_xticks(list(xs), [r["variant"] for r in rel_rows], rotation=20, fontsize=8)
+    b.set(ylabel="final held-out loss vs fp32, % (mean, seed range)", title="relative to fp32 AdamW (red: target)")
+    b.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--variants", default=",".join(ALL_VARIANTS),
+                    help="comma-separated; torchao/bitsandbytes ones are skipped when not installed")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--min-quant-size", type=int, default=1024)
+    ap.add_argument("--eval-windows", type=int, default=256)
+    ap.add_argument("--evals", type=int, default=10, help="held-out evaluations per run")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave torch's default)")
+    ap.add_argument("--out", default="convergence_out")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v not in ALL_VARIANTS:
+            ap.error(f"unknown variant {v!r}; choose from {', '.join(ALL_VARIANTS)}")
+    skipped = [v for v in variants if not available(v)]
+    variants = [v for v in variants if available(v)]
+    if skipped:
+        print(f"skipping (not installed): {', '.join(skipped)}")
+    warnings.filterwarnings("ignore")
+    train_data, held_data, info = load_corpus()
+    held_out = eval_batches(held_data, args.seq_len, args.eval_windows)
+    results: dict[str, dict[int, RunResult]] = {v: {} for v in variants}
+    t_start = time.time()
+    for seed in seeds:
+        torch.manual_seed(seed)
+        init = CharGPT(256, args.d_model, args.layers, args.heads, args.seq_len)
+        batches = Batches(train_data, args.seq_len, args.batch, seed)
+        for v in variants:
+            model = copy.deepcopy(init)
+            factory = lambda params, v=v: make(v, params, args)[0]
+            lr_key = "learning_rate" if v == "4bit-rank1" else "lr"  # what make() returns as the lr key
+            t0 = time.time()
+            r = train(v, model, factory, batches, held_out, steps=args.steps, lr=args.lr,
+                      warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // args.evals), lr_key=lr_key)
+            results[v][seed] = r
+            print(f"seed {seed} {v:13s} held-out {r.held_out_loss:.4f} train {r.train_loss:.4f} "
+                  f"({time.time() - t0:.0f} s, {r.ms_per_step:.0f} ms/step, {r.state_formats})", flush=True)
+    rows = summarize(results)
+    n = sum(p.numel() for p in init.parameters())
+    title = (f"char-level GPT ({n:,} params, d{args.d_model} x {args.layers} layers) on Python stdlib source, "
+             f"{args.steps} steps, seeds {args.seeds}, lr {args.lr}")
+    print(title)
+    print(format_summary(rows))
+    os.makedirs(args.out, exist_ok=True)
+    plot(results, rows, os.path.join(args.out, "convergence.png"), title)
+    with open(os.path.join(args.out, "convergence.json"), "w") as f:
+        json.dump({"config": vars(args), "torch": torch.__version__, "corpus": info, "params": n,
+                   "wall_s": time.time() - t_start, "summary": rows,
+                   "runs": {v: {s: {"held_out_loss": r.held_out_loss, "train_loss": r.train_loss,
+                                    "eval_steps": r.eval_steps, "eval_curve": r.eval_curve}
+                                for s, r in by_seed.items()} for v, by_seed in results.items()}}, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'convergence.png')} and {os.path.join(args.out, 'convergence.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
