@@ -1,0 +1,203 @@
+"""Fast kernels are bit-identical to the reference quantizer (codes and scale bits),
+and the fused Adam step equals the unfused reference composition."""
+import math
+
+import pytest
+import torch
+
+import lowbit_tree as lt
+from lowbit_tree import kernels as K
+from lowbit_tree import kernels_cpu
+from lowbit_tree.qtensor import QTensor, dequantize, quantize_rows
+
+FORMAT_NAMES = sorted(lt.FORMATS)
+
+# CPU: the native C kernel (when it builds) and the eager torch path; the compiled
+# torch path on CPU is exercised on a few shapes only (compilation is slow).
+CPU_BACKENDS = [
+    pytest.param(dict(backend="native"), id="native",
+                 marks=pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")),
+    pytest.param(dict(backend="torch", compile=False), id="eager"),
+]
+
+SHAPES_BS = [((3, 1000), None), ((1, 7), 1), ((5, 33), 7), ((4, 257), 128), ((2, 4099), 256), ((1, 1), None), ((6, 2), 3)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.float8_e4m3fn or a.dtype == torch.uint8:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def hard_values(shape, fmt, gen):
+    """Random values over many decades plus the map's exact midpoints, their
+    float32 neighbours, map values, zeros, subnormals, huge values."""
+    n = math.prod(shape)
+    x = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 6)
+    mids = fmt.midpoints.float()
+    special = torch.cat([
+        mids, torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf)),
+        fmt.values, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, 3e38, -3e38, 1.0, -1.0]),
+    ])
+    k = min(n, special.numel())
+    pos = torch.randperm(n, generator=gen)[:k]
+    x[pos] = special[torch.randint(special.numel(), (k,), generator=gen)]
+    return x.reshape(shape)
+
+
+def check_quantize(x2, fmt, bs, **kw):
+    c0, s0 = quantize_rows(x2, fmt, bs)
+    c1, s1 = K.quantize_rows_fast(x2, fmt, bs, **kw)
+    assert same_bits(c0, c1), (fmt.name, x2.shape, bs)
+    assert same_bits(s0, s1), (fmt.name, x2.shape, bs)
+    return c0, s0
+
+
+@pytest.mark.parametrize("kw", CPU_BACKENDS)
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_quantize_dequantize_bit_identical(name, kw):
+    fmt = lt.FORMATS[name]
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    for shape, bs in SHAPES_BS:
+        bs = bs or fmt.default_block_size
+        x = hard_values(shape, fmt, gen)
+        # values straight on the normalized grid: a block whose absmax makes the
+        # scale exactly 1 (or 448) so that midpoints hit exactly
+        x_grid = hard_values(shape, fmt, gen).clamp(-1, 1) * fmt.scale_divisor
+        x_grid.view(-1)[:: max(1, bs)] = fmt.scale_divisor
+        for xx in (x, x_grid, x.abs(), torch.zeros(shape)):
+            c, s = check_quantize(xx, fmt, bs, **kw)
+            d0 = dequantize(QTensor(c, s, shape, bs, name))
+            d1 = K.dequantize_rows_fast(c, s, fmt, bs, shape[1], **kw)
+            assert same_bits(d0, d1)
+
+
+@pytest.mark.parametrize("kw", CPU_BACKENDS)
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_nonfinite_and_empty(name, kw):
+    fmt = lt.FORMATS[name]
+    x = torch.randn(3, 20)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[2, 0] = -float("inf")
+    x[2, 19] = -float("nan")
+    check_quantize(x, fmt, 8, **kw)
+    for shape in [(0, 5), (4, 0), (0, 0)]:
+        check_quantize(torch.randn(shape), fmt, 4, **kw)
+
+
+@pytest.mark.parametrize("name", ["dynamic8", "linear4_unsigned", "e4m3_sqrt"])
+def test_compiled_torch_path_bit_identical(name):
+    fmt = lt.FORMATS[name]
+    gen = torch.Generator().manual_seed(1)
+    for shape, bs in [((4, 300), 128), ((3, 7), 2)]:
+        check_quantize(hard_values(shape, fmt, gen), fmt, bs, backend="torch", compile=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_cuda_bit_identical(name, compile):
+    fmt = lt.FORMATS[name]
+    gen = torch.Generator().manual_seed(2)
+    for shape, bs in SHAPES_BS[:5]:
+        bs = bs or fmt.default_block_size
+        x = hard_values(shape, fmt, gen)
+        c0, s0 = quantize_rows(x, fmt, bs)
+        c1, s1 = K.quantize_rows_fast(x.cuda(), fmt, bs, compile=compile)
+        assert same_bits(c0, c1.cpu()) and same_bits(s0, s1.cpu())
+        d0 = dequantize(QTensor(c0, s0, shape, bs, name))
+        d1 = K.dequantize_rows_fast(c0.cuda(), s0.cuda(), fmt, bs, shape[1], compile=compile)
+        assert same_bits(d0, d1.cpu())
+
+
+# ----------------------------------------------------------------------------- Adam
+
+ADAM_SHAPES = [((64, 300), None), ((7,), 1), ((5, 33), 7), ((3, 2, 129), 128), ((1,), None)]
+HP = dict(count=4, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+
+
+def run_adam_case(st, shape, bs, device, with_p, **kw):
+    fm, fv = lt.STATE_FORMATS[st]
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(shape, generator=gen)
+    g = torch.randn(shape, generator=gen) * 1e-2
+    g.view(-1)[0] = 0.0
+    m = lt.quantize(torch.randn(shape, generator=gen) * 1e-2, fm, bs)
+    v = lt.quantize(torch.rand(shape, generator=gen) * 1e-4, fv, bs)
+    pp = p if with_p else None
+    ro, rm, rv, m32r, v32r = K.adam_step_reference(pp, g, m, v, **HP)
+    to = lambda t: None if t is None else t.to(device)
+    out, mc, ms, vc, vs, m32, v32 = K.adam_step_quantized(
+        to(pp), to(g), to(m.codes), to(m.scale), to(v.codes), to(v.scale), fmt_m=fm, fmt_v=fv,
+        block_size=(m.block_size, v.block_size), shape=shape, return_moments=True, **HP, **kw,
+    )
+    # the contract: codes are the reference quantization of the kernel's float32
+    # moments; on CPU those moments (and the output) equal eager's exactly
+    rows, r = lt.row_layout(shape)
+    qm = quantize_rows(m32.cpu().reshape(rows, r), lt.FORMATS[fm], m.block_size)
+    qv = quantize_rows(v32.cpu().reshape(rows, r), lt.FORMATS[fv], v.block_size)
+    assert same_bits(mc.cpu(), qm[0]) and same_bits(ms.cpu(), qm[1])
+    assert same_bits(vc.cpu(), qv[0]) and same_bits(vs.cpu(), qv[1])
+    return (out.cpu(), mc.cpu(), ms.cpu(), vc.cpu(), vs.cpu(), m32.cpu(), v32.cpu()), (ro, rm.codes, rm.scale, rv.codes, rv.scale, m32r, v32r)
+
+
+@pytest.mark.parametrize("kw", CPU_BACKENDS)
+@pytest.mark.parametrize("st", sorted(lt.STATE_FORMATS))
+def test_adam_step_matches_reference(st, kw):
+    for shape, bs in ADAM_SHAPES:
+        for with_p in (True, False):
+            got, ref = run_adam_case(st, shape, bs, "cpu", with_p, **kw)
+            for a, b in zip(got, ref):
+                assert same_bits(a.reshape(b.shape) if a.numel() == b.numel() else a, b), (st, shape, bs, with_p)
+
+
+def test_adam_step_compiled_cpu_matches_reference():
+    for st in ("8bit",):
+        got, ref = run_adam_case(st, (5, 33), 7, "cpu", True, backend="torch", compile=True)
+        for a, b in zip(got, ref):
+            assert same_bits(a.reshape(b.shape), b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("st", sorted(lt.STATE_FORMATS))
+def test_adam_step_cuda(st):
+    for shape, bs in ADAM_SHAPES[:4]:
+        got, ref = run_adam_case(st, shape, bs, "cuda", True)
+        # codes match the reference quantization of the kernel's moments (checked
+        # inside); the moments themselves agree with eager to within an ulp
+        torch.testing.assert_close(got[5].reshape(ref[5].shape), ref[5], rtol=1e-6, atol=0)
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_adam_step_in_place():
+    fm, fv = lt.STATE_FORMATS["8bit"]
+    p = torch.randn(9, 70)
+    g = torch.randn(9, 70)
+    m, v = lt.zeros(p.shape, fm), lt.zeros(p.shape, fv)
+    ref = K.adam_step_quantized(p, g, m.codes, m.scale, v.codes, v.scale, fmt_m=fm, fmt_v=fv, **HP)
+    p2 = p.clone()
+    st = (m.codes.clone(), m.scale.clone(), v.codes.clone(), v.scale.clone())
+    K.adam_step_quantized(p2, g, *st, fmt_m=fm, fmt_v=fv, out=p2, state_out=st, **HP)
+    assert same_bits(p2, ref[0])
+    for a, b in zip(st, ref[1:]):
+        assert same_bits(a, b)
+
+
+def test_adam_hyperparams_tensor_count_matches_int():
+    a = K.adam_hyperparams(count=7, lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    b = K.adam_hyperparams(count=torch.tensor(7), lr=torch.tensor(3e-4, dtype=torch.float64), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    assert same_bits(a, b)
+
+
+def test_eager_switch(monkeypatch):
+    monkeypatch.setenv("LOWBIT_TREE_EAGER", "1")
+    assert not K.use_compile()
+    monkeypatch.setenv("LOWBIT_TREE_EAGER", "0")
+    assert K.use_compile()
+    assert not K.use_compile(False)
