@@ -19,6 +19,7 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -248,6 +249,8 @@ def train(
     Under FSDP each rank takes its ``rank::world`` share of every batch; losses are averaged
     and state bytes summed over ranks.
     """
+    # before any forward: FSDP2 params are sharded DTensors here, whose numel() is the global one
+    n_params = sum(p.numel() for p in model.parameters())
     opt = opt_factory(model.parameters())
     train_curve, curve_steps, eval_steps, eval_curve = [], [], [], []
     step_times, opt_times = [], []
@@ -283,8 +286,6 @@ def train(
             progress.update(1)
             progress.set_postfix_str(f"{name} loss {value:.3f}", refresh=False)
     tail = train_curve[-max(1, steps // 10):]
-    n_params = _sum_across_ranks(sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                     for p in model.parameters()))
     state_bytes = opt.state_bytes() if hasattr(opt, "state_bytes") else _fallback_state_bytes(opt)
     return RunResult(
         name=name, steps=steps, train_loss=sum(tail) / len(tail), held_out_loss=eval_curve[-1],
@@ -355,6 +356,8 @@ def _shard(model: CharGPT, world: int, device: str) -> CharGPT:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # our loss reads the logits out of place; the hook warning about a view output does not apply
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(torch.device(device).type, (world,))
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
