@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -25,16 +25,10 @@ PG_TIMEOUT_S = 60
 # ----------------------------------------------------------------------------
 # launching
 # ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world, port, args):
+def _entry(rank, fn, world, store_file, args):
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
         timeout=timedelta(seconds=PG_TIMEOUT_S),
     )
     try:
@@ -47,8 +41,11 @@ def _entry(rank, fn, world, port, args):
 def launch(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; raise if any fails.
 
-    The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``)."""
-    mp.start_processes(_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True, start_method="spawn")
+    The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``). The rendezvous is a
+    fresh FileStore, not a TCP port: no race with other jobs for a "free" port."""
+    with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as tmp:
+        store_file = os.path.join(tmp, "store")
+        mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
 
 
 # ----------------------------------------------------------------------------
