@@ -1,0 +1,94 @@
+"""QState's dispatch table, one process: every op DTensor / DCP / the state-dict helpers call
+(see bridge/qstate.py) acts on rows of codes and scale, exactly like the same op on the
+float tensor followed by quantization."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import lowbit_tree as lt
+from bridge import QState
+
+aten = torch.ops.aten
+FORMATS = ["dynamic8", "dynamic4", "e4m3"]
+
+
+def _q(fmt, shape=(7, 5), block_size=3, seed=0):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return x, QState.from_float(x, fmt, block_size)
+
+
+def _same(a: QState, b: QState):
+    assert (a.format, a.block_size, tuple(a.shape)) == (b.format, b.block_size, tuple(b.shape))
+    assert torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_row_ops_equal_quantizing_the_rows(fmt):
+    x, q = _q(fmt)
+    _same(q[2:5], QState.from_float(x[2:5], fmt, 3))                 # aten.slice dim 0
+    _same(aten.slice.Tensor(q, 1, 0, 5), q)                          # full-range inner slice: alias
+    parts = torch.split(q, [4, 3])                                   # aten.split_with_sizes
+    _same(parts[1], QState.from_float(x[4:], fmt, 3))
+    _same(torch.cat(list(parts)), q)                                 # aten.cat dim 0
+    padded = torch.nn.functional.pad(q[4:], (0, 0, 0, 1))            # constant_pad_nd, dim-0 high side
+    assert padded.shape == (4, 5) and torch.equal(padded.dequantize()[3], torch.zeros(5))
+    with pytest.raises(NotImplementedError):
+        aten.slice.Tensor(q, 1, 1, 3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_aliasing_and_copies(fmt):
+    x, q = _q(fmt)
+    v = q.view(7, 5)
+    assert v.codes.data_ptr() == q.codes.data_ptr() and v.scale.data_ptr() == q.scale.data_ptr()
+    d = q.detach()
+    assert d.codes.data_ptr() == q.codes.data_ptr()
+    c = q.clone()
+    assert c.codes.data_ptr() != q.codes.data_ptr()
+    _same(c, q)
+    moved = q.to("cpu", copy=True)                                   # aten._to_copy
+    _same(moved, q)
+    assert moved.codes.data_ptr() != q.codes.data_ptr()
+    assert not q.is_pinned()
+    z = torch.empty_like(q)
+    z.copy_(q)                                                       # QState <- QState
+    _same(z, q)
+    y = torch.zeros_like(q)
+    y.copy_(x)                                                       # QState <- float: quantizes
+    _same(y, q)
+    out = torch.empty(7, 5)
+    out.copy_(q)                                                     # float <- QState: dequantizes
+    assert torch.equal(out, q.dequantize())
+    with pytest.raises(ValueError):
+        QState.zeros((7, 5), fmt, 4).copy_(q)                       # other block size
+
+
+def test_new_zeros_unknown_ops_and_dtypes():
+    _, q = _q("dynamic8")
+    e = q.new_zeros((0, 5))
+    assert isinstance(e, QState) and e.shape == (0, 5) and e.codes.shape[0] == 0
+    with pytest.raises(NotImplementedError, match="QState"):
+        torch.sin(q)
+    with pytest.raises(NotImplementedError):
+        q.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_flatten_and_torch_save(fmt):
+    _, q = _q(fmt, shape=(4, 9), block_size=4)
+    names, meta = q.__tensor_flatten__()
+    again = QState.__tensor_unflatten__({n: getattr(q, n) for n in names}, meta, q.shape, q.stride())
+    _same(again, q)
+    buf = io.BytesIO()
+    torch.save({"s": q}, buf)
+    buf.seek(0)
+    _same(torch.load(buf, weights_only=True)["s"], q)
+
+
+def test_empty_shard_record():
+    q = QState(lt.zeros((0, 12), "dynamic4", 8))
+    assert q.codes.shape == (0, 6) and q.scale.shape == (0, 2)
+    assert q.dequantize().shape == (0, 12)
