@@ -1,0 +1,322 @@
+"""Optimizer step time: lowbit_tree's fused low-bit AdamW against torch, torchao and
+bitsandbytes, all in one process on the same parameters and gradients.
+
+Cases: (a) 2 x 2048x2048; (b) a GPT-like set of ~76 mixed tensors (~10M params:
+embeddings, qkv, mlp, layer norms, biases); (c) many small tensors.
+
+Implementations (each skipped with a note when unavailable):
+  torch-fused, torch-foreach        torch.optim.AdamW (fp32 states)
+  bridge-fp32/8bit/4bit/fp8         bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
+  kernels-8bit/4bit/fp8             lowbit_tree.kernels.adam_step_quantized driven
+                                    directly (in place, one call per parameter)
+  torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
+  bnb-8bit                          bitsandbytes.optim.AdamW8bit
+
+Reported: median ms/step, ratio to torch-fused, first-step time (includes any
+compilation), optimizer state bytes per parameter, and peak extra memory during a
+step. Peak memory method: CUDA: ``torch.cuda.max_memory_allocated`` minus the
+allocation before the step; CPU: the process's peak RSS (``VmHWM``, reset through
+``/proc/self/clear_refs``) minus RSS before the step (counts freshly touched
+pages, so it can under-count memory the allocator reuses; "n/a" where
+unsupported).
+
+Usage: python benchmarks/step_time.py [--case a|b|c|all] [--steps N] [--device cpu|cuda]
+       [--impl NAME ...] [--quick] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+import lowbit_tree as lt
+from lowbit_tree import kernels as K
+
+IMPLS = [
+    "torch-fused", "torch-foreach",
+    "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8",
+    "kernels-8bit", "kernels-4bit", "kernels-fp8",
+    "torchao-8bit", "torchao-4bit", "torchao-fp8",
+    "bnb-8bit",
+]
+QUICK_IMPLS = ["torch-fused", "bridge-8bit", "kernels-8bit", "kernels-4bit", "kernels-fp8", "torchao-8bit", "bnb-8bit"]
+HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def case_shapes(case: str) -> list[tuple[int, ...]]:
+    if case == "a":
+        return [(2048, 2048), (2048, 2048)]
+    if case == "b":  # GPT-like: vocab 8192, d 320, 6 layers, context 512
+        d, layers, vocab, ctx = 320, 6, 8192, 512
+        shapes = [(vocab, d), (ctx, d)]
+        for _ in range(layers):
+            shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+        return shapes + [(d,), (d,)]
+    if case == "c":  # many small tensors
+        shapes = []
+        for i in range(100):
+            shapes += [(64, 64), (128,), (16, 16, 3, 3), (7, 33), (1,)]
+        return shapes
+    raise ValueError(case)
+
+
+def make_params(shapes, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).to(device) for s in shapes]
+    return params, grads
+
+
+# ----------------------------------------------------------------------------- kernel driver
+
+
+class KernelAdamW:
+    """Minimal optimizer around ``kernels.adam_step_quantized`` (in-place param and
+    state; one hyperparameter tensor per step). Stands in for the bridge until the
+    bridge calls the fused kernels itself."""
+
+    def __init__(self, params, state_format, lr, betas, eps, weight_decay):
+        self.params = list(params)
+        self.fmt_m, self.fmt_v = lt.STATE_FORMATS[state_format]
+        self.hp = dict(lr=lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=weight_decay)
+        self.count = 0
+        self.state = [(lt.zeros(p.shape, self.fmt_m, device=p.device), lt.zeros(p.shape, self.fmt_v, device=p.device)) for p in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        if not self.params:
+            return
+        hyper = K.adam_hyperparams(count=self.count, device=self.params[0].device, **self.hp)
+        for p, (m, v) in zip(self.params, self.state):
+            st = (m.codes, m.scale, v.codes, v.scale)
+            K.adam_step_quantized(p, p.grad, *st, fmt_m=self.fmt_m, fmt_v=self.fmt_v,
+                                  block_size=(m.block_size, v.block_size), shape=p.shape, hyper=hyper,
+                                  out=p, state_out=st)
+        self.count += 1
+
+    def state_bytes(self):
+        return sum(m.nbytes + v.nbytes for m, v in self.state)
+
+
+def make_optimizer(impl, params):
+    """-> (optimizer, note) or (None, reason)."""
+    lr, betas, eps, wd = HP["lr"], HP["betas"], HP["eps"], HP["weight_decay"]
+    fam, _, kind = impl.partition("-")
+    if fam == "torch":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{kind: True}), ""
+    if fam == "kernels":
+        backend = "native" if params[0].device.type == "cpu" and lt_native() else "torch-compiled"
+        return KernelAdamW(params, kind, lr, betas, eps, wd), backend
+    if fam == "bridge":
+        try:
+            import bridge
+        except Exception as e:  # noqa: BLE001
+            return None, f"bridge not importable ({type(e).__name__})"
+        cls = {"fp32": "AdamW", "8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}[kind]
+        if not hasattr(bridge, cls):
+            return None, f"bridge.{cls} missing"
+        return getattr(bridge, cls)(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
+    if fam == "torchao":
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                import torchao.optim as ao
+        except Exception as e:  # noqa: BLE001
+            return None, f"torchao not installed ({type(e).__name__})"
+        cls = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}[kind]
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
+    if fam == "bnb":
+        try:
+            import bitsandbytes as bnb
+        except Exception as e:  # noqa: BLE001
+            return None, f"bitsandbytes not installed ({type(e).__name__})"
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
+    raise ValueError(impl)
+
+
+def lt_native() -> bool:
+    from lowbit_tree import kernels_cpu
+
+    return kernels_cpu.available()
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def _tensor_bytes(t) -> int:
+    if not isinstance(t, torch.Tensor):
+        return 0
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def state_bytes(opt) -> int:
+    if hasattr(opt, "state_bytes"):
+        return opt.state_bytes()
+    total = 0
+    for st in getattr(opt, "state", {}).values():
+        for v in (st.values() if isinstance(st, dict) else [st]):
+            if isinstance(v, torch.Tensor):
+                if v.ndim == 0:
+                    continue  # step counters
+                total += _tensor_bytes(v)
+            else:  # QState / QTensor-like records
+                for name in ("codes", "scale"):
+                    total += _tensor_bytes(getattr(v, name, None))
+                if hasattr(v, "nbytes") and not hasattr(v, "codes"):
+                    total += int(v.nbytes)
+    return total
+
+
+def _rss_kb(field: str) -> int | None:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(impl, shapes, device, steps):
+    params, grads = make_params(shapes, device)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt, note = make_optimizer(impl, params)
+    if opt is None:
+        return {"impl": impl, "skipped": note}
+    sync(device)
+    t0 = time.perf_counter()
+    opt.step()
+    sync(device)
+    first = time.perf_counter() - t0
+    if first < 1.0:
+        opt.step()  # warm (slow implementations skip it: --quick stays short)
+    times, peak = [], None
+    for i in range(steps):
+        last = i == steps - 1
+        if last:  # peak extra memory, measured on the last timed step
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            else:
+                before = _rss_kb("VmRSS") if _reset_peak_rss() else None
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        if last:
+            if device.type == "cuda":
+                peak = torch.cuda.max_memory_allocated() - before
+            elif before is not None:
+                hwm = _rss_kb("VmHWM")
+                peak = None if hwm is None else max(0, hwm - before) * 1024
+    n = sum(math.prod(s) for s in shapes)
+    largest = max(math.prod(s) for s in shapes)
+    res = {
+        "impl": impl,
+        "note": note,
+        "median_ms": statistics.median(times) * 1e3,
+        "first_step_s": first,
+        "state_bytes_per_param": state_bytes(opt) / n,
+        "peak_extra_bytes": peak,
+        "largest_param_bytes": largest * 4,
+    }
+    del opt, params, grads
+    gc.collect()
+    return res
+
+
+def run_case(case, device, impls, steps, out):
+    shapes = case_shapes(case)
+    n = sum(math.prod(s) for s in shapes)
+    print(f"\ncase ({case}): {len(shapes)} tensors, {n / 1e6:.2f}M params, device {device}, "
+          f"{torch.get_num_threads()} threads, {steps} timed steps")
+    rows = []
+    for impl in impls:
+        try:
+            r = measure(impl, shapes, device, steps)
+        except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
+            r = {"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+        rows.append(r)
+        print_row(r, rows)
+    out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows})
+
+
+def print_row(r, rows):
+    ref = next((x for x in rows if x["impl"] == "torch-fused" and "median_ms" in x), None)
+    if len(rows) == 1:
+        print(f"  {'impl':<15}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
+    if "skipped" in r:
+        print(f"  {r['impl']:<15}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
+        return
+    ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
+    r["ratio_to_fused"] = ratio
+    peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
+    print(f"  {r['impl']:<15}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
+          f"{r['state_bytes_per_param']:>9.3f}{peak:>9}  {r['note']}", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", default=None, choices=["a", "b", "c", "all"], help="default: a with --quick, else all")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--impl", nargs="*", default=None, help=f"subset of {IMPLS}")
+    ap.add_argument("--quick", action="store_true", help=f"case a, 3 steps, impls {QUICK_IMPLS} (< 60 s on 2 cores)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device; nothing to do")
+        return 0
+    cases = [args.case or ("a" if args.quick else "all")]
+    if cases == ["all"]:
+        cases = ["a", "b", "c"]
+    steps = args.steps or (3 if args.quick else 10)
+    impls = args.impl or (QUICK_IMPLS if args.quick else IMPLS)
+    if "torch-fused" not in impls:
+        impls = ["torch-fused"] + impls  # the reference of every ratio
+    print(f"torch {torch.__version__}, lowbit_tree {lt.__version__}, native CPU kernels: {lt_native()}, "
+          f"LOWBIT_TREE_EAGER={os.environ.get('LOWBIT_TREE_EAGER', '')!r}")
+    out = []
+    for case in cases:
+        run_case(case, device, impls, steps, out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "cases": out}, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
