@@ -120,6 +120,15 @@ def _format_struct(name: str) -> _Format:
     )  # the tables live as long as the process (module constants)
 
 
+# Below this many elements a call runs on one thread: an OpenMP parallel region
+# costs a wake-up of every thread (ms on a busy machine), like torch's own grain size.
+_PARALLEL_MIN_NUMEL = 1 << 18
+
+
+def _threads(numel: int) -> int:
+    return 1 if numel < _PARALLEL_MIN_NUMEL else torch.get_num_threads()
+
+
 def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else t.data_ptr()
 
@@ -132,14 +141,14 @@ def quantize(x2: torch.Tensor, fmt_name: str, block_size: int, codes: torch.Tens
     """float32 contiguous (rows, R) -> fills uint8 ``codes`` and float32 ``scale``."""
     rows, r = x2.shape
     _check(x2, torch.float32, "x")
-    library().lbt_quantize(rows, r, _ptr(x2), _ptr(codes), _ptr(scale), _format_struct(fmt_name), block_size, torch.get_num_threads())
+    library().lbt_quantize(rows, r, _ptr(x2), _ptr(codes), _ptr(scale), _format_struct(fmt_name), block_size, _threads(rows * r))
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_size: int, r: int, out: torch.Tensor) -> None:
     rows = codes.shape[0]
     _check(codes, torch.uint8, "codes")
     _check(scale, torch.float32, "scale")
-    library().lbt_dequantize(rows, r, _ptr(codes), _ptr(scale), _ptr(out), _format_struct(fmt_name), block_size, torch.get_num_threads())
+    library().lbt_dequantize(rows, r, _ptr(codes), _ptr(scale), _ptr(out), _format_struct(fmt_name), block_size, _threads(rows * r))
 
 
 def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
@@ -156,5 +165,5 @@ def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, v
     library().lbt_adam(
         rows, r, _ptr(p), _ptr(g), _ptr(out), _ptr(mc), _ptr(ms), _ptr(vc), _ptr(vs),
         _ptr(mc_out), _ptr(ms_out), _ptr(vc_out), _ptr(vs_out), _ptr(m_out), _ptr(v_out), _ptr(hyper),
-        _format_struct(fmt_m), bs_m, _format_struct(fmt_v), bs_v, torch.get_num_threads(),
+        _format_struct(fmt_m), bs_m, _format_struct(fmt_v), bs_v, _threads(rows * r),
     )
