@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -152,6 +153,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         the device without a host sync. (Without it, a non-finite gradient
         poisons only the blocks of its own parameter's state.)
     """
+
+    _fused_adam: str | None = None
+    """``"adamw"`` (decoupled decay) or ``"adam"`` in subclasses whose transformation is
+    exactly that Adam: lets ``step`` use the fused kernel (see ``_fused_adam_step``)."""
 
     def __init__(
         self,
@@ -350,6 +355,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 st = self.state[p]
                 if len(st) == 0:
                     st.update(self._init_state(p, group))
+                if ok is None and self._can_fuse(group, local, st):
+                    self._fused_adam_step(group, local, grad, st)
+                    continue
                 dev = local.device
                 if dev not in hyper_cache:
                     hyper_cache[dev] = {k: _float_tensor(v, dev) for k, v in numeric.items()}
@@ -360,6 +368,47 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._write_back(st, new_tree, ok)
                 st["step"].add_(1 if ok is None else ok.to(torch.float32))
         return loss
+
+    # -- fused fast path --------------------------------------------------------------
+    def _can_fuse(self, group, local, st) -> bool:
+        """Whether this param's step can run as one fused kernel call.
+
+        Needs an Adam(W) subclass, float32 param, both moments quantized, no amsgrad,
+        no stochastic rounding, and (for Adam's L2 decay) weight_decay == 0.
+        ``LOWBIT_TREE_FUSED=0`` turns it off: every step then runs the core's
+        transformation (the reference composition) instead.
+        """
+        if self._fused_adam is None or os.environ.get("LOWBIT_TREE_FUSED", "1") == "0":
+            return False
+        if group.get("amsgrad") or group.get("bf16_stochastic_round") or local.dtype != torch.float32:
+            return False
+        if self._fused_adam == "adam":
+            wd = group.get("weight_decay", 0.0)
+            if isinstance(wd, torch.Tensor) or wd != 0:
+                return False
+        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
+        return isinstance(to_local(m), QState) and isinstance(to_local(v), QState) and set(st) == {"step", "exp_avg", "exp_avg_sq"}
+
+    def _fused_adam_step(self, group, local, grad, st) -> None:
+        """Adam(W) for one param in one pass per block (lowbit_tree.kernels): dequantize,
+        update, requantize, write param and codes in place. Same math as the core's
+        ``scale_by_adam -> add_decayed_weights -> scale_by_learning_rate`` (tested to agree;
+        codes are bit-identical to the reference quantizer of the moments it computes)."""
+        from lowbit_tree import kernels
+
+        m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
+        b1, b2 = (float(b) for b in group["betas"])
+        wd = group.get("weight_decay", 0.0) if self._fused_adam == "adamw" else 0.0
+        hyper = kernels.adam_hyperparams(
+            count=st["step"], lr=group["lr"], b1=b1, b2=b2, eps=float(group["eps"]),
+            weight_decay=float(wd), device=local.device,
+        )
+        kernels.adam_step_quantized(
+            local, grad, m.codes, m.scale, v.codes, v.scale, fmt_m=m.format, fmt_v=v.format,
+            block_size=(m.block_size, v.block_size), shape=tuple(local.shape), hyper=hyper,
+            out=local, state_out=(m.codes, m.scale, v.codes, v.scale),
+        )
+        st["step"].add_(1)
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:

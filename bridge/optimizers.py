@@ -105,6 +105,7 @@ class Adam(_AdamBase):
     """torch.optim.Adam (L2 weight decay) with ``state_format`` states (default ``"fp32"``)."""
 
     _factory_fn = staticmethod(adam_l2)
+    _fused_adam = "adam"
 
 
 class AdamW(_AdamBase):
@@ -112,6 +113,7 @@ class AdamW(_AdamBase):
 
     _factory_fn = staticmethod(adamw_decoupled)
     _default_wd = 1e-2
+    _fused_adam = "adamw"
 
 
 class Adam8bit(Adam):
