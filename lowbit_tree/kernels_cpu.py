@@ -32,6 +32,18 @@ _SOURCE = Path(__file__).with_name("kernels_cpu.c")
 # -ffp-contract=off: no FMA contraction (GCC's default for GNU C is "fast"), so
 # every multiply and add rounds like torch's eager float32 ops.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=gnu99"]
+# AMD Zen: AVX2 gathers are microcoded and slower than scalar loads; GCC then
+# vectorizes the table lookups with emulated gathers (~10% faster fused step,
+# same results). GCC-only option: the build retries without it if rejected.
+_AMD_FLAGS = ["-mtune-ctrl=^use_gather_2parts,^use_gather_4parts,^use_gather"]
+
+
+def _is_amd() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return False
 
 
 class _Format(ctypes.Structure):
@@ -80,7 +92,8 @@ def library():
     if cc is None:
         return None
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    flags = _FLAGS + (_AMD_FLAGS if _is_amd() else [])
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree"))
     so = cache / f"kernels_cpu_{key}.so"
     try:
@@ -88,7 +101,12 @@ def library():
             cache.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-            subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+            try:
+                subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+            except subprocess.CalledProcessError:
+                if flags == _FLAGS:
+                    raise
+                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
             os.replace(tmp, so)  # atomic: concurrent processes never load a partial file
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.CalledProcessError):
