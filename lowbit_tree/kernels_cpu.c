@@ -94,8 +94,19 @@ static void dequantize_segment(const uint8_t *restrict codes, const float *restr
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         float s = scale[blk];
-        if (f->bits == 4) {
+        if (f->bits == 4 && (b0 & 1)) { /* odd block size: generic nibble select */
             for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[(codes[j >> 1] >> ((j & 1) << 2)) & 0x0F] * s;
+        } else if (f->bits == 4) {
+            /* b0 even: pairs of nibbles, then an odd tail */
+            const uint8_t *restrict c = codes + (b0 >> 1);
+            float *restrict o = out + b0;
+            int64_t np = n >> 1;
+            for (int64_t q = 0; q < np; q++) {
+                uint8_t cq = c[q];
+                o[2 * q] = dec[cq & 0x0F] * s;
+                o[2 * q + 1] = dec[cq >> 4] * s;
+            }
+            if (n & 1) o[n - 1] = dec[c[np] & 0x0F] * s;
         } else {
             for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[codes[j]] * s;
         }
