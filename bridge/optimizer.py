@@ -23,6 +23,7 @@ import os
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.adam import adam as _torch_adam  # functional multi-tensor Adam(W)
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor
@@ -339,6 +340,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             tx, _, numeric = self._transform(group)
             ok = ok_all if group.get("skip_nonfinite") else None
             hyper_cache: dict = {}
+            plain: dict = {}  # device -> (params, grads, exp_avgs, exp_avg_sqs, steps) for torch's multi-tensor Adam
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -356,7 +358,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if len(st) == 0:
                     st.update(self._init_state(p, group))
                 if ok is None and self._can_fuse(group, local, st):
-                    self._fused_adam_step(group, local, grad, st)
+                    self._fused_adam_step(group, local, grad, st, hyper_cache)
+                    continue
+                if ok is None and self._can_batch_fp32(group, local, st):
+                    lists = plain.setdefault(local.device, ([], [], [], [], []))
+                    for lst, t in zip(lists, (local, grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
+                        lst.append(to_local(t))
                     continue
                 dev = local.device
                 if dev not in hyper_cache:
@@ -367,6 +374,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 local.copy_(new_param if ok is None else torch.where(ok, new_param, local))
                 self._write_back(st, new_tree, ok)
                 st["step"].add_(1 if ok is None else ok.to(torch.float32))
+            for device, lists in plain.items():
+                self._fp32_adam_steps(group, device, *lists)
         return loss
 
     # -- fused fast path --------------------------------------------------------------
@@ -389,7 +398,35 @@ class LowBitOptimizer(torch.optim.Optimizer):
         m, v = st.get("exp_avg"), st.get("exp_avg_sq")
         return isinstance(to_local(m), QState) and isinstance(to_local(v), QState) and set(st) == {"step", "exp_avg", "exp_avg_sq"}
 
-    def _fused_adam_step(self, group, local, grad, st) -> None:
+    def _can_batch_fp32(self, group, local, st) -> bool:
+        """Adam(W) params whose moments are plain float32 (small tensors, or
+        ``state_format="fp32"``): stepped together by torch's multi-tensor Adam."""
+        if self._fused_adam is None or os.environ.get("LOWBIT_TREE_FUSED", "1") == "0":
+            return False
+        if group.get("amsgrad") or group.get("bf16_stochastic_round") or local.dtype != torch.float32:
+            return False
+        if set(st) != {"step", "exp_avg", "exp_avg_sq"}:
+            return False
+        m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
+        return all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in (m, v))
+
+    def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+        """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params:
+        per-param Python overhead of the core path dominated models with many small
+        tensors (norms, biases). Same math as torch.optim.Adam/AdamW by construction."""
+        b1, b2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        if device.type == "cpu":  # non-capturable foreach takes Python numbers (no sync on CPU)
+            b1, b2, lr, wd, eps = (float(x) for x in (b1, b2, lr, wd, eps))
+        _torch_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=True, capturable=device.type != "cpu", differentiable=False, fused=None,
+            grad_scale=None, found_inf=None, has_complex=False,
+            decoupled_weight_decay=self._fused_adam == "adamw", amsgrad=False,
+            beta1=b1, beta2=b2, lr=lr, weight_decay=float(wd), eps=float(eps), maximize=False,
+        )
+
+    def _fused_adam_step(self, group, local, grad, st, cache: dict) -> None:
         """Adam(W) for one param in one pass per block (lowbit_tree.kernels): dequantize,
         update, requantize, write param and codes in place. Same math as the core's
         ``scale_by_adam -> add_decayed_weights -> scale_by_learning_rate`` (tested to agree;
@@ -397,12 +434,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         from lowbit_tree import kernels
 
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
-        b1, b2 = (float(b) for b in group["betas"])
-        wd = group.get("weight_decay", 0.0) if self._fused_adam == "adamw" else 0.0
-        hyper = kernels.adam_hyperparams(
-            count=st["step"], lr=group["lr"], b1=b1, b2=b2, eps=float(group["eps"]),
-            weight_decay=float(wd), device=local.device,
-        )
+        step = st["step"]
+        # on CPU, params sharing a step count share one hyperparameter vector (no sync to read it)
+        key = ("fused", float(step)) if step.device.type == "cpu" else None
+        hyper = cache.get(key) if key is not None else None
+        if hyper is None:
+            b1, b2 = (float(b) for b in group["betas"])
+            wd = group.get("weight_decay", 0.0) if self._fused_adam == "adamw" else 0.0
+            hyper = kernels.adam_hyperparams(
+                count=step, lr=group["lr"], b1=b1, b2=b2, eps=float(group["eps"]),
+                weight_decay=float(wd), device=local.device,
+            )
+            if key is not None:
+                cache[key] = hyper
         kernels.adam_step_quantized(
             local, grad, m.codes, m.scale, v.codes, v.scale, fmt_m=m.format, fmt_v=v.format,
             block_size=(m.block_size, v.block_size), shape=tuple(local.shape), hyper=hyper,
