@@ -180,6 +180,23 @@ def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, v
         _check(t, torch.float32, "scale/out")
     if p is not None:
         _check(p, torch.float32, "param")
+    # the C code trusts these sizes: check them here, never write out of bounds
+    from .formats import FORMATS
+
+    def cols(name):
+        return (r + 1) // 2 if FORMATS[name].bits == 4 else r
+
+    expect = {
+        "grad": (g, rows * r), "out": (out, rows * r), "param": (p, rows * r),
+        "m_codes": (mc, rows * cols(fmt_m)), "m_codes_out": (mc_out, rows * cols(fmt_m)),
+        "v_codes": (vc, rows * cols(fmt_v)), "v_codes_out": (vc_out, rows * cols(fmt_v)),
+        "m_scale": (ms, rows * -(-r // bs_m)), "m_scale_out": (ms_out, rows * -(-r // bs_m)),
+        "v_scale": (vs, rows * -(-r // bs_v)), "v_scale_out": (vs_out, rows * -(-r // bs_v)),
+        "m_out": (m_out, rows * r), "v_out": (v_out, rows * r),
+    }
+    for what, (t, n) in expect.items():
+        if t is not None and t.numel() != n:
+            raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {n} (rows={rows}, R={r})")
     library().lbt_adam(
         rows, r, _ptr(p), _ptr(g), _ptr(out), _ptr(mc), _ptr(ms), _ptr(vc), _ptr(vs),
         _ptr(mc_out), _ptr(ms_out), _ptr(vc_out), _ptr(vs_out), _ptr(m_out), _ptr(v_out), _ptr(hyper),
