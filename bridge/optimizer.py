@@ -31,7 +31,7 @@ from lowbit_tree.moments import check_state_format
 from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import inject_hyperparams
 
-from .distributed import is_dtensor, local_row_range, row_dtensor, to_local, wrap_like
+from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
 from .qstate import QState
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]

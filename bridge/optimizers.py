@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-import lowbit_tree as lt
 from lowbit_tree import alias
 from lowbit_tree.base import GradientTransformation
 from lowbit_tree.combine import chain

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor
 
 from .distributed import is_dtensor, local_row_range, to_local, wrap_like
 from .qstate import QState

@@ -1,5 +1,4 @@
 """bridge optimizers against torch.optim and textbook references."""
-import copy
 import io
 
 import pytest

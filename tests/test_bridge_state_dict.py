@@ -7,7 +7,7 @@ import torch
 
 import bridge
 from bridge import QState
-from test_bridge_optimizer import data, loss_fn, mlp, train
+from test_bridge_optimizer import data, mlp, train
 
 
 def save_load(obj):

@@ -12,14 +12,6 @@ from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import inject_hyperparams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _params(device="cpu"):
     g = torch.Generator().manual_seed(0)
     return {"w": torch.randn(32, 64, generator=g).to(device), "b": torch.randn(64, generator=g).to(device), "none": None}

@@ -19,14 +19,6 @@ from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import masked
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8", "8bit_bnb"]
 
 

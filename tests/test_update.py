@@ -8,14 +8,6 @@ from lowbit_tree.alias import adamw, sgd
 from lowbit_tree.update import apply_updates, rounding_key, stochastic_round
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_apply_updates_is_pure_and_keeps_param_dtypes():
     params = {"a": torch.ones(3, dtype=torch.bfloat16), "b": torch.ones(2, dtype=torch.float64), "c": torch.ones(2), "n": None, "g": torch.ones(1)}
     updates = {"a": torch.full((3,), 0.5), "b": torch.full((2,), 1e-12, dtype=torch.float32), "c": torch.full((2,), 0.25, dtype=torch.bfloat16), "n": None, "g": None}

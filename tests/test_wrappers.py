@@ -1,19 +1,10 @@
 """inject_hyperparams: hyperparameters in the state, changed without recompiling."""
-import pytest
 import torch
 
 from lowbit_tree.alias import adam, adamw, sgd
 from lowbit_tree.schedule import linear_schedule
 from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import InjectHyperparamsState, inject_hyperparams
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_state_holds_float32_tensors_and_static_args_stay_static():
