@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import tempfile
 from datetime import timedelta
 
@@ -43,9 +44,21 @@ def launch(fn, world: int, *args) -> None:
 
     The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``). The rendezvous is a
     fresh FileStore, not a TCP port: no race with other jobs for a "free" port."""
-    with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as tmp:
-        store_file = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
+    # KNOWN ISSUE (design.md, "Open issue"): about one launch in three, one rank dies by
+    # SIGSEGV / SIGABRT ("malloc(): unaligned tcache chunk detected") inside torch with gloo,
+    # with and without our fast paths; the cause is not found. A launch whose rank died by a
+    # signal (never one that raised or failed an assertion) is retried, loudly, up to twice.
+    for attempt in range(3):
+        try:
+            with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as tmp:
+                store_file = os.path.join(tmp, "store")
+                mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or attempt == 2:
+                raise
+            print(f"WARNING: {fn.__name__} at world {world}: rank died by {e.signal_name}; retrying "
+                  f"(known intermittent crash, see design.md)", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------
