@@ -318,7 +318,7 @@ TINY = dict(steps=30, d_model=32, layers=1, heads=2, seq_len=32, batch=8, eval_w
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--steps", type=int, default=150, help="training steps per format (default 150)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps per format (default 300)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {','.join(FORMATS)}")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
