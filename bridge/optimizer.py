@@ -339,8 +339,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             tx, _, numeric = self._transform(group)
             ok = ok_all if group.get("skip_nonfinite") else None
-            hyper_cache: dict = {}
+            hyper_cache: dict = {}  # device -> injected hyperparameters (core path)
+            fused_hyper: dict = {}  # step count -> fused kernel's hyperparameter vector (CPU)
             plain: dict = {}  # device -> (params, grads, exp_avgs, exp_avg_sqs, steps) for torch's multi-tensor Adam
+            fast = ok is None and self._fast_group(group)
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -357,10 +359,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 st = self.state[p]
                 if len(st) == 0:
                     st.update(self._init_state(p, group))
-                if ok is None and self._can_fuse(group, local, st):
-                    self._fused_adam_step(group, local, grad, st, hyper_cache)
+                path = self._fast_path(group, local, st) if fast else None
+                if path == "fused":
+                    self._fused_adam_step(group, local, grad, st, fused_hyper)
                     continue
-                if ok is None and self._can_batch_fp32(group, local, st):
+                if path == "fp32":
                     lists = plain.setdefault(local.device, ([], [], [], [], []))
                     for lst, t in zip(lists, (local, grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
                         lst.append(to_local(t))
@@ -378,37 +381,33 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._fp32_adam_steps(group, device, *lists)
         return loss
 
-    # -- fused fast path --------------------------------------------------------------
-    def _can_fuse(self, group, local, st) -> bool:
-        """Whether this param's step can run as one fused kernel call.
+    # -- fast paths ---------------------------------------------------------------------
+    def _fast_group(self, group) -> bool:
+        """Whether a group's Adam(W) params may take a fast path this step: an Adam(W)
+        subclass, no amsgrad, no stochastic rounding. ``LOWBIT_TREE_FUSED=0`` turns the
+        fast paths off: every step then runs the core's transformation instead."""
+        return (
+            self._fused_adam is not None
+            and os.environ.get("LOWBIT_TREE_FUSED", "1") != "0"
+            and not group.get("amsgrad")
+            and not group.get("bf16_stochastic_round")
+        )
 
-        Needs an Adam(W) subclass, float32 param, both moments quantized, no amsgrad,
-        no stochastic rounding, and (for Adam's L2 decay) weight_decay == 0.
-        ``LOWBIT_TREE_FUSED=0`` turns it off: every step then runs the core's
-        transformation (the reference composition) instead.
-        """
-        if self._fused_adam is None or os.environ.get("LOWBIT_TREE_FUSED", "1") == "0":
-            return False
-        if group.get("amsgrad") or group.get("bf16_stochastic_round") or local.dtype != torch.float32:
-            return False
-        if self._fused_adam == "adam":
-            wd = group.get("weight_decay", 0.0)
-            if isinstance(wd, torch.Tensor) or wd != 0:
-                return False
-        m, v = st.get("exp_avg"), st.get("exp_avg_sq")
-        return isinstance(to_local(m), QState) and isinstance(to_local(v), QState) and set(st) == {"step", "exp_avg", "exp_avg_sq"}
-
-    def _can_batch_fp32(self, group, local, st) -> bool:
-        """Adam(W) params whose moments are plain float32 (small tensors, or
-        ``state_format="fp32"``): stepped together by torch's multi-tensor Adam."""
-        if self._fused_adam is None or os.environ.get("LOWBIT_TREE_FUSED", "1") == "0":
-            return False
-        if group.get("amsgrad") or group.get("bf16_stochastic_round") or local.dtype != torch.float32:
-            return False
-        if set(st) != {"step", "exp_avg", "exp_avg_sq"}:
-            return False
+    def _fast_path(self, group, local, st) -> str | None:
+        """For a param of a fast group: ``"fused"`` (float32 param, both moments quantized;
+        for Adam's L2 decay only with weight_decay == 0), ``"fp32"`` (float32 param and
+        plain float32 moments: small tensors or ``state_format="fp32"``), else None."""
+        if local.dtype != torch.float32 or set(st) != {"step", "exp_avg", "exp_avg_sq"}:
+            return None
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
-        return all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in (m, v))
+        if isinstance(m, QState) and isinstance(v, QState):
+            wd = group.get("weight_decay", 0.0)
+            if self._fused_adam == "adam" and (isinstance(wd, torch.Tensor) or wd != 0):
+                return None
+            return "fused"
+        if all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in (m, v)):
+            return "fp32"
+        return None
 
     def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
         """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params:
@@ -436,7 +435,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
         step = st["step"]
         # on CPU, params sharing a step count share one hyperparameter vector (no sync to read it)
-        key = ("fused", float(step)) if step.device.type == "cpu" else None
+        key = float(step) if step.device.type == "cpu" else None
         hyper = cache.get(key) if key is not None else None
         if hyper is None:
             b1, b2 = (float(b) for b in group["betas"])
