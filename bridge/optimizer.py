@@ -26,7 +26,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam  # functional multi-tensor Adam(W)
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor
+from lowbit_tree import QTensor, kernels
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import inject_hyperparams
@@ -342,6 +342,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             hyper_cache: dict = {}  # device -> injected hyperparameters (core path)
             fused_hyper: dict = {}  # step count -> fused kernel's hyperparameter vector (CPU)
             plain: dict = {}  # device -> (params, grads, exp_avgs, exp_avg_sqs, steps) for torch's multi-tensor Adam
+            fused: list = []  # the fused kernel's steps, run together after the loop
             fast = ok is None and self._fast_group(group)
             for p in group["params"]:
                 index += 1
@@ -361,7 +362,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     st.update(self._init_state(p, group))
                 path = self._fast_path(group, local, st) if fast else None
                 if path == "fused":
-                    self._fused_adam_step(group, local, grad, st, fused_hyper)
+                    fused.append(self._fused_adam_item(group, local, grad, st, fused_hyper))
                     continue
                 if path == "fp32":
                     lists = plain.setdefault(local.device, ([], [], [], [], []))
@@ -379,6 +380,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 st["step"].add_(1 if ok is None else ok.to(torch.float32))
             for device, lists in plain.items():
                 self._fp32_adam_steps(group, device, *lists)
+            if fused:
+                self._fused_adam_steps(fused)
         return loss
 
     # -- fast paths ---------------------------------------------------------------------
@@ -425,13 +428,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             beta1=b1, beta2=b2, lr=lr, weight_decay=float(wd), eps=float(eps), maximize=False,
         )
 
-    def _fused_adam_step(self, group, local, grad, st, cache: dict) -> None:
-        """Adam(W) for one param in one pass per block (lowbit_tree.kernels): dequantize,
-        update, requantize, write param and codes in place. Same math as the core's
-        ``scale_by_adam -> add_decayed_weights -> scale_by_learning_rate`` (tested to agree;
-        codes are bit-identical to the reference quantizer of the moments it computes)."""
-        from lowbit_tree import kernels
-
+    def _fused_adam_item(self, group, local, grad, st, cache: dict) -> tuple:
+        """One param's arguments for :func:`lowbit_tree.kernels.adam_step_quantized_`
+        (Adam(W) in one pass per block: dequantize, update, requantize, write param
+        and codes in place). Same math as the core's ``scale_by_adam ->
+        add_decayed_weights -> scale_by_learning_rate`` (tested to agree; codes are
+        bit-identical to the reference quantizer of the moments it computes)."""
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
         step = st["step"]
         # on CPU, params sharing a step count share one hyperparameter vector (no sync to read it)
@@ -446,12 +448,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
             if key is not None:
                 cache[key] = hyper
-        kernels.adam_step_quantized(
-            local, grad, m.codes, m.scale, v.codes, v.scale, fmt_m=m.format, fmt_v=v.format,
-            block_size=(m.block_size, v.block_size), shape=tuple(local.shape), hyper=hyper,
-            out=local, state_out=(m.codes, m.scale, v.codes, v.scale),
-        )
-        st["step"].add_(1)
+        return (local, grad, m.codes, m.scale, v.codes, v.scale, m.format, v.format, (m.block_size, v.block_size),
+                hyper, step)
+
+    @staticmethod
+    def _fused_adam_steps(items: list) -> None:
+        """All of a group's fused steps in one kernel call (one parallel region on CPU)."""
+        kernels.adam_step_quantized_([it[:-1] for it in items])
+        steps = [it[-1] for it in items]
+        by_device: dict = {}
+        for s in steps:
+            by_device.setdefault(s.device, []).append(s)
+        for lst in by_device.values():
+            torch._foreach_add_(lst, 1)
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:

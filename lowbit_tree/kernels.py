@@ -52,6 +52,7 @@ __all__ = [
     "dequantize_fast",
     "adam_hyperparams",
     "adam_step_quantized",
+    "adam_step_quantized_",
     "adam_step_reference",
     "use_compile",
 ]
@@ -585,9 +586,9 @@ def adam_step_quantized(
     if native:
         from . import kernels_cpu
 
-        res_dtype = torch.float32
-        if out is None:
-            out = torch.empty(shape, dtype=res_dtype)
+        target = out  # a non-contiguous or non-float32 ``out`` gets the result copied in
+        if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+            out = torch.empty(shape, dtype=torch.float32)
         if state_out is None:
             state_out = (torch.empty_like(m_codes), torch.empty_like(m_scale), torch.empty_like(v_codes), torch.empty_like(v_scale))
         mc_o, ms_o, vc_o, vs_o = state_out
@@ -600,6 +601,9 @@ def adam_step_quantized(
             mc_o.view(torch.uint8), ms_o, vc_o.view(torch.uint8), vs_o, m32, v32, hyper.float().contiguous(),
             fm.name, bs_m, fv.name, bs_v,
         )
+        if target is not None and target is not out:
+            target.copy_(out.view(target.shape))
+            out = target
         res = (out, mc_o, ms_o, vc_o, vs_o)
         return res + ((m32, v32) if return_moments else ())
     tm, tv = code_table(fm, device), code_table(fv, device)
@@ -627,6 +631,47 @@ def adam_step_quantized(
             dst.view(torch.uint8).copy_(src.view(torch.uint8)) if dst.dtype != torch.float32 else dst.copy_(src)
         mc, ms, vc, vs = state_out
     return (new, mc, ms, vc, vs) + tuple(res[5:])
+def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = None) -> None:
+    """:func:`adam_step_quantized` for many parameters, **in place**: each step is
+    ``(p32, grad, m_codes, m_scale, v_codes, v_scale, fmt_m, fmt_v, block_size, hyper)``
+    and overwrites ``p32`` and the four state tensors.
+
+    On CPU with the native kernels, every contiguous float32 parameter goes into
+    one call that shares the tiles of all of them out among the threads (per
+    parameter: a row of integers, no foreign call, no thread wake-up); the rest
+    runs one :func:`adam_step_quantized` each. Results are bit-identical to
+    calling :func:`adam_step_quantized` per parameter.
+    """
+    jobs, keep = [], []
+    for p32, grad, mc, ms, vc, vs, fmt_m, fmt_v, block_size, hyper in steps:
+        fm, fv = get_format(fmt_m), get_format(fmt_v)
+        bs_m, bs_v = _bs_pair(block_size, fm, fv)
+        rows, r = row_layout(p32.shape)
+        if rows * r == 0:
+            continue
+        native = (
+            _use_native(p32.device, backend)
+            and p32.dtype == torch.float32
+            and all(t.is_contiguous() for t in (p32, mc, ms, vc, vs))
+            and ms.dtype == vs.dtype == torch.float32
+        )
+        if not native:
+            adam_step_quantized(
+                p32, grad, mc, ms, vc, vs, fmt_m=fm, fmt_v=fv, block_size=(bs_m, bs_v), shape=tuple(p32.shape),
+                hyper=hyper, out=p32, state_out=(mc, ms, vc, vs), backend=backend,
+            )
+            continue
+        g32 = grad.detach().float().contiguous()
+        h32 = hyper.float().contiguous()
+        keep += [g32, h32]  # alive until the call below
+        pd, mcu, vcu = p32.detach(), mc.view(torch.uint8), vc.view(torch.uint8)
+        jobs.append((rows, r, pd, g32, pd, mcu, ms, vcu, vs, mcu, ms, vcu, vs, None, None, h32, fm.name, bs_m, fv.name, bs_v))
+    if jobs:
+        from . import kernels_cpu
+
+        kernels_cpu.adam_many(jobs)
+
+
 def adam_step_reference(
     p32: Optional[torch.Tensor],
     grad: torch.Tensor,

@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef struct {
     int32_t bits;       /* 8 or 4 */
@@ -20,18 +23,246 @@ typedef struct {
     const int32_t *base;         /* nbuckets */
     const float *thresholds;     /* nbuckets: the threshold inside each bucket, +inf if none */
     const uint8_t *encode;       /* last + 1: index -> stored byte */
+    const float *sorted;         /* last: all thresholds, ascending */
+    /* filled by lbt_prepare: */
+    uint32_t *packed;            /* nbuckets: base << 24 | low key bits of the bucket's threshold */
+    int32_t encode_mode;         /* 0: encode table, 1: idx + encode_arg, 2: e4m3 signed around encode_arg */
+    int32_t encode_arg;
+    int32_t e4m3_arith;          /* e4m3 codes rounded and decoded by bit arithmetic: 1 signed, 2 zero-free */
 } lbt_format;
 
 static inline int32_t f2i(float x) { int32_t i; memcpy(&i, &x, 4); return i; }
 
-/* Nearest map index of each x[i] / safe (see kernels.py for the bucket scheme).
- * Branch-free so that GCC vectorizes it (AVX2 gathers for the two lookups). */
-static void nearest_indices(const float *restrict x, int64_t n, float safe, const lbt_format *f,
-                            int32_t *restrict idx) {
+static inline int32_t bucket_key(float v, const lbt_format *f) {
+    int32_t mag = f2i(v) & 0x7FFFFFFF;
+    mag = mag < f->key_min ? f->key_min : mag;
+    mag = mag > f->key_max ? f->key_max : mag;
+    int32_t rel = mag - f->key_min;
+    return (f->is_signed & (v < 0.0f)) ? ~rel : rel;
+}
+
+/* e4m3 by arithmetic (no table), for the float8 formats. The map's midpoints
+ * are the half-ulp points of e4m3 (exact in float32), and the reference rounds
+ * ties to the larger value: up for positive n, toward zero for negative n.
+ * Round the float32 bits to 3 mantissa bits (normal range, |n| >= 2**-6) or to
+ * a multiple of 2**-9 (subnormal range) with integer adds and shifts. The map's
+ * zero is stored as 0x80; NaN goes to the map's last value (0x7E, 448);
+ * zero-free maps (unsigned) start at code 1. lbt_prepare checks all of this
+ * against the format's tables and falls back to them if anything differs. */
+static inline int32_t e4m3_code(float v, int32_t zero_free) {
+    uint32_t neg = v < 0.0f; /* false for NaN and -0.0 */
+    uint32_t a = (uint32_t)f2i(v) & 0x7FFFFFFFu, e = a >> 23;
+    /* |n| as an integer with the kept bits above bit ``sh``: normal e4m3 range: the
+     * float bits rebased to e4m3's exponent (sh = 20); below it: the mantissa with
+     * its implicit bit, shifted further by the missing exponent (sh <= 25: all
+     * smaller values round to 0 either way) */
+    uint32_t normal = e >= 121;
+    uint32_t m = normal ? a - (120u << 23) : ((a & 0x7FFFFFu) | 0x800000u);
+    uint32_t sh = normal ? 20 : (e >= 116 ? 20 + 121 - e : 25);
+    int32_t mag = (int32_t)((m + (1u << (sh - 1)) - neg) >> sh); /* ties: up for n > 0, toward 0 for n < 0 */
+    mag = mag > 126 ? 126 : mag;
+    if (zero_free) return mag < 1 ? 1 : mag;
+    return (neg | (mag == 0)) ? (0x80 | mag) : mag;
+}
+
+static inline float e4m3_value(uint8_t c) {
+    int32_t mag = c & 0x7F;
+    float sub = (float)mag * (1.0f / 512.0f);
+    int32_t bits = (((mag >> 3) + 120) << 23) | ((mag & 7) << 20);
+    float nrm;
+    memcpy(&nrm, &bits, 4);
+    float r = mag >= 8 ? nrm : sub;
+    r = mag == 0x7F ? NAN : r;
+    return (c & 0x80) ? -r : r;
+}
+
+#ifdef __AVX2__
+/* The same two functions on 8 lanes (GCC's own vectorization of them spills). */
+static inline __m256 e4m3_value8(__m256i c) {
+    const __m256i m7f = _mm256_set1_epi32(0x7F);
+    __m256i mag = _mm256_and_si256(c, m7f);
+    __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0f / 512.0f));
+    __m256 r = _mm256_blendv_ps(sub, nrm, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7))));
+    r = _mm256_blendv_ps(r, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, m7f)));
+    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(r), sign));
+}
+
+static inline __m256i e4m3_code8(__m256 v, int32_t zero_free) {
+    __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ)); /* -1 / 0 */
+    __m256i a = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+    __m256i e = _mm256_srli_epi32(a, 23);
+    __m256i normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(120));
+    __m256i m = _mm256_blendv_epi8(_mm256_or_si256(_mm256_and_si256(a, _mm256_set1_epi32(0x7FFFFF)), _mm256_set1_epi32(0x800000)),
+                                   _mm256_sub_epi32(a, _mm256_set1_epi32(120 << 23)), normal);
+    __m256i sh = _mm256_min_epi32(_mm256_sub_epi32(_mm256_set1_epi32(141), e), _mm256_set1_epi32(25));
+    sh = _mm256_blendv_epi8(sh, _mm256_set1_epi32(20), normal);
+    __m256i half = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_sub_epi32(sh, _mm256_set1_epi32(1)));
+    __m256i mag = _mm256_srlv_epi32(_mm256_add_epi32(_mm256_add_epi32(m, half), neg), sh);
+    mag = _mm256_min_epi32(mag, _mm256_set1_epi32(126));
+    if (zero_free) return _mm256_max_epi32(mag, _mm256_set1_epi32(1));
+    __m256i z = _mm256_or_si256(neg, _mm256_cmpeq_epi32(mag, _mm256_setzero_si256()));
+    return _mm256_or_si256(mag, _mm256_and_si256(z, _mm256_set1_epi32(0x80)));
+}
+
+/* low byte of each 32-bit lane -> 8 bytes */
+static inline void store_bytes8(uint8_t *dst, __m256i x) {
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m256i b = _mm256_shuffle_epi8(x, pick);
+    uint32_t lo = (uint32_t)_mm256_extract_epi32(b, 0), hi = (uint32_t)_mm256_extract_epi32(b, 4);
+    uint64_t w = (uint64_t)lo | ((uint64_t)hi << 32);
+    memcpy(dst, &w, 8);
+}
+
+static inline __m256i load_bytes8(const uint8_t *src) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+}
+#endif
+
+static void e4m3_pass(const float *restrict x, int64_t n, float safe, int32_t zero_free, uint8_t *restrict codes);
+static void decode_e4m3_block(const uint8_t *restrict codes, int64_t n, float s, int32_t sq, float *restrict out);
+
+/* The arithmetic e4m3 path (scalar and vector) against the format's tables: all
+ * 256 decodes, every map value, every threshold and the float below it, and
+ * non-finite / out-of-range inputs. */
+static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
+    float dec[256];
+    uint8_t all[256];
+    for (int32_t c = 0; c < 256; c++) all[c] = (uint8_t)c;
+    decode_e4m3_block(all, 256, 1.0f, 0, dec);
+    for (int32_t c = 0; c < 256; c++) {
+        float d = dec[c], e = e4m3_value((uint8_t)c), t = f->decode[c];
+        if ((f2i(d) != f2i(t) || f2i(e) != f2i(t)) && !(d != d && t != t && e != e)) return 0;
+    }
+    const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-45f, -1e-45f, 1e-30f, -1e-30f,
+                              1e30f, -1e30f, 448.0f, 500.0f, -448.0f, -500.0f};
+    int64_t cap = 3 * (f->last + 1) + 16, n = 0;
+    float *x = (float *)malloc(sizeof(float) * cap);
+    uint8_t *want = (uint8_t *)malloc(cap), *got = (uint8_t *)malloc(cap);
+    for (int32_t i = 0; i <= f->last; i++) {
+        x[n] = f->decode[f->encode[i]], want[n++] = f->encode[i];
+        if (i < f->last) {
+            x[n] = f->sorted[i], want[n++] = f->encode[i + 1];
+            x[n] = nextafterf(f->sorted[i], -INFINITY), want[n++] = f->encode[i];
+        }
+    }
+    for (unsigned j = 0; j < sizeof specials / sizeof *specials; j++) {
+        float v = specials[j];
+        if (!f->is_signed && v < 0.0f) continue;
+        int32_t key = bucket_key(v, f), b = (key >> f->shift) - f->offset;
+        b = b < 0 ? 0 : (b > f->nbuckets - 1 ? f->nbuckets - 1 : b);
+        int32_t k = f->base[b] + (v >= f->thresholds[b]);
+        x[n] = v, want[n++] = f->encode[k > f->last ? f->last : k];
+    }
+    e4m3_pass(x, n, 1.0f, zero_free, got);
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= got[i] == want[i] && e4m3_code(x[i], zero_free) == want[i];
+    free(x);
+    free(want);
+    free(got);
+    return ok;
+}
+
+/* Fills f->packed and f->encode_mode / encode_arg from the tables; returns 0, or
+ * a negative number when the tables do not have the shape the kernels rely on. */
+static int prepare_tables(lbt_format *f) {
+    if (f->shift < 1 || f->shift > 23) return -1;
+    const int32_t mask = (1 << f->shift) - 1;
+    for (int32_t b = 0; b < f->nbuckets; b++) {
+        int32_t base = f->base[b];
+        if (base < 0 || base > 255 || base > f->last) return -2;
+        uint32_t low = (uint32_t)1 << f->shift; /* no threshold: never reached */
+        float t = f->thresholds[b];
+        if (!isinf(t)) {
+            int32_t key = bucket_key(t, f);
+            if ((key >> f->shift) - f->offset != b) return -3;
+            low = (uint32_t)(key & mask);
+        }
+        f->packed[b] = ((uint32_t)base << 24) | low;
+    }
+    /* the top bucket (NaN, inf, clamped values) holds no threshold and base == last */
+    if (f->base[f->nbuckets - 1] != f->last || !isinf(f->thresholds[f->nbuckets - 1])) return -4;
+    int ok = 1;
+    for (int32_t i = 0; i <= f->last; i++) ok &= f->encode[i] == (uint8_t)(i + f->encode[0]);
+    if (ok) {
+        f->encode_mode = 1;
+        f->encode_arg = f->encode[0];
+        return 0;
+    }
+    int32_t z = -1;
+    for (int32_t i = 0; i <= f->last; i++)
+        if (f->encode[i] == 0x80 || f->encode[i] == 0) { z = i; break; }
+    ok = z >= 0;
+    for (int32_t i = 0; ok && i <= f->last; i++)
+        ok &= f->encode[i] == (uint8_t)(i > z ? i - z : 0x80 | (z - i));
+    f->encode_mode = ok ? 2 : 0;
+    f->encode_arg = ok ? z : 0;
+    return 0;
+}
+
+int lbt_prepare(lbt_format *f) {
+    int rc = prepare_tables(f);
+    f->e4m3_arith = 0;
+    if (rc == 0 && f->float8 && f->bits == 8) {
+        int32_t zero_free = !f->is_signed;
+        if (e4m3_matches(f, zero_free)) f->e4m3_arith = 1 + zero_free;
+    }
+    return rc;
+}
+
+/* float8 formats: codes by arithmetic, one block */
+static void e4m3_pass(const float *restrict x, int64_t n, float safe, int32_t zero_free, uint8_t *restrict codes) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 vs = _mm256_set1_ps(safe);
+    for (; i + 8 <= n; i += 8) store_bytes8(codes + i, e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), zero_free));
+#endif
+    for (; i < n; i++) codes[i] = (uint8_t)e4m3_code(x[i] / safe, zero_free);
+}
+
+#ifdef __AVX2__
+/* 8-bit table formats in one pass (mode 1 encodings: code = index + c): bucket
+ * key, one packed-table load per lane, compare, code. Returns elements done. */
+static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, const lbt_format *f,
+                                uint8_t *restrict codes) {
+    const __m256 vs = _mm256_set1_ps(safe), zero = _mm256_setzero_ps();
+    const __m256i kmin = _mm256_set1_epi32(f->key_min), kmax = _mm256_set1_epi32(f->key_max);
+    const __m256i off = _mm256_set1_epi32(f->offset), mask = _mm256_set1_epi32((1 << f->shift) - 1);
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), low24 = _mm256_set1_epi32(0xFFFFFF);
+    const __m256i one = _mm256_set1_epi32(1), c = _mm256_set1_epi32(f->encode_arg);
+    const __m128i shift = _mm_cvtsi32_si128(f->shift);
+    const int32_t sgn = f->is_signed;
+    const uint32_t *restrict packed = f->packed;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vs);
+        __m256i mag = _mm256_min_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs), kmin), kmax);
+        __m256i key = _mm256_sub_epi32(mag, kmin);
+        if (sgn) key = _mm256_xor_si256(key, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))); /* ~rel */
+        __m256i b = _mm256_sub_epi32(_mm256_sra_epi32(key, shift), off);
+        int32_t bi[8];
+        _mm256_storeu_si256((__m256i *)bi, b);
+        __m256i e = _mm256_setr_epi32((int32_t)packed[bi[0]], (int32_t)packed[bi[1]], (int32_t)packed[bi[2]],
+                                      (int32_t)packed[bi[3]], (int32_t)packed[bi[4]], (int32_t)packed[bi[5]],
+                                      (int32_t)packed[bi[6]], (int32_t)packed[bi[7]]);
+        /* low >= thr  <=>  low > thr - 1 (both in [0, 2**24)) */
+        __m256i ge = _mm256_cmpgt_epi32(_mm256_and_si256(key, mask), _mm256_sub_epi32(_mm256_and_si256(e, low24), one));
+        __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(e, 24), ge);
+        store_bytes8(codes + i, _mm256_add_epi32(idx, c));
+    }
+    return i;
+}
+#endif
+
+/* 8-bit formats, first pass over one block: the bucket of each x[i] / safe
+ * (its packed-table row) and the low key bits compared with the bucket's
+ * threshold. Branch-free, vectorizes. */
+static void bucket_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f,
+                        int32_t *restrict bucket, int32_t *restrict low) {
     const int32_t kmin = f->key_min, kmax = f->key_max, shift = f->shift, off = f->offset;
-    const int32_t last = f->last, nbm1 = f->nbuckets - 1, sgn = f->is_signed;
-    const int32_t *restrict base = f->base;
-    const float *restrict thr = f->thresholds;
+    const int32_t sgn = f->is_signed, mask = (1 << shift) - 1;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i] / safe;
         int32_t mag = f2i(v) & 0x7FFFFFFF;
@@ -39,50 +270,158 @@ static void nearest_indices(const float *restrict x, int64_t n, float safe, cons
         mag = mag > kmax ? kmax : mag;
         int32_t rel = mag - kmin;
         int32_t key = (sgn & (v < 0.0f)) ? ~rel : rel;
-        int32_t b = (key >> shift) - off;
-        b = b < 0 ? 0 : b;
-        b = b > nbm1 ? nbm1 : b;
-        int32_t k = base[b] + (v >= thr[b]);
-        idx[i] = k > last ? last : k;
+        bucket[i] = (key >> shift) - off;
+        low[i] = key & mask;
+    }
+}
+
+/* The table lookup, kept scalar: on CPUs without fast gathers (AMD) scalar loads
+ * beat both hardware and emulated vector gathers. */
+__attribute__((optimize("no-tree-vectorize")))
+static void lookup_pass(int32_t *restrict bucket, int64_t n, const uint32_t *restrict packed) {
+    for (int64_t i = 0; i < n; i++) bucket[i] = (int32_t)packed[bucket[i]];
+}
+
+/* packed row + low bits -> code byte */
+static void code_pass(const int32_t *restrict entry, const int32_t *restrict low, int64_t n, const lbt_format *f,
+                      uint8_t *restrict codes) {
+    if (f->encode_mode == 1) {
+        const int32_t c = f->encode_arg;
+        for (int64_t i = 0; i < n; i++) {
+            int32_t e = entry[i];
+            codes[i] = (uint8_t)(((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF)) + c);
+        }
+    } else if (f->encode_mode == 2) {
+        const int32_t z = f->encode_arg;
+        for (int64_t i = 0; i < n; i++) {
+            int32_t e = entry[i];
+            int32_t k = (int32_t)((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF)) - z;
+            codes[i] = (uint8_t)(k > 0 ? k : 0x80 | -k);
+        }
+    } else {
+        const uint8_t *restrict enc = f->encode;
+        for (int64_t i = 0; i < n; i++) {
+            int32_t e = entry[i];
+            codes[i] = enc[((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF))];
+        }
+    }
+}
+
+/* 4-bit formats: the index is the number of thresholds <= x[i] / safe (NaN ->
+ * last), by 15 comparisons against constants: no table lookup. */
+static void count_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f, int32_t *restrict idx) {
+    float t[15];
+    for (int k = 0; k < 15; k++) t[k] = k < f->last ? f->sorted[k] : INFINITY;
+    const float t0 = t[0], t1 = t[1], t2 = t[2], t3 = t[3], t4 = t[4], t5 = t[5], t6 = t[6], t7 = t[7];
+    const float t8 = t[8], t9 = t[9], t10 = t[10], t11 = t[11], t12 = t[12], t13 = t[13], t14 = t[14];
+    const int32_t last = f->last;
+    for (int64_t i = 0; i < n; i++) {
+        float v = x[i] / safe;
+        int32_t c = (v >= t0) + (v >= t1) + (v >= t2) + (v >= t3) + (v >= t4) + (v >= t5) + (v >= t6) + (v >= t7)
+                  + (v >= t8) + (v >= t9) + (v >= t10) + (v >= t11) + (v >= t12) + (v >= t13) + (v >= t14);
+        c = c > last ? last : c;
+        idx[i] = v != v ? last : c;
     }
 }
 
 /* Quantize x[0..len) of one row segment that starts at a block boundary:
  * transforms x in place (unsigned: negative -> NaN; sqrt), writes the scales of
  * its blocks and its codes (4-bit: the segment starts at an even element; codes
- * point at its first byte). ``idx``: scratch of len int32. */
+ * point at its first byte). ``s1``, ``s2``: scratch of len int32 each. */
 static void quantize_segment(float *restrict x, int64_t len, int64_t bs, const lbt_format *f,
-                             uint8_t *restrict codes, float *restrict scale, int32_t *restrict idx) {
-    if (!f->is_signed) {
-        for (int64_t j = 0; j < len; j++) x[j] = x[j] < 0.0f ? NAN : x[j];
-    }
-    if (f->sqrt_) {
-        for (int64_t j = 0; j < len; j++) x[j] = sqrtf(x[j]);
-    }
+                             uint8_t *restrict codes, float *restrict scale, int32_t *restrict s1,
+                             int32_t *restrict s2) {
+    const int32_t nan_neg = !f->is_signed && !f->sqrt_, sq = f->sqrt_;
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
-        /* absmax on the bits of |x|: monotone for non-negative floats, and NaN /
+        float *restrict xb = x + b0;
+        /* transform (unsigned: negative -> NaN, which sqrt also gives; sqrt) and
+         * absmax on the bits of |x|: monotone for non-negative floats, and NaN /
          * inf have the largest bit patterns (either -> NaN scale) */
         int32_t amax = 0;
-        for (int64_t j = 0; j < n; j++) {
-            int32_t a = f2i(x[b0 + j]) & 0x7FFFFFFF;
-            amax = a > amax ? a : amax;
+        if (sq) {
+            for (int64_t j = 0; j < n; j++) {
+                float t = sqrtf(xb[j]);
+                xb[j] = t;
+                int32_t a = f2i(t) & 0x7FFFFFFF;
+                amax = a > amax ? a : amax;
+            }
+        } else if (nan_neg) {
+            for (int64_t j = 0; j < n; j++) {
+                float t = xb[j] < 0.0f ? NAN : xb[j];
+                xb[j] = t;
+                int32_t a = f2i(t) & 0x7FFFFFFF;
+                amax = a > amax ? a : amax;
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                int32_t a = f2i(xb[j]) & 0x7FFFFFFF;
+                amax = a > amax ? a : amax;
+            }
         }
         float am;
         memcpy(&am, &amax, 4);
         float s = amax >= 0x7F800000 ? NAN : am / f->divisor;
         scale[blk] = s;
-        nearest_indices(x + b0, n, s > 0.0f ? s : 1.0f, f, idx + b0);
+        float safe = s > 0.0f ? s : 1.0f;
+        if (f->bits == 4) count_pass(x + b0, n, safe, f, s1 + b0);
+        else if (f->e4m3_arith) e4m3_pass(x + b0, n, safe, f->e4m3_arith == 2, codes + b0);
+        else {
+            int64_t done = 0;
+#ifdef __AVX2__
+            if (f->encode_mode == 1) done = table_codes_avx2(x + b0, n, safe, f, codes + b0);
+#endif
+            if (done < n) { /* the rest, or all without AVX2, in three passes */
+                bucket_pass(x + b0 + done, n - done, safe, f, s1, s2);
+                lookup_pass(s1, n - done, f->packed);
+                code_pass(s1, s2, n - done, f, codes + b0 + done);
+            }
+        }
     }
+    if (f->e4m3_arith) return;
     if (f->bits == 4) {
         int64_t pairs = len / 2;
-        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(idx[2 * j] | (idx[2 * j + 1] << 4));
-        if (len & 1) codes[pairs] = (uint8_t)idx[len - 1]; /* high nibble: padding 0 */
-    } else if (f->float8) {
-        const uint8_t *restrict enc = f->encode;
-        for (int64_t j = 0; j < len; j++) codes[j] = enc[idx[j]];
-    } else {
-        for (int64_t j = 0; j < len; j++) codes[j] = (uint8_t)idx[j];
+        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(s1[2 * j] | (s1[2 * j + 1] << 4));
+        if (len & 1) codes[pairs] = (uint8_t)s1[len - 1]; /* high nibble: padding 0 */
+    }
+}
+
+#ifdef __AVX2__
+/* 4-bit decode of np code bytes (2 * np values) from a 16-entry table held in two
+ * registers (vpermps + blend: no memory gathers); returns the bytes done. */
+static int64_t decode4_avx2(const uint8_t *restrict c, int64_t np, const float *restrict dec, float s,
+                            float *restrict o) {
+    const __m256 lo = _mm256_loadu_ps(dec), hi = _mm256_loadu_ps(dec + 8), vs = _mm256_set1_ps(s);
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nib = _mm256_set1_epi32(0x0F);
+    int64_t q = 0;
+    for (; q + 8 <= np; q += 8) {
+        __m128i b = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(c + q)), dup);
+        for (int h = 0; h < 2; h++) {
+            __m256i w = _mm256_cvtepu8_epi32(h ? _mm_unpackhi_epi64(b, b) : b);
+            __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(w, shifts), nib);
+            __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                                        _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+            _mm256_storeu_ps(o + 2 * q + 8 * h, _mm256_mul_ps(v, vs));
+        }
+    }
+    return q;
+}
+#endif
+
+/* e4m3 codes -> value * s (squared when sq) */
+static void decode_e4m3_block(const uint8_t *restrict codes, int64_t n, float s, int32_t sq, float *restrict out) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; j + 8 <= n; j += 8) {
+        __m256 t = _mm256_mul_ps(e4m3_value8(load_bytes8(codes + j)), vs);
+        _mm256_storeu_ps(out + j, sq ? _mm256_mul_ps(t, t) : t);
+    }
+#endif
+    for (; j < n; j++) {
+        float t = e4m3_value(codes[j]) * s;
+        out[j] = sq ? t * t : t;
     }
 }
 
@@ -100,18 +439,25 @@ static void dequantize_segment(const uint8_t *restrict codes, const float *restr
             /* b0 even: pairs of nibbles, then an odd tail */
             const uint8_t *restrict c = codes + (b0 >> 1);
             float *restrict o = out + b0;
-            int64_t np = n >> 1;
-            for (int64_t q = 0; q < np; q++) {
+            int64_t np = n >> 1, q = 0;
+#ifdef __AVX2__
+            q = decode4_avx2(c, np, dec, s, o);
+#endif
+            for (; q < np; q++) {
                 uint8_t cq = c[q];
                 o[2 * q] = dec[cq & 0x0F] * s;
                 o[2 * q + 1] = dec[cq >> 4] * s;
             }
             if (n & 1) o[n - 1] = dec[c[np] & 0x0F] * s;
+        } else if (f->e4m3_arith) {
+            decode_e4m3_block(codes + b0, n, s, f->sqrt_, out + b0);
+        } else if (f->sqrt_) {
+            for (int64_t j = b0; j < b0 + n; j++) { float t = dec[codes[j]] * s; out[j] = t * t; }
         } else {
             for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[codes[j]] * s;
         }
     }
-    if (f->sqrt_) {
+    if (f->sqrt_ && f->bits == 4) {
         for (int64_t j = 0; j < len; j++) out[j] = out[j] * out[j];
     }
 }
@@ -135,17 +481,17 @@ void lbt_quantize(int64_t rows, int64_t R, const float *x, uint8_t *codes, float
     #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc(sizeof(float) * T);
-        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * T);
+        int32_t *s1 = (int32_t *)malloc(sizeof(int32_t) * 2 * T);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * tiles; t++) {
             int64_t r = t / tiles, j0 = (t % tiles) * T;
             int64_t len = R - j0 < T ? R - j0 : T;
             memcpy(buf, x + r * R + j0, sizeof(float) * len);
             uint8_t *c = codes + r * cc + (f->bits == 4 ? j0 / 2 : j0);
-            quantize_segment(buf, len, bs, f, c, scale + r * nb + j0 / bs, idx);
+            quantize_segment(buf, len, bs, f, c, scale + r * nb + j0 / bs, s1, s1 + T);
         }
         free(buf);
-        free(idx);
+        free(s1);
     }
 }
 
@@ -162,61 +508,150 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
     }
 }
 
-/* hyper: b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd (float32).
+/* One parameter's fused Adam step. Every field is 8 bytes wide, so that the
+ * caller can pass an array of jobs as rows of int64.
+ * hyper: b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd (float32).
  * p == NULL: out = u (the Adam direction); else out = p + (-lr) * (u + wd * p).
  * out may alias p; the *_out code/scale arrays may alias the inputs (a tile is
  * read whole before it is written).
  * m_out / v_out (optional): the new float32 moments (before quantization). */
-void lbt_adam(int64_t rows, int64_t R, const float *p, const float *g, float *out,
-              const uint8_t *mc, const float *ms, const uint8_t *vc, const float *vs,
-              uint8_t *mc_out, float *ms_out, uint8_t *vc_out, float *vs_out,
-              float *m_out, float *v_out, const float *hyper,
-              const lbt_format *fm, int64_t bs_m, const lbt_format *fv, int64_t bs_v, int nthreads) {
+typedef struct {
+    int64_t rows, R;
+    const float *p, *g;
+    float *out;
+    const uint8_t *mc;
+    const float *ms;
+    const uint8_t *vc;
+    const float *vs;
+    uint8_t *mc_out;
+    float *ms_out;
+    uint8_t *vc_out;
+    float *vs_out;
+    float *m_out, *v_out;
+    const float *hyper;
+    const lbt_format *fm, *fv;
+    int64_t bs_m, bs_v;
+} lbt_adam_job;
+
+/* A job's work is cut into tiles of whole blocks: pieces of one row when rows
+ * are long, runs of whole rows when they are short (so small rows do not each
+ * pay a tile's fixed cost). */
+static int64_t job_tile(const lbt_adam_job *J) { return tile_size(J->bs_m, J->bs_v); }
+
+static int64_t job_tiles(const lbt_adam_job *J) {
+    int64_t T = job_tile(J);
+    if (J->rows == 0 || J->R == 0) return 0;
+    if (J->R >= T) return J->rows * ((J->R + T - 1) / T);
+    int64_t k = T / J->R;
+    return (J->rows + k - 1) / k;
+}
+
+static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, float *restrict vb, int32_t *restrict s1,
+                      int64_t Tmax) {
+    const float *hyper = J->hyper;
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float bc1 = hyper[4], bc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
-    int64_t T = tile_size(bs_m, bs_v);
-    int64_t tiles = (R + T - 1) / T;
-    int64_t nbm = (R + bs_m - 1) / bs_m, nbv = (R + bs_v - 1) / bs_v;
-    int64_t ccm = code_cols(fm, R), ccv = code_cols(fv, R);
+    const lbt_format *fm = J->fm, *fv = J->fv;
+    const int64_t R = J->R, bs_m = J->bs_m, bs_v = J->bs_v, T = job_tile(J);
+    int64_t r0, nr, j0, len;
+    if (R >= T) {
+        int64_t tpr = (R + T - 1) / T;
+        r0 = t / tpr, nr = 1, j0 = (t % tpr) * T;
+        len = R - j0 < T ? R - j0 : T;
+    } else {
+        int64_t k = T / R;
+        r0 = t * k, nr = J->rows - r0 < k ? J->rows - r0 : k, j0 = 0, len = R;
+    }
+    const int64_t nbm = (R + bs_m - 1) / bs_m, nbv = (R + bs_v - 1) / bs_v;
+    const int64_t ccm = code_cols(fm, R), ccv = code_cols(fv, R);
+    const int64_t cj_m = fm->bits == 4 ? j0 / 2 : j0, cj_v = fv->bits == 4 ? j0 / 2 : j0;
+    for (int64_t i = 0; i < nr; i++) {
+        int64_t r = r0 + i;
+        dequantize_segment(J->mc + r * ccm + cj_m, J->ms + r * nbm + j0 / bs_m, len, bs_m, fm, mb + i * len);
+        dequantize_segment(J->vc + r * ccv + cj_v, J->vs + r * nbv + j0 / bs_v, len, bs_v, fv, vb + i * len);
+    }
+    const int64_t off = r0 * R + j0, total = nr * len; /* nr > 1 only with j0 == 0, len == R: contiguous */
+    const float *restrict gt = J->g + off;
+    if (J->p && J->out == J->p) { /* in place: one pointer, so the loop vectorizes */
+        float *restrict pt = J->out + off;
+        for (int64_t i = 0; i < total; i++) {
+            float gi = gt[i];
+            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
+            mb[i] = m;
+            vb[i] = v;
+            float u = (m / bc1) / (sqrtf(v / bc2) + eps);
+            float pi = pt[i];
+            pt[i] = pi + nlr * (u + wd * pi);
+        }
+    } else if (J->p) {
+        const float *restrict pt = J->p + off;
+        float *restrict ot = J->out + off;
+        for (int64_t i = 0; i < total; i++) {
+            float gi = gt[i];
+            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
+            mb[i] = m;
+            vb[i] = v;
+            float u = (m / bc1) / (sqrtf(v / bc2) + eps);
+            float pi = pt[i];
+            ot[i] = pi + nlr * (u + wd * pi);
+        }
+    } else {
+        float *restrict ot = J->out + off;
+        for (int64_t i = 0; i < total; i++) {
+            float gi = gt[i];
+            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
+            mb[i] = m;
+            vb[i] = v;
+            ot[i] = (m / bc1) / (sqrtf(v / bc2) + eps);
+        }
+    }
+    if (J->m_out) memcpy(J->m_out + off, mb, sizeof(float) * total);
+    if (J->v_out) memcpy(J->v_out + off, vb, sizeof(float) * total);
+    for (int64_t i = 0; i < nr; i++) {
+        int64_t r = r0 + i;
+        quantize_segment(mb + i * len, len, bs_m, fm, J->mc_out + r * ccm + cj_m, J->ms_out + r * nbm + j0 / bs_m, s1,
+                         s1 + Tmax);
+        quantize_segment(vb + i * len, len, bs_v, fv, J->vc_out + r * ccv + cj_v, J->vs_out + r * nbv + j0 / bs_v, s1,
+                         s1 + Tmax);
+    }
+}
+
+/* The fused step of many parameters in one parallel region: the tiles of all
+ * jobs are shared out among the threads (results do not depend on who runs
+ * which tile). */
+void lbt_adam_jobs(int64_t njobs, const lbt_adam_job *jobs, int nthreads) {
+    if (njobs <= 0) return;
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (njobs + 1));
+    int64_t Tmax = 2;
+    start[0] = 0;
+    for (int64_t j = 0; j < njobs; j++) {
+        start[j + 1] = start[j] + job_tiles(&jobs[j]);
+        int64_t T = job_tile(&jobs[j]);
+        Tmax = T > Tmax ? T : Tmax;
+    }
+    const int64_t total = start[njobs];
+    if (total < 2) nthreads = 1;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *restrict mb = (float *)malloc(sizeof(float) * T);
-        float *restrict vb = (float *)malloc(sizeof(float) * T);
-        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * T);
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < rows * tiles; t++) {
-            int64_t r = t / tiles, j0 = (t % tiles) * T;
-            int64_t len = R - j0 < T ? R - j0 : T;
-            int64_t off = r * R + j0;
-            int64_t cm = r * ccm + (fm->bits == 4 ? j0 / 2 : j0), cv = r * ccv + (fv->bits == 4 ? j0 / 2 : j0);
-            int64_t sm = r * nbm + j0 / bs_m, sv = r * nbv + j0 / bs_v;
-            dequantize_segment(mc + cm, ms + sm, len, bs_m, fm, mb);
-            dequantize_segment(vc + cv, vs + sv, len, bs_v, fv, vb);
-            const float *restrict gt = g + off;
-            for (int64_t i = 0; i < len; i++) {
-                float gi = gt[i];
-                mb[i] = b1 * mb[i] + omb1 * gi;
-                vb[i] = b2 * vb[i] + omb2 * (gi * gi);
-            }
-            if (p) {
-                const float *restrict pt = p + off;
-                float *ot = out + off; /* may alias pt: same element read then written */
-                for (int64_t i = 0; i < len; i++) {
-                    float u = (mb[i] / bc1) / (sqrtf(vb[i] / bc2) + eps);
-                    float pi = pt[i];
-                    ot[i] = pi + nlr * (u + wd * pi);
+        float *mb = (float *)malloc(sizeof(float) * Tmax);
+        float *vb = (float *)malloc(sizeof(float) * Tmax);
+        int32_t *s1 = (int32_t *)malloc(sizeof(int32_t) * 2 * Tmax);
+        int64_t j = 0;
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t t = 0; t < total; t++) {
+            if (t < start[j] || t >= start[j + 1]) { /* binary search for the job holding tile t */
+                int64_t lo = 0, hi = njobs - 1;
+                while (lo < hi) {
+                    int64_t mid = (lo + hi + 1) / 2;
+                    if (start[mid] <= t) lo = mid; else hi = mid - 1;
                 }
-            } else {
-                float *restrict ot = out + off;
-                for (int64_t i = 0; i < len; i++) ot[i] = (mb[i] / bc1) / (sqrtf(vb[i] / bc2) + eps);
+                j = lo;
             }
-            if (m_out) memcpy(m_out + off, mb, sizeof(float) * len);
-            if (v_out) memcpy(v_out + off, vb, sizeof(float) * len);
-            quantize_segment(mb, len, bs_m, fm, mc_out + cm, ms_out + sm, idx);
-            quantize_segment(vb, len, bs_v, fv, vc_out + cv, vs_out + sv, idx);
+            adam_tile(&jobs[j], t - start[j], mb, vb, s1, Tmax);
         }
         free(mb);
         free(vb);
-        free(idx);
+        free(s1);
     }
+    free(start);
 }

@@ -26,12 +26,17 @@ from typing import Optional
 
 import torch
 
-__all__ = ["available", "library", "quantize", "dequantize", "adam"]
+__all__ = ["available", "library", "quantize", "dequantize", "adam", "adam_many"]
 
 _SOURCE = Path(__file__).with_name("kernels_cpu.c")
 # -ffp-contract=off: no FMA contraction (GCC's default for GNU C is "fast"), so
 # every multiply and add rounds like torch's eager float32 ops.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-std=gnu99"]
+# -fno-trapping-math only lets GCC vectorize comparisons (no FP exception flags
+# are read anywhere); it changes no result.
+_FLAGS = [
+    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99",
+]
 # AMD Zen: AVX2 gathers are microcoded and slower than scalar loads; GCC then
 # vectorizes the table lookups with emulated gathers (~10% faster fused step,
 # same results). GCC-only option: the build retries without it if rejected.
@@ -63,6 +68,11 @@ class _Format(ctypes.Structure):
         ("base", ctypes.c_void_p),
         ("thresholds", ctypes.c_void_p),
         ("encode", ctypes.c_void_p),
+        ("sorted", ctypes.c_void_p),
+        ("packed", ctypes.c_void_p),
+        ("encode_mode", ctypes.c_int32),
+        ("encode_arg", ctypes.c_int32),
+        ("e4m3_arith", ctypes.c_int32),
     ]
 
 
@@ -115,9 +125,12 @@ def library():
     fptr = ctypes.POINTER(_Format)
     lib.lbt_quantize.argtypes = [i64, i64, ptr, ptr, ptr, fptr, i64, i32]
     lib.lbt_dequantize.argtypes = [i64, i64, ptr, ptr, ptr, fptr, i64, i32]
-    lib.lbt_adam.argtypes = [i64, i64] + [ptr] * 14 + [fptr, i64, fptr, i64, i32]
-    for f in (lib.lbt_quantize, lib.lbt_dequantize, lib.lbt_adam):
+    for f in (lib.lbt_quantize, lib.lbt_dequantize):
         f.restype = None
+    lib.lbt_adam_jobs.argtypes = [i64, ptr, i32]
+    lib.lbt_adam_jobs.restype = None
+    lib.lbt_prepare.argtypes = [fptr]
+    lib.lbt_prepare.restype = ctypes.c_int
     return lib
 
 
@@ -131,11 +144,21 @@ def _format_struct(name: str) -> _Format:
     from .kernels import _cpu_code_table
 
     fmt, tab = FORMATS[name], _cpu_code_table(name)
-    return _Format(
+    packed = torch.empty(tab.base.numel(), dtype=torch.int32)
+    _KEEP[name] = packed  # the tables live as long as the process (module constants)
+    st = _Format(
         fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
         tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
         tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
-    )  # the tables live as long as the process (module constants)
+        tab.thresholds.data_ptr(), packed.data_ptr(), 0, 0, 0,
+    )
+    rc = library().lbt_prepare(ctypes.byref(st))
+    if rc != 0:  # a table the C kernel's assumptions do not hold for: a bug, never silent
+        raise RuntimeError(f"lbt_prepare rejected the code table of {name!r} (error {rc})")
+    return st
+
+
+_KEEP: dict[str, torch.Tensor] = {}
 
 
 # Below this many elements a call runs on one thread: an OpenMP parallel region
@@ -169,9 +192,9 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_si
     library().lbt_dequantize(rows, r, _ptr(codes), _ptr(scale), _ptr(out), _format_struct(fmt_name), block_size, _threads(rows * r))
 
 
-def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
-         fmt_m: str, bs_m: int, fmt_v: str, bs_v: int) -> None:
-    """The fused step (see ``lbt_adam`` in kernels_cpu.c); all plain contiguous CPU tensors."""
+def _adam_job_row(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
+                  fmt_m: str, bs_m: int, fmt_v: str, bs_v: int) -> list[int]:
+    """Checks one job's tensors and returns its ``lbt_adam_job`` row (20 int64)."""
     _check(g, torch.float32, "grad")
     _check(hyper, torch.float32, "hyper")
     for t in (mc, vc, mc_out, vc_out):
@@ -192,13 +215,38 @@ def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, v
         "v_codes": (vc, rows * cols(fmt_v)), "v_codes_out": (vc_out, rows * cols(fmt_v)),
         "m_scale": (ms, rows * -(-r // bs_m)), "m_scale_out": (ms_out, rows * -(-r // bs_m)),
         "v_scale": (vs, rows * -(-r // bs_v)), "v_scale_out": (vs_out, rows * -(-r // bs_v)),
-        "m_out": (m_out, rows * r), "v_out": (v_out, rows * r),
+        "m_out": (m_out, rows * r), "v_out": (v_out, rows * r), "hyper": (hyper, 9),
     }
     for what, (t, n) in expect.items():
         if t is not None and t.numel() != n:
             raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {n} (rows={rows}, R={r})")
-    library().lbt_adam(
-        rows, r, _ptr(p), _ptr(g), _ptr(out), _ptr(mc), _ptr(ms), _ptr(vc), _ptr(vs),
-        _ptr(mc_out), _ptr(ms_out), _ptr(vc_out), _ptr(vs_out), _ptr(m_out), _ptr(v_out), _ptr(hyper),
-        _format_struct(fmt_m), bs_m, _format_struct(fmt_v), bs_v, _threads(rows * r),
-    )
+    if p is not None and out.data_ptr() != p.data_ptr():
+        lo, hi = sorted((out.data_ptr(), p.data_ptr()))
+        if hi < lo + 4 * rows * r:
+            raise ValueError("lbt_adam: out must be the param itself or not overlap it")
+    ptrs = [p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper]
+    return [rows, r, *(0 if t is None else t.data_ptr() for t in ptrs),
+            ctypes.addressof(_format_struct(fmt_m)), ctypes.addressof(_format_struct(fmt_v)), bs_m, bs_v]
+
+
+def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
+         fmt_m: str, bs_m: int, fmt_v: str, bs_v: int) -> None:
+    """The fused step (see ``lbt_adam_job`` in kernels_cpu.c); all plain contiguous CPU tensors."""
+    adam_many([(rows, r, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
+                fmt_m, bs_m, fmt_v, bs_v)])
+
+
+def adam_many(jobs: list[tuple]) -> None:
+    """Several fused steps in one call and one parallel region (the tiles of all
+    jobs are shared out among the threads): per-parameter overhead is one row of
+    20 integers, not one foreign call and one thread wake-up per parameter. Each
+    job is the argument tuple of :func:`adam`. All jobs are checked before any runs."""
+    if not jobs:
+        return
+    flat: list[int] = []
+    total = 0
+    for job in jobs:
+        flat += _adam_job_row(*job)
+        total += job[0] * job[1]
+    table = torch.tensor(flat, dtype=torch.int64)
+    library().lbt_adam_jobs(len(jobs), table.data_ptr(), _threads(total))

@@ -116,7 +116,7 @@ def test_cuda_bit_identical(name, compile):
 
 # ----------------------------------------------------------------------------- Adam
 
-ADAM_SHAPES = [((64, 300), None), ((7,), 1), ((5, 33), 7), ((3, 2, 129), 128), ((1,), None)]
+ADAM_SHAPES = [((64, 300), None), ((7,), 1), ((5, 33), 7), ((3, 2, 129), 128), ((1,), None), ((2, 5001), None)]
 HP = dict(count=4, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
 
@@ -187,6 +187,63 @@ def test_adam_step_in_place():
     assert same_bits(p2, ref[0])
     for a, b in zip(st, ref[1:]):
         assert same_bits(a, b)
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_adam_step_many_in_place_matches_one_by_one():
+    """One multi-parameter call (tiles of all params shared among 2 threads, short
+    rows batched into tiles, a non-contiguous param on the fallback path) writes
+    the same bits as one adam_step_quantized call per parameter."""
+    gen = torch.Generator().manual_seed(11)
+    cases = [  # (shape, state format, block size)
+        ((600, 500), "8bit", None), ((3, 4099), "4bit", None), ((257, 3), "fp8", 5), ((1,), "8bit", None),
+        ((40, 33), "4bit", 7), ((0, 4), "8bit", None), ((2, 2, 9), "8bit_bnb", 4), ((50, 60), "fp8", None),
+    ]
+    items, expected = [], []
+    for i, (shape, st, bs) in enumerate(cases):
+        fm, fv = lt.STATE_FORMATS[st]
+        p = torch.randn(shape, generator=gen)
+        if i == 4:  # non-contiguous: a transposed view
+            p = torch.randn(shape[::-1], generator=gen).t()
+        g = torch.randn(shape, generator=gen) * 10.0 ** float(torch.randint(-6, 2, (), generator=gen))
+        m = lt.quantize(torch.randn(shape, generator=gen) * 1e-2, fm, bs)
+        v = lt.quantize(torch.rand(shape, generator=gen) * 1e-4, fv, bs)
+        hyper = K.adam_hyperparams(count=i, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01 * i)
+        ref = K.adam_step_quantized(p.clone(), g, m.codes, m.scale, v.codes, v.scale, fmt_m=fm, fmt_v=fv,
+                                    block_size=(m.block_size, v.block_size), hyper=hyper, backend="torch", compile=False)
+        expected.append(ref)
+        items.append((p, g, m.codes.clone(), m.scale.clone(), v.codes.clone(), v.scale.clone(), fm, fv,
+                      (m.block_size, v.block_size), hyper))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        K.adam_step_quantized_(items)
+    finally:
+        torch.set_num_threads(threads)
+    for (shape, st, _), it, ref in zip(cases, items, expected):
+        got = (it[0], it[2], it[3], it[4], it[5])
+        for a, b in zip(got, ref):
+            assert same_bits(a.contiguous().view(b.shape) if a.numel() == b.numel() else a, b), (shape, st)
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_native_adam_rejects_bad_sizes_before_running_anything():
+    fm, fv = lt.STATE_FORMATS["8bit"]
+    p, g = torch.randn(4, 300), torch.randn(4, 300)
+    m, v = lt.zeros(p.shape, fm), lt.zeros(p.shape, fv)
+    hyper = K.adam_hyperparams(count=0, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8)
+    good = (4, 300, p, g, p, m.codes, m.scale, v.codes, v.scale, m.codes, m.scale, v.codes, v.scale, None, None,
+            hyper, fm, 256, fv, 256)
+    bad = list(good)
+    bad[3] = torch.randn(4, 299)  # short gradient
+    before = p.clone()
+    with pytest.raises(ValueError, match="grad has 1196 elements"):
+        kernels_cpu.adam_many([good, tuple(bad)])
+    assert torch.equal(p, before)  # the good job did not run either
+    overlap = list(good)
+    overlap[4] = p.view(-1)[1:].view(-1)[:1200 - 1]  # out overlapping the param, shifted
+    with pytest.raises(ValueError):
+        kernels_cpu.adam_many([tuple(overlap)])
 
 
 def test_adam_hyperparams_tensor_count_matches_int():
