@@ -242,11 +242,15 @@ static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, 
         __m256i key = _mm256_sub_epi32(mag, kmin);
         if (sgn) key = _mm256_xor_si256(key, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))); /* ~rel */
         __m256i b = _mm256_sub_epi32(_mm256_sra_epi32(key, shift), off);
-        int32_t bi[8];
-        _mm256_storeu_si256((__m256i *)bi, b);
-        __m256i e = _mm256_setr_epi32((int32_t)packed[bi[0]], (int32_t)packed[bi[1]], (int32_t)packed[bi[2]],
-                                      (int32_t)packed[bi[3]], (int32_t)packed[bi[4]], (int32_t)packed[bi[5]],
-                                      (int32_t)packed[bi[6]], (int32_t)packed[bi[7]]);
+        /* lane indices through 64-bit extracts (a vector store reloaded as scalars
+         * stalls store-to-load forwarding) */
+        __m128i blo = _mm256_castsi256_si128(b), bhi = _mm256_extracti128_si256(b, 1);
+        uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(blo), q1 = (uint64_t)_mm_extract_epi64(blo, 1);
+        uint64_t q2 = (uint64_t)_mm_cvtsi128_si64(bhi), q3 = (uint64_t)_mm_extract_epi64(bhi, 1);
+        __m256i e = _mm256_setr_epi32((int32_t)packed[(uint32_t)q0], (int32_t)packed[q0 >> 32],
+                                      (int32_t)packed[(uint32_t)q1], (int32_t)packed[q1 >> 32],
+                                      (int32_t)packed[(uint32_t)q2], (int32_t)packed[q2 >> 32],
+                                      (int32_t)packed[(uint32_t)q3], (int32_t)packed[q3 >> 32]);
         /* low >= thr  <=>  low > thr - 1 (both in [0, 2**24)) */
         __m256i ge = _mm256_cmpgt_epi32(_mm256_and_si256(key, mask), _mm256_sub_epi32(_mm256_and_si256(e, low24), one));
         __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(e, 24), ge);
@@ -451,10 +455,24 @@ static void dequantize_segment(const uint8_t *restrict codes, const float *restr
             if (n & 1) o[n - 1] = dec[c[np] & 0x0F] * s;
         } else if (f->e4m3_arith) {
             decode_e4m3_block(codes + b0, n, s, f->sqrt_, out + b0);
-        } else if (f->sqrt_) {
-            for (int64_t j = b0; j < b0 + n; j++) { float t = dec[codes[j]] * s; out[j] = t * t; }
         } else {
-            for (int64_t j = b0; j < b0 + n; j++) out[j] = dec[codes[j]] * s;
+            int64_t j = b0;
+#ifdef __AVX2__
+            /* 8 codes read as one word: table loads without vector-to-scalar moves */
+            const __m256 vs = _mm256_set1_ps(s);
+            for (; j + 8 <= b0 + n; j += 8) {
+                uint64_t w;
+                memcpy(&w, codes + j, 8);
+                __m256 t = _mm256_mul_ps(_mm256_setr_ps(dec[w & 0xFF], dec[(w >> 8) & 0xFF], dec[(w >> 16) & 0xFF],
+                                                        dec[(w >> 24) & 0xFF], dec[(w >> 32) & 0xFF], dec[(w >> 40) & 0xFF],
+                                                        dec[(w >> 48) & 0xFF], dec[w >> 56]), vs);
+                _mm256_storeu_ps(out + j, f->sqrt_ ? _mm256_mul_ps(t, t) : t);
+            }
+#endif
+            for (; j < b0 + n; j++) {
+                float t = dec[codes[j]] * s;
+                out[j] = f->sqrt_ ? t * t : t;
+            }
         }
     }
     if (f->sqrt_ && f->bits == 4) {

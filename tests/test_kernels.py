@@ -74,6 +74,24 @@ def test_quantize_dequantize_bit_identical(name, kw):
             assert same_bits(d0, d1)
 
 
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_native_quantize_on_random_bit_patterns(name):
+    """Uniformly random float32 bit patterns (every exponent, subnormals, both
+    signs), in blocks whose first element makes the scale exactly 1: the native
+    kernels' bucket table, integer e4m3 rounding and 4-bit comparisons see the
+    whole normalized range; codes must equal the reference's."""
+    fmt = lt.FORMATS[name]
+    gen = torch.Generator().manual_seed(5)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[x.abs() <= fmt.scale_divisor]  # drops NaN / inf / out of range (tested elsewhere)
+    bs = 256
+    x = x[: (x.numel() // (bs - 1)) * (bs - 1)].reshape(-1, bs - 1)
+    x = torch.cat([torch.full((x.shape[0], 1), fmt.scale_divisor), x], dim=1)
+    check_quantize(x, fmt, bs, backend="native")
+
+
 @pytest.mark.parametrize("kw", CPU_BACKENDS)
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_nonfinite_and_empty(name, kw):
