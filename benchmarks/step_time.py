@@ -205,7 +205,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(impl, shapes, device, steps):
+def setup(impl, shapes, device):
+    """Params, grads and the optimizer of one implementation, after its first
+    (timed: compilation) and one warm step."""
     params, grads = make_params(shapes, device)
     for p, g in zip(params, grads):
         p.grad = g
@@ -219,56 +221,75 @@ def measure(impl, shapes, device, steps):
     first = time.perf_counter() - t0
     if first < 1.0:
         opt.step()  # warm (slow implementations skip it: --quick stays short)
-    times, peak = [], None
-    for i in range(steps):
-        last = i == steps - 1
-        if last:  # peak extra memory, measured on the last timed step
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            else:
-                before = _rss_kb("VmRSS") if _reset_peak_rss() else None
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        if last:
-            if device.type == "cuda":
-                peak = torch.cuda.max_memory_allocated() - before
-            elif before is not None:
-                hwm = _rss_kb("VmHWM")
-                peak = None if hwm is None else max(0, hwm - before) * 1024
+    return {"impl": impl, "note": note, "opt": opt, "params": params, "first_step_s": first, "times": []}
+
+
+def timed_step(st, device, last: bool):
+    """One timed step; on the last one also the peak extra memory."""
+    before = None
+    if last:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = _rss_kb("VmRSS") if _reset_peak_rss() else None
+    sync(device)
+    t0 = time.perf_counter()
+    st["opt"].step()
+    sync(device)
+    st["times"].append(time.perf_counter() - t0)
+    if last:
+        st["peak"] = None
+        if device.type == "cuda":
+            st["peak"] = torch.cuda.max_memory_allocated() - before
+        elif before is not None:
+            hwm = _rss_kb("VmHWM")
+            st["peak"] = None if hwm is None else max(0, hwm - before) * 1024
+
+
+def result(st, shapes):
+    if "skipped" in st:
+        return st
     n = sum(math.prod(s) for s in shapes)
-    largest = max(math.prod(s) for s in shapes)
-    res = {
-        "impl": impl,
-        "note": note,
-        "median_ms": statistics.median(times) * 1e3,
-        "first_step_s": first,
-        "state_bytes_per_param": state_bytes(opt) / n,
-        "peak_extra_bytes": peak,
-        "largest_param_bytes": largest * 4,
+    return {
+        "impl": st["impl"],
+        "note": st["note"],
+        "median_ms": statistics.median(st["times"]) * 1e3,
+        "first_step_s": st["first_step_s"],
+        "state_bytes_per_param": state_bytes(st["opt"]) / n,
+        "peak_extra_bytes": st.get("peak"),
+        "largest_param_bytes": max(math.prod(s) for s in shapes) * 4,
     }
-    del opt, params, grads
-    gc.collect()
-    return res
 
 
 def run_case(case, device, impls, steps, out):
+    """Timed steps are interleaved: round r steps every implementation once, so a
+    slow period of a shared machine hits all of them alike and the ratios hold."""
     shapes = case_shapes(case)
     n = sum(math.prod(s) for s in shapes)
     print(f"\ncase ({case}): {len(shapes)} tensors, {n / 1e6:.2f}M params, device {device}, "
-          f"{torch.get_num_threads()} threads, {steps} timed steps")
-    rows = []
+          f"{torch.get_num_threads()} threads, {steps} timed steps (interleaved)")
+    states = []
     for impl in impls:
         try:
-            r = measure(impl, shapes, device, steps)
+            states.append(setup(impl, shapes, device))
         except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
-            r = {"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
-        rows.append(r)
-        print_row(r, rows)
+            states.append({"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"})
+    for i in range(steps):
+        for st in states:
+            if "skipped" in st:
+                continue
+            try:
+                timed_step(st, device, last=i == steps - 1)
+            except Exception as e:  # noqa: BLE001
+                states[states.index(st)] = {"impl": st["impl"], "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    rows = []
+    for st in states:
+        rows.append(result(st, shapes))
+        print_row(rows[-1], rows)
+    del states
+    gc.collect()
     out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows})
 
 
