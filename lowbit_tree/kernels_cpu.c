@@ -328,62 +328,83 @@ static void count_pass(const float *restrict x, int64_t n, float safe, const lbt
     }
 }
 
+/* The scale of a block from the bits of its absmax (NaN / inf -> NaN). */
+static inline float block_scale(int32_t amax, const lbt_format *f) {
+    float am;
+    memcpy(&am, &amax, 4);
+    return amax >= 0x7F800000 ? NAN : am / f->divisor;
+}
+
+/* Codes of one block of already transformed values x[0..n) with scale s.
+ * ``codes`` points at the block's first byte (4-bit: the block starts at an even
+ * element; an odd n leaves the last byte's high nibble 0). s1, s2: scratch of n. */
+static void encode_block(const float *restrict x, int64_t n, float s, const lbt_format *f, uint8_t *restrict codes,
+                         int32_t *restrict s1, int32_t *restrict s2) {
+    float safe = s > 0.0f ? s : 1.0f;
+    if (f->bits == 4) {
+        count_pass(x, n, safe, f, s1);
+        int64_t pairs = n / 2;
+        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(s1[2 * j] | (s1[2 * j + 1] << 4));
+        if (n & 1) codes[pairs] = (uint8_t)s1[n - 1];
+    } else if (f->e4m3_arith) {
+        e4m3_pass(x, n, safe, f->e4m3_arith == 2, codes);
+    } else {
+        int64_t done = 0;
+#ifdef __AVX2__
+        if (f->encode_mode == 1) done = table_codes_avx2(x, n, safe, f, codes);
+#endif
+        if (done < n) { /* the rest, or all without AVX2, in three passes */
+            bucket_pass(x + done, n - done, safe, f, s1, s2);
+            lookup_pass(s1, n - done, f->packed);
+            code_pass(s1, s2, n - done, f, codes + done);
+        }
+    }
+}
+
+/* Transform x in place (unsigned: negative -> NaN, which sqrt also gives; sqrt)
+ * and return the absmax on the bits of |x|: monotone for non-negative floats,
+ * and NaN / inf have the largest bit patterns (either -> NaN scale). */
+static int32_t transform_absmax(float *restrict xb, int64_t n, const lbt_format *f) {
+    int32_t amax = 0;
+    if (f->sqrt_) {
+        for (int64_t j = 0; j < n; j++) {
+            float t = sqrtf(xb[j]);
+            xb[j] = t;
+            int32_t a = f2i(t) & 0x7FFFFFFF;
+            amax = a > amax ? a : amax;
+        }
+    } else if (!f->is_signed) {
+        for (int64_t j = 0; j < n; j++) {
+            float t = xb[j] < 0.0f ? NAN : xb[j];
+            xb[j] = t;
+            int32_t a = f2i(t) & 0x7FFFFFFF;
+            amax = a > amax ? a : amax;
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            int32_t a = f2i(xb[j]) & 0x7FFFFFFF;
+            amax = a > amax ? a : amax;
+        }
+    }
+    return amax;
+}
+
 /* Quantize x[0..len) of one row segment that starts at a block boundary:
- * transforms x in place (unsigned: negative -> NaN; sqrt), writes the scales of
- * its blocks and its codes (4-bit: the segment starts at an even element; codes
- * point at its first byte). ``s1``, ``s2``: scratch of len int32 each. */
+ * transforms x in place, writes the scales of its blocks and its codes (4-bit:
+ * the segment starts at an even element; codes point at its first byte).
+ * ``s1``, ``s2``: scratch of len int32 each. */
 static void quantize_segment(float *restrict x, int64_t len, int64_t bs, const lbt_format *f,
                              uint8_t *restrict codes, float *restrict scale, int32_t *restrict s1,
                              int32_t *restrict s2) {
-    const int32_t nan_neg = !f->is_signed && !f->sqrt_, sq = f->sqrt_;
+    const int32_t odd4 = f->bits == 4 && (bs & 1); /* blocks start mid-byte: pack at the end */
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
-        float *restrict xb = x + b0;
-        /* transform (unsigned: negative -> NaN, which sqrt also gives; sqrt) and
-         * absmax on the bits of |x|: monotone for non-negative floats, and NaN /
-         * inf have the largest bit patterns (either -> NaN scale) */
-        int32_t amax = 0;
-        if (sq) {
-            for (int64_t j = 0; j < n; j++) {
-                float t = sqrtf(xb[j]);
-                xb[j] = t;
-                int32_t a = f2i(t) & 0x7FFFFFFF;
-                amax = a > amax ? a : amax;
-            }
-        } else if (nan_neg) {
-            for (int64_t j = 0; j < n; j++) {
-                float t = xb[j] < 0.0f ? NAN : xb[j];
-                xb[j] = t;
-                int32_t a = f2i(t) & 0x7FFFFFFF;
-                amax = a > amax ? a : amax;
-            }
-        } else {
-            for (int64_t j = 0; j < n; j++) {
-                int32_t a = f2i(xb[j]) & 0x7FFFFFFF;
-                amax = a > amax ? a : amax;
-            }
-        }
-        float am;
-        memcpy(&am, &amax, 4);
-        float s = amax >= 0x7F800000 ? NAN : am / f->divisor;
+        float s = block_scale(transform_absmax(x + b0, n, f), f);
         scale[blk] = s;
-        float safe = s > 0.0f ? s : 1.0f;
-        if (f->bits == 4) count_pass(x + b0, n, safe, f, s1 + b0);
-        else if (f->e4m3_arith) e4m3_pass(x + b0, n, safe, f->e4m3_arith == 2, codes + b0);
-        else {
-            int64_t done = 0;
-#ifdef __AVX2__
-            if (f->encode_mode == 1) done = table_codes_avx2(x + b0, n, safe, f, codes + b0);
-#endif
-            if (done < n) { /* the rest, or all without AVX2, in three passes */
-                bucket_pass(x + b0 + done, n - done, safe, f, s1, s2);
-                lookup_pass(s1, n - done, f->packed);
-                code_pass(s1, s2, n - done, f, codes + b0 + done);
-            }
-        }
+        if (odd4) count_pass(x + b0, n, s > 0.0f ? s : 1.0f, f, s1 + b0);
+        else encode_block(x + b0, n, s, f, codes + (f->bits == 4 ? b0 / 2 : b0), s1, s2);
     }
-    if (f->e4m3_arith) return;
-    if (f->bits == 4) {
+    if (odd4) {
         int64_t pairs = len / 2;
         for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(s1[2 * j] | (s1[2 * j + 1] << 4));
         if (len & 1) codes[pairs] = (uint8_t)s1[len - 1]; /* high nibble: padding 0 */
@@ -564,6 +585,76 @@ static int64_t job_tiles(const lbt_adam_job *J) {
     return (J->rows + k - 1) / k;
 }
 
+/* The block-fused path: m and v share a block size (even, so 4-bit blocks start
+ * on a byte), m's format needs no transform, and the float32 moments are not
+ * asked for. Then each block is dequantized, updated (with the transform and
+ * absmax of the new moments in the same loop) and requantized while it is in
+ * L1: one pass over the block's data instead of one per step. */
+static int block_fusable(const lbt_adam_job *J) {
+    return J->bs_m == J->bs_v && (J->bs_m % 2 == 0) && J->fm->is_signed && !J->fm->sqrt_ && !J->m_out && !J->v_out;
+}
+
+/* One block's Adam update on its dequantized moments mb, vb (overwritten by the
+ * new m and the transformed new v), with their absmax bits (amv[0], amv[1]).
+ * pmode 0: o = u; 1: o is the param, updated in place; 2: o = p + ... from p.
+ * vmode 0: v as is; 1: sqrt(v); 2: negative v -> NaN. */
+static inline __attribute__((always_inline)) void adam_block(const float *restrict g, float *restrict o,
+                                                             const float *restrict p, int64_t n, const float *hyper,
+                                                             float *restrict mb, float *restrict vb, const int pmode,
+                                                             const int vmode, int32_t *amv) {
+    const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
+    const float bc1 = hyper[4], bc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
+    int32_t am = 0, av = 0;
+    for (int64_t k = 0; k < n; k++) {
+        float gi = g[k];
+        float m = b1 * mb[k] + omb1 * gi, v = b2 * vb[k] + omb2 * (gi * gi);
+        float u = (m / bc1) / (sqrtf(v / bc2) + eps);
+        if (pmode == 0) {
+            o[k] = u;
+        } else {
+            float pi = pmode == 1 ? o[k] : p[k];
+            o[k] = pi + nlr * (u + wd * pi);
+        }
+        float vt = vmode == 1 ? sqrtf(v) : (vmode == 2 && v < 0.0f ? NAN : v);
+        mb[k] = m;
+        vb[k] = vt;
+        int32_t a = f2i(m) & 0x7FFFFFFF, c = f2i(vt) & 0x7FFFFFFF;
+        am = a > am ? a : am;
+        av = c > av ? c : av;
+    }
+    amv[0] = am;
+    amv[1] = av;
+}
+
+static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const float *ms, const uint8_t *vc,
+                            const float *vs, uint8_t *mc_o, float *ms_o, uint8_t *vc_o, float *vs_o, int64_t off,
+                            int64_t len, float *restrict mb, float *restrict vb, int32_t *s1, int32_t *s2) {
+    const float *hyper = J->hyper;
+    const lbt_format *fm = J->fm, *fv = J->fv;
+    const int64_t bs = J->bs_m;
+    const int32_t vsq = fv->sqrt_, vnan = !fv->is_signed && !fv->sqrt_;
+    for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
+        int64_t n = b0 + bs < len ? bs : len - b0;
+        int64_t cm = fm->bits == 4 ? b0 / 2 : b0, cv = fv->bits == 4 ? b0 / 2 : b0;
+        dequantize_segment(mc + cm, ms + blk, n, bs, fm, mb);
+        dequantize_segment(vc + cv, vs + blk, n, bs, fv, vb);
+        const int pmode = !J->p ? 0 : (J->out == J->p ? 1 : 2);
+        int32_t amv[2];
+        /* literal flags: each call is specialized (and vectorized) by the compiler */
+        if (pmode == 1 && vsq) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 1, amv);
+        else if (pmode == 1 && vnan) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 2, amv);
+        else if (pmode == 1) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 0, amv);
+        else if (pmode == 2) adam_block(J->g + off + b0, J->out + off + b0, J->p + off + b0, n, hyper, mb, vb, 2, vsq ? 1 : (vnan ? 2 : 0), amv);
+        else adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 0, vsq ? 1 : (vnan ? 2 : 0), amv);
+        int32_t am = amv[0], av = amv[1];
+        float sm = block_scale(am, fm), sv = block_scale(av, fv);
+        ms_o[blk] = sm;
+        vs_o[blk] = sv;
+        encode_block(mb, n, sm, fm, mc_o + cm, s1, s2);
+        encode_block(vb, n, sv, fv, vc_o + cv, s1, s2);
+    }
+}
+
 static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, float *restrict vb, int32_t *restrict s1,
                       int64_t Tmax) {
     const float *hyper = J->hyper;
@@ -583,6 +674,16 @@ static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, floa
     const int64_t nbm = (R + bs_m - 1) / bs_m, nbv = (R + bs_v - 1) / bs_v;
     const int64_t ccm = code_cols(fm, R), ccv = code_cols(fv, R);
     const int64_t cj_m = fm->bits == 4 ? j0 / 2 : j0, cj_v = fv->bits == 4 ? j0 / 2 : j0;
+    if (block_fusable(J)) {
+        for (int64_t i = 0; i < nr; i++) {
+            int64_t r = r0 + i;
+            adam_row_blocks(J, J->mc + r * ccm + cj_m, J->ms + r * nbm + j0 / bs_m, J->vc + r * ccv + cj_v,
+                            J->vs + r * nbv + j0 / bs_v, J->mc_out + r * ccm + cj_m, J->ms_out + r * nbm + j0 / bs_m,
+                            J->vc_out + r * ccv + cj_v, J->vs_out + r * nbv + j0 / bs_v, r * R + j0, len, mb, vb, s1,
+                            s1 + Tmax);
+        }
+        return;
+    }
     for (int64_t i = 0; i < nr; i++) {
         int64_t r = r0 + i;
         dequantize_segment(J->mc + r * ccm + cj_m, J->ms + r * nbm + j0 / bs_m, len, bs_m, fm, mb + i * len);
