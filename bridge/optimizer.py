@@ -413,19 +413,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return None
 
     def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        """One ``torch.optim.adam.adam`` call for a group's fp32-state params: per-param
-        Python overhead of the core path dominated models with many small tensors
-        (norms, biases). On CPU torch's fused kernel (one C++ loop over all tensors;
-        its foreach path costs ~3x more on 500 small tensors), elsewhere foreach.
-        Same math as torch.optim.Adam/AdamW by construction."""
+        """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params:
+        per-param Python overhead of the core path dominated models with many small
+        tensors (norms, biases). Same math as torch.optim.Adam/AdamW by construction."""
         b1, b2 = group["betas"]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        cpu = device.type == "cpu"
-        if cpu:  # non-capturable paths take Python numbers (no sync on CPU)
+        if device.type == "cpu":  # non-capturable foreach takes Python numbers (no sync on CPU)
             b1, b2, lr, wd, eps = (float(x) for x in (b1, b2, lr, wd, eps))
         _torch_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=not cpu, capturable=not cpu, differentiable=False, fused=cpu or None,
+            foreach=True, capturable=device.type != "cpu", differentiable=False, fused=None,
             grad_scale=None, found_inf=None, has_complex=False,
             decoupled_weight_decay=self._fused_adam == "adamw", amsgrad=False,
             beta1=b1, beta2=b2, lr=lr, weight_decay=float(wd), eps=float(eps), maximize=False,
