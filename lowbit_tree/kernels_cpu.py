@@ -9,7 +9,8 @@ whole blocks and is built in about a second (no torch headers).
 The library is cached under ``$LOWBIT_TREE_CACHE`` (default
 ``~/.cache/lowbit_tree``), keyed by the source, the flags and the CPU's feature
 flags. Set ``LOWBIT_TREE_NATIVE=0`` to never build or use it (the torch path
-then runs). :func:`available` says whether it can be used.
+then runs), ``LOWBIT_TREE_CFLAGS`` to add compiler flags. :func:`available` says
+whether it can be used.
 """
 from __future__ import annotations
 
@@ -102,7 +103,9 @@ def library():
     if cc is None:
         return None
     src = _SOURCE.read_bytes()
-    flags = _FLAGS + (_AMD_FLAGS if _is_amd() else [])
+    # LOWBIT_TREE_CFLAGS: extra compiler flags (e.g. "-mno-avx2" to build and test
+    # the plain-C paths that CPUs without AVX2 run)
+    flags = _FLAGS + (_AMD_FLAGS if _is_amd() else []) + os.environ.get("LOWBIT_TREE_CFLAGS", "").split()
     key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree"))
     so = cache / f"kernels_cpu_{key}.so"
@@ -114,9 +117,11 @@ def library():
             try:
                 subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
             except subprocess.CalledProcessError:
-                if flags == _FLAGS:
+                if not _is_amd():
                     raise
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+                # the AMD tuning option is GCC-only: retry without it
+                retry = [f for f in flags if f not in _AMD_FLAGS]
+                subprocess.run([cc, *retry, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
             os.replace(tmp, so)  # atomic: concurrent processes never load a partial file
         lib = ctypes.CDLL(str(so))
     except (OSError, subprocess.CalledProcessError):

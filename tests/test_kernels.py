@@ -1,6 +1,10 @@
 """Fast kernels are bit-identical to the reference quantizer (codes and scale bits),
 and the fused Adam step equals the unfused reference composition."""
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -262,6 +266,22 @@ def test_native_adam_rejects_bad_sizes_before_running_anything():
     overlap[4] = p.view(-1)[1:].view(-1)[:1200 - 1]  # out overlapping the param, shifted
     with pytest.raises(ValueError):
         kernels_cpu.adam_many([tuple(overlap)])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flag")
+def test_native_kernels_without_avx2(tmp_path):
+    """The plain-C paths (what CPUs without AVX2 run; here only block tails) built
+    alone with -mno-avx2 pass the same bit-identity tests, in a fresh process."""
+    env = dict(os.environ, LOWBIT_TREE_CFLAGS="-mno-avx2 -mno-avx512f", LOWBIT_TREE_CACHE=str(tmp_path))
+    tests = "random_bit or adam_step_matches_reference or many_in_place or quantize_dequantize_bit_identical"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k", tests],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "passed" in r.stdout and list(tmp_path.glob("kernels_cpu_*.so")), r.stdout[-2000:]
 
 
 def test_adam_hyperparams_tensor_count_matches_int():
