@@ -626,26 +626,38 @@ static inline __attribute__((always_inline)) void adam_block(const float *restri
     amv[1] = av;
 }
 
+/* adam_block on J's element range [off, off + n), with the param mode taken from
+ * J and every (pmode, vmode) pair a call with literal flags, so each combination
+ * is compiled (and vectorized) on its own. */
+static void adam_block_job(const lbt_adam_job *J, int64_t off, int64_t n, float *restrict mb, float *restrict vb,
+                           int vmode, int32_t *amv) {
+    const int pmode = !J->p ? 0 : (J->out == J->p ? 1 : 2);
+    const float *g = J->g + off, *p = pmode == 2 ? J->p + off : NULL;
+    float *o = J->out + off;
+#define LBT_ADAM_CASE(P, V) \
+    if (pmode == P && vmode == V) {                                                    \
+        adam_block(g, o, p, n, J->hyper, mb, vb, P, V, amv);                             \
+        return;                                                                          \
+    }
+    LBT_ADAM_CASE(0, 0) LBT_ADAM_CASE(0, 1) LBT_ADAM_CASE(0, 2)
+    LBT_ADAM_CASE(1, 0) LBT_ADAM_CASE(1, 1) LBT_ADAM_CASE(1, 2)
+    LBT_ADAM_CASE(2, 0) LBT_ADAM_CASE(2, 1) LBT_ADAM_CASE(2, 2)
+#undef LBT_ADAM_CASE
+}
+
 static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const float *ms, const uint8_t *vc,
                             const float *vs, uint8_t *mc_o, float *ms_o, uint8_t *vc_o, float *vs_o, int64_t off,
                             int64_t len, float *restrict mb, float *restrict vb, int32_t *s1, int32_t *s2) {
-    const float *hyper = J->hyper;
     const lbt_format *fm = J->fm, *fv = J->fv;
     const int64_t bs = J->bs_m;
-    const int32_t vsq = fv->sqrt_, vnan = !fv->is_signed && !fv->sqrt_;
+    const int vmode = fv->sqrt_ ? 1 : (!fv->is_signed ? 2 : 0);
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         int64_t cm = fm->bits == 4 ? b0 / 2 : b0, cv = fv->bits == 4 ? b0 / 2 : b0;
         dequantize_segment(mc + cm, ms + blk, n, bs, fm, mb);
         dequantize_segment(vc + cv, vs + blk, n, bs, fv, vb);
-        const int pmode = !J->p ? 0 : (J->out == J->p ? 1 : 2);
         int32_t amv[2];
-        /* literal flags: each call is specialized (and vectorized) by the compiler */
-        if (pmode == 1 && vsq) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 1, amv);
-        else if (pmode == 1 && vnan) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 2, amv);
-        else if (pmode == 1) adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 1, 0, amv);
-        else if (pmode == 2) adam_block(J->g + off + b0, J->out + off + b0, J->p + off + b0, n, hyper, mb, vb, 2, vsq ? 1 : (vnan ? 2 : 0), amv);
-        else adam_block(J->g + off + b0, J->out + off + b0, NULL, n, hyper, mb, vb, 0, vsq ? 1 : (vnan ? 2 : 0), amv);
+        adam_block_job(J, off + b0, n, mb, vb, vmode, amv);
         int32_t am = amv[0], av = amv[1];
         float sm = block_scale(am, fm), sv = block_scale(av, fv);
         ms_o[blk] = sm;
@@ -657,9 +669,6 @@ static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const floa
 
 static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, float *restrict vb, int32_t *restrict s1,
                       int64_t Tmax) {
-    const float *hyper = J->hyper;
-    const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
-    const float bc1 = hyper[4], bc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const lbt_format *fm = J->fm, *fv = J->fv;
     const int64_t R = J->R, bs_m = J->bs_m, bs_v = J->bs_v, T = job_tile(J);
     int64_t r0, nr, j0, len;
@@ -690,40 +699,8 @@ static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, floa
         dequantize_segment(J->vc + r * ccv + cj_v, J->vs + r * nbv + j0 / bs_v, len, bs_v, fv, vb + i * len);
     }
     const int64_t off = r0 * R + j0, total = nr * len; /* nr > 1 only with j0 == 0, len == R: contiguous */
-    const float *restrict gt = J->g + off;
-    if (J->p && J->out == J->p) { /* in place: one pointer, so the loop vectorizes */
-        float *restrict pt = J->out + off;
-        for (int64_t i = 0; i < total; i++) {
-            float gi = gt[i];
-            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
-            mb[i] = m;
-            vb[i] = v;
-            float u = (m / bc1) / (sqrtf(v / bc2) + eps);
-            float pi = pt[i];
-            pt[i] = pi + nlr * (u + wd * pi);
-        }
-    } else if (J->p) {
-        const float *restrict pt = J->p + off;
-        float *restrict ot = J->out + off;
-        for (int64_t i = 0; i < total; i++) {
-            float gi = gt[i];
-            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
-            mb[i] = m;
-            vb[i] = v;
-            float u = (m / bc1) / (sqrtf(v / bc2) + eps);
-            float pi = pt[i];
-            ot[i] = pi + nlr * (u + wd * pi);
-        }
-    } else {
-        float *restrict ot = J->out + off;
-        for (int64_t i = 0; i < total; i++) {
-            float gi = gt[i];
-            float m = b1 * mb[i] + omb1 * gi, v = b2 * vb[i] + omb2 * (gi * gi);
-            mb[i] = m;
-            vb[i] = v;
-            ot[i] = (m / bc1) / (sqrtf(v / bc2) + eps);
-        }
-    }
+    int32_t amv[2]; /* unused here: quantize_segment transforms and takes the absmax itself */
+    adam_block_job(J, off, total, mb, vb, 0, amv);
     if (J->m_out) memcpy(J->m_out + off, mb, sizeof(float) * total);
     if (J->v_out) memcpy(J->v_out + off, vb, sizeof(float) * total);
     for (int64_t i = 0; i < nr; i++) {
