@@ -315,17 +315,17 @@ def _adam_core(
 ):
     """One Adam step on a (rows, R) parameter with quantized moments.
 
-    ``hyper`` is float32 ``[b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd]``.
+    ``hyper`` is float32 ``[b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd]``.
     """
     r = g.shape[1]
     g = g.float()
-    b1, omb1, b2, omb2, bc1, bc2, eps, lr, wd = hyper.unbind(0)
+    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd = hyper.unbind(0)
     odd = bool(r % 2)
     m = _dequantize_core(m_codes, m_scale, m_decode, fmt_m, bs_m, odd)
     v = _dequantize_core(v_codes, v_scale, v_decode, fmt_v, bs_v, odd)
     m = b1 * m + omb1 * g
     v = b2 * v + omb2 * (g * g)
-    u = (m / bc1) / (_exact_sqrt(v / bc2) + eps)
+    u = (m * rbc1) / (_exact_sqrt(v) * rsbc2 + eps)
     if p is not None:
         pf = p.float()
         out = (pf + (-lr) * (u + wd * pf)).to(p.dtype)
@@ -481,12 +481,15 @@ def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Te
 def adam_hyperparams(
     *, count, lr, b1: float, b2: float, eps: float, weight_decay: float = 0.0, device=None
 ) -> torch.Tensor:
-    """float32 ``[b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd]`` for :func:`adam_step_quantized`.
+    """float32 ``[b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd]`` for
+    :func:`adam_step_quantized`.
 
     ``count`` is the number of steps already taken (the bias corrections use
-    ``count + 1``: ``bc = 1 - b ** (count + 1)``, computed in float64, then rounded
-    to float32 like a Python float multiplying a float32 tensor). ``count`` and
-    ``lr`` may be Python numbers or 0-d tensors (no host sync then).
+    ``count + 1``: ``bc = 1 - b ** (count + 1)``; ``1/bc1`` and ``1/sqrt(bc2)`` are
+    computed in float64, then rounded to float32). Reciprocals, so that the step
+    multiplies where it would divide: a float32 division or square root costs
+    several multiplications on CPUs. ``count`` and ``lr`` may be Python numbers or
+    0-d tensors (no host sync then).
     """
     if isinstance(count, torch.Tensor) or isinstance(lr, torch.Tensor):
         dev = device if device is not None else (count.device if isinstance(count, torch.Tensor) else lr.device)
@@ -497,9 +500,9 @@ def adam_hyperparams(
         tail = torch.tensor([eps], dtype=torch.float64, device=dev)
         lr_t = torch.as_tensor(lr, device=dev).to(torch.float64).reshape(1)
         wd_t = torch.tensor([weight_decay], dtype=torch.float64, device=dev)
-        return torch.cat([consts, bc1.reshape(1), bc2.reshape(1), tail, lr_t, wd_t]).float()
+        return torch.cat([consts, (1 / bc1).reshape(1), bc2.rsqrt().reshape(1), tail, lr_t, wd_t]).float()
     c = int(count) + 1
-    vals = [b1, 1 - b1, b2, 1 - b2, 1 - b1**c, 1 - b2**c, eps, float(lr), weight_decay]
+    vals = [b1, 1 - b1, b2, 1 - b2, 1 / (1 - b1**c), 1 / math.sqrt(1 - b2**c), eps, float(lr), weight_decay]
     return torch.tensor(vals, dtype=torch.float32, device=device)
 
 
@@ -537,7 +540,9 @@ def adam_step_quantized(
     """Fused Adam(W) step with block-quantized moments, on plain tensors.
 
     Per element, in float32: ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*(g*g)``,
-    ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc = 1 - b**(count+1)``; the new
+    ``u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)`` with ``bc = 1 - b**(count+1)``
+    (the reciprocals rounded to float32 once per step: one division and one square
+    root per element, the root shared with ``sqrt`` formats' transform); the new
     ``m`` and ``v`` are requantized (codes bit-identical to
     :func:`~lowbit_tree.qtensor.quantize_rows` of those float32 moments). One pass
     per tile of whole blocks: the float32 moments never exist for the whole tensor.
@@ -690,11 +695,11 @@ def adam_step_reference(
     from .qtensor import QTensor, dequantize, quantize_rows
 
     hyper = adam_hyperparams(count=count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    b1_, omb1, b2_, omb2, bc1, bc2, eps_, lr_, wd = [hyper[i] for i in range(9)]
+    b1_, omb1, b2_, omb2, rbc1, rsbc2, eps_, lr_, wd = [hyper[i] for i in range(9)]
     g = grad.float().reshape(m.shape)
     m32 = b1_ * dequantize(m) + omb1 * g
     v32 = b2_ * dequantize(v) + omb2 * (g * g)
-    u = (m32 / bc1) / (torch.sqrt((v32 / bc2).double()).float() + eps_)
+    u = (m32 * rbc1) / (torch.sqrt(v32.double()).float() * rsbc2 + eps_)
     if p32 is not None:
         pf = p32.float()
         out = (pf + (-lr_) * (u + wd * pf)).to(p32.dtype)

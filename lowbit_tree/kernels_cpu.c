@@ -549,7 +549,7 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
 
 /* One parameter's fused Adam step. Every field is 8 bytes wide, so that the
  * caller can pass an array of jobs as rows of int64.
- * hyper: b1, 1-b1, b2, 1-b2, bc1, bc2, eps, lr, wd (float32).
+ * hyper: b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd (float32).
  * p == NULL: out = u (the Adam direction); else out = p + (-lr) * (u + wd * p).
  * out may alias p; the *_out code/scale arrays may alias the inputs (a tile is
  * read whole before it is written).
@@ -603,19 +603,20 @@ static inline __attribute__((always_inline)) void adam_block(const float *restri
                                                              float *restrict mb, float *restrict vb, const int pmode,
                                                              const int vmode, int32_t *amv) {
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
-    const float bc1 = hyper[4], bc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
+    const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     int32_t am = 0, av = 0;
     for (int64_t k = 0; k < n; k++) {
         float gi = g[k];
         float m = b1 * mb[k] + omb1 * gi, v = b2 * vb[k] + omb2 * (gi * gi);
-        float u = (m / bc1) / (sqrtf(v / bc2) + eps);
+        float sv = sqrtf(v); /* also the transform of sqrt formats */
+        float u = (m * rbc1) / (sv * rsbc2 + eps);
         if (pmode == 0) {
             o[k] = u;
         } else {
             float pi = pmode == 1 ? o[k] : p[k];
             o[k] = pi + nlr * (u + wd * pi);
         }
-        float vt = vmode == 1 ? sqrtf(v) : (vmode == 2 && v < 0.0f ? NAN : v);
+        float vt = vmode == 1 ? sv : (vmode == 2 && v < 0.0f ? NAN : v);
         mb[k] = m;
         vb[k] = vt;
         int32_t a = f2i(m) & 0x7FFFFFFF, c = f2i(vt) & 0x7FFFFFFF;

@@ -284,6 +284,45 @@ def test_native_kernels_without_avx2(tmp_path):
     assert "passed" in r.stdout and list(tmp_path.glob("kernels_cpu_*.so")), r.stdout[-2000:]
 
 
+@pytest.mark.parametrize("count", [0, 3, 999])
+@pytest.mark.parametrize("st", ["8bit", "fp8"])
+def test_adam_step_is_textbook_adamw_in_float64(st, count):
+    """The fused step's float32 math (reciprocal bias corrections, one root) is
+    AdamW: against a float64 textbook step on the same dequantized moments."""
+    fm, fv = lt.STATE_FORMATS[st]
+    gen = torch.Generator().manual_seed(count)
+    shape = (9, 300)
+    p = torch.randn(shape, generator=gen)
+    g = torch.randn(shape, generator=gen) * torch.logspace(-6, 0, 300)
+    g[0, :5] = torch.tensor([0.0, 1e-30, -1e-30, 1e3, -1e3])
+    m = lt.quantize(torch.randn(shape, generator=gen) * 1e-2, fm)
+    v = lt.quantize(torch.rand(shape, generator=gen) * 1e-4, fv)
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.1
+    out, _, _, _, _, m32, v32 = K.adam_step_quantized(
+        p, g, m.codes, m.scale, v.codes, v.scale, fmt_m=fm, fmt_v=fv, block_size=(m.block_size, v.block_size),
+        shape=shape, return_moments=True, count=count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd,
+    )
+    m0, v0, g64, p64 = (lt.dequantize(m).double(), lt.dequantize(v).double(), g.double(), p.double())
+    mr = b1 * m0 + (1 - b1) * g64
+    vr = b2 * v0 + (1 - b2) * g64 * g64
+    c = count + 1
+    # float32 rounding of each term (b1 itself is rounded): error bounded by the
+    # terms' magnitudes, not the result's (the two terms may cancel)
+    assert ((m32.double() - mr).abs() <= 1e-6 * (b1 * m0.abs() + (1 - b1) * g64.abs())).all()
+    assert ((v32.double() - vr).abs() <= 1e-6 * (b2 * v0 + (1 - b2) * g64 * g64)).all()
+    # the update direction (no param given): a few float32 roundings of textbook u
+    u = K.adam_step_quantized(
+        None, g, m.codes, m.scale, v.codes, v.scale, fmt_m=fm, fmt_v=fv, block_size=(m.block_size, v.block_size),
+        shape=shape, count=count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd,
+    )[0]
+    # from the kernel's own float32 moments (their rounding is checked above)
+    m64, v64 = m32.double(), v32.double()
+    ur = (m64 / (1 - b1**c)) / ((v64 / (1 - b2**c)).sqrt() + eps)
+    torch.testing.assert_close(u.double(), ur, rtol=2e-6, atol=0)
+    pr = p64 - lr * (ur + wd * p64)
+    assert ((out.double() - pr).abs() <= 4 * 2**-24 * p64.abs() + 2e-6 * lr * ur.abs()).all()
+
+
 def test_adam_hyperparams_tensor_count_matches_int():
     a = K.adam_hyperparams(count=7, lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     b = K.adam_hyperparams(count=torch.tensor(7), lr=torch.tensor(3e-4, dtype=torch.float64), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
