@@ -26,7 +26,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam  # functional multi-tensor Adam(W)
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor, kernels
+from lowbit_tree import QTensor, kernels, kernels_cpu
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import inject_hyperparams
@@ -343,6 +343,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             fused_hyper: dict = {}  # step count -> fused kernel's hyperparameter vector (CPU)
             plain: dict = {}  # device -> (params, grads, exp_avgs, exp_avg_sqs, steps) for torch's multi-tensor Adam
             fused: list = []  # the fused kernel's steps, run together after the loop
+            fp32_native: list = []  # fp32-state params stepped by the native CPU kernel
             fast = ok is None and self._fast_group(group)
             for p in group["params"]:
                 index += 1
@@ -364,6 +365,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if path == "fused":
                     fused.append(self._fused_adam_item(group, local, grad, st, fused_hyper))
                     continue
+                if path == "fp32" and self._native_fp32(group, local):
+                    fp32_native.append(self._fused_adam_item(group, local, grad, st, fused_hyper, quantized=False))
+                    continue
                 if path == "fp32":
                     lists = plain.setdefault(local.device, ([], [], [], [], []))
                     for lst, t in zip(lists, (local, grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
@@ -382,6 +386,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._fp32_adam_steps(group, device, *lists)
             if fused:
                 self._fused_adam_steps(fused)
+            if fp32_native:
+                self._fused_adam_steps(fp32_native, quantized=False)
         return loss
 
     # -- fast paths ---------------------------------------------------------------------
@@ -412,6 +418,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return "fp32"
         return None
 
+    def _native_fp32(self, group, local) -> bool:
+        """Whether an fp32-state param of a fast group is stepped by the native CPU
+        kernel (:func:`lowbit_tree.kernels.adam_step_fp32_`): on CPU when the native
+        kernels are built, for AdamW and for Adam without weight decay (Adam's L2
+        decay goes through torch's multi-tensor Adam)."""
+        if local.device.type != "cpu" or not kernels_cpu.available():
+            return False
+        wd = group.get("weight_decay", 0.0)
+        return self._fused_adam == "adamw" or not (isinstance(wd, torch.Tensor) or wd != 0)
+
     def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
         """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params:
         per-param Python overhead of the core path dominated models with many small
@@ -428,7 +444,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             beta1=b1, beta2=b2, lr=lr, weight_decay=float(wd), eps=float(eps), maximize=False,
         )
 
-    def _fused_adam_item(self, group, local, grad, st, cache: dict) -> tuple:
+    def _fused_adam_item(self, group, local, grad, st, cache: dict, quantized: bool = True) -> tuple:
         """One param's arguments for :func:`lowbit_tree.kernels.adam_step_quantized_`
         (Adam(W) in one pass per block: dequantize, update, requantize, write param
         and codes in place). Same math as the core's ``scale_by_adam ->
@@ -448,13 +464,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
             if key is not None:
                 cache[key] = hyper
+        if not quantized:  # plain float32 moments: adam_step_fp32_'s step
+            return (local, grad, m, v, hyper, step)
         return (local, grad, m.codes, m.scale, v.codes, v.scale, m.format, v.format, (m.block_size, v.block_size),
                 hyper, step)
 
     @staticmethod
-    def _fused_adam_steps(items: list) -> None:
+    def _fused_adam_steps(items: list, quantized: bool = True) -> None:
         """All of a group's fused steps in one kernel call (one parallel region on CPU)."""
-        kernels.adam_step_quantized_([it[:-1] for it in items])
+        (kernels.adam_step_quantized_ if quantized else kernels.adam_step_fp32_)([it[:-1] for it in items])
         steps = [it[-1] for it in items]
         by_device: dict = {}
         for s in steps:

@@ -53,6 +53,7 @@ __all__ = [
     "adam_hyperparams",
     "adam_step_quantized",
     "adam_step_quantized_",
+    "adam_step_fp32_",
     "adam_step_reference",
     "use_compile",
 ]
@@ -394,6 +395,19 @@ def _use_native(device: torch.device, backend: Optional[str]) -> bool:
     return kernels_cpu.available()
 
 
+def _native_on(backend: Optional[str]) -> bool:
+    """:func:`_use_native` for CPU tensors (checked once per call, not per tensor)."""
+    return _use_native(_CPU, backend)
+
+
+_CPU = torch.device("cpu")
+
+
+def _f32c(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous float32 tensor (itself when it already is one)."""
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
 def quantize_rows_fast(
     x2: torch.Tensor,
     fmt: str | Format,
@@ -648,6 +662,7 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
     calling :func:`adam_step_quantized` per parameter.
     """
     jobs, keep = [], []
+    use_native = _native_on(backend)
     for p32, grad, mc, ms, vc, vs, fmt_m, fmt_v, block_size, hyper in steps:
         fm, fv = get_format(fmt_m), get_format(fmt_v)
         bs_m, bs_v = _bs_pair(block_size, fm, fv)
@@ -655,10 +670,12 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
         if rows * r == 0:
             continue
         native = (
-            _use_native(p32.device, backend)
-            and p32.dtype == torch.float32
+            p32.is_cpu
+            and use_native
+            and p32.dtype is torch.float32
             and all(t.is_contiguous() for t in (p32, mc, ms, vc, vs))
-            and ms.dtype == vs.dtype == torch.float32
+            and ms.dtype is torch.float32
+            and vs.dtype is torch.float32
         )
         if not native:
             adam_step_quantized(
@@ -666,15 +683,48 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
                 hyper=hyper, out=p32, state_out=(mc, ms, vc, vs), backend=backend,
             )
             continue
-        g32 = grad.detach().float().contiguous()
-        h32 = hyper.float().contiguous()
+        g32, h32 = _f32c(grad), _f32c(hyper)
         keep += [g32, h32]  # alive until the call below
-        pd, mcu, vcu = p32.detach(), mc.view(torch.uint8), vc.view(torch.uint8)
-        jobs.append((rows, r, pd, g32, pd, mcu, ms, vcu, vs, mcu, ms, vcu, vs, None, None, h32, fm.name, bs_m, fv.name, bs_v))
+        mcu = mc if mc.dtype is torch.uint8 else mc.view(torch.uint8)
+        vcu = vc if vc.dtype is torch.uint8 else vc.view(torch.uint8)
+        jobs.append((rows, r, p32, g32, p32, mcu, ms, vcu, vs, mcu, ms, vcu, vs, None, None, h32, fm.name, bs_m, fv.name, bs_v))
     if jobs:
         from . import kernels_cpu
 
         kernels_cpu.adam_many(jobs)
+
+
+def adam_step_fp32_(steps: Sequence[tuple], *, backend: Optional[str] = None) -> None:
+    """The Adam(W) step of :func:`adam_step_quantized` on plain float32 moments, **in
+    place**: each step is ``(p32, grad, exp_avg, exp_avg_sq, hyper)`` (float32 param
+    and moments, :func:`adam_hyperparams` vector) and overwrites ``p32``,
+    ``exp_avg`` and ``exp_avg_sq``.
+
+    For the many small tensors (norms, biases) that keep float32 state: on CPU
+    with the native kernels all contiguous ones go into one call (torch's
+    multi-tensor Adam on CPU dispatches about 15 kernels per tensor). Elsewhere
+    the same float32 operations run eagerly, one param at a time. Elementwise
+    and deterministic: a shard's result does not depend on where it starts.
+    """
+    native_jobs = []
+    use_native = _native_on(backend)
+    for p32, grad, m, v, hyper in steps:
+        if p32.numel() == 0:
+            continue
+        if p32.is_cpu and use_native and all(t.dtype is torch.float32 and t.is_contiguous() for t in (p32, m, v)):
+            native_jobs.append((p32, _f32c(grad), m, v, _f32c(hyper)))
+            continue
+        b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd = hyper.to(p32.device).float().unbind(0)
+        g = grad.float()
+        m.copy_(b1 * m + omb1 * g)
+        v.copy_(b2 * v + omb2 * (g * g))
+        u = (m * rbc1) / (_exact_sqrt(v) * rsbc2 + eps)
+        pf = p32.float()
+        p32.copy_(pf + (-lr) * (u + wd * pf))
+    if native_jobs:
+        from . import kernels_cpu
+
+        kernels_cpu.adam_many([], native_jobs)
 
 
 def adam_step_reference(

@@ -549,6 +549,9 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
 
 /* One parameter's fused Adam step. Every field is 8 bytes wide, so that the
  * caller can pass an array of jobs as rows of int64.
+ * fm == fv == NULL: float32 moments, rows == 1: mc and vc point at m and v
+ * (float32, R elements), updated in place; the *_out, scale and m_out / v_out
+ * fields are unused.
  * hyper: b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd (float32).
  * p == NULL: out = u (the Adam direction); else out = p + (-lr) * (u + wd * p).
  * out may alias p; the *_out code/scale arrays may alias the inputs (a tile is
@@ -671,6 +674,12 @@ static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const floa
 static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, float *restrict vb, int32_t *restrict s1,
                       int64_t Tmax) {
     const lbt_format *fm = J->fm, *fv = J->fv;
+    if (!fm) { /* float32 moments (mc, vc point at them), updated in place */
+        const int64_t T = job_tile(J), off = t * T, n = J->R - off < T ? J->R - off : T;
+        int32_t amv[2];
+        adam_block_job(J, off, n, (float *)J->mc + off, (float *)J->vc + off, 0, amv);
+        return;
+    }
     const int64_t R = J->R, bs_m = J->bs_m, bs_v = J->bs_v, T = job_tile(J);
     int64_t r0, nr, j0, len;
     if (R >= T) {

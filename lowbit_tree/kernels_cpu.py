@@ -14,6 +14,7 @@ whether it can be used.
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -180,7 +181,12 @@ def _ptr(t: Optional[torch.Tensor]):
 
 
 def _check(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    assert t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous(), (what, t.dtype, t.device)
+    """The C code reads raw pointers: CPU, ``dtype``, contiguous, or a clear error."""
+    if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
+        raise ValueError(
+            f"native CPU kernel: {what} must be a contiguous {dtype} CPU tensor, got "
+            f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
 
 
 def quantize(x2: torch.Tensor, fmt_name: str, block_size: int, codes: torch.Tensor, scale: torch.Tensor) -> None:
@@ -241,17 +247,37 @@ def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, v
                 fmt_m, bs_m, fmt_v, bs_v)])
 
 
-def adam_many(jobs: list[tuple]) -> None:
+# Tile of a float32-moment job (elements; any size works, results do not depend on it).
+_FP32_TILE = 2048
+
+
+def _adam_fp32_job_row(p, g, m, v, hyper) -> list[int]:
+    """One float32-moment job's row: param, grad, m, v float32 contiguous, same numel;
+    p, m and v are updated in place."""
+    n = p.numel()
+    for what, t in (("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v), ("hyper", hyper)):
+        _check(t, torch.float32, what)
+        if t.numel() != (9 if what == "hyper" else n):
+            raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {9 if what == 'hyper' else n}")
+    ptrs = [p, g, p, m, None, v, None, None, None, None, None, None, None, hyper]
+    return [1, n, *(0 if t is None else t.data_ptr() for t in ptrs), 0, 0, _FP32_TILE, _FP32_TILE]
+
+
+def adam_many(jobs: list[tuple], fp32_jobs: list[tuple] = ()) -> None:
     """Several fused steps in one call and one parallel region (the tiles of all
     jobs are shared out among the threads): per-parameter overhead is one row of
     20 integers, not one foreign call and one thread wake-up per parameter. Each
-    job is the argument tuple of :func:`adam`. All jobs are checked before any runs."""
-    if not jobs:
+    job is the argument tuple of :func:`adam`; each of ``fp32_jobs`` is
+    ``(p, g, m, v, hyper)`` for plain float32 moments (the same update, in place).
+    All jobs are checked before any runs."""
+    if not jobs and not fp32_jobs:
         return
-    flat: list[int] = []
+    flat = array.array("q")  # int64 rows; building a tensor from a list costs ~20 us per 100 jobs
     total = 0
     for job in jobs:
-        flat += _adam_job_row(*job)
+        flat.extend(_adam_job_row(*job))
         total += job[0] * job[1]
-    table = torch.tensor(flat, dtype=torch.int64)
-    library().lbt_adam_jobs(len(jobs), table.data_ptr(), _threads(total))
+    for job in fp32_jobs:
+        flat.extend(_adam_fp32_job_row(*job))
+        total += job[0].numel()
+    library().lbt_adam_jobs(len(jobs) + len(fp32_jobs), flat.buffer_info()[0], _threads(total))

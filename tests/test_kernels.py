@@ -323,6 +323,63 @@ def test_adam_step_is_textbook_adamw_in_float64(st, count):
     assert ((out.double() - pr).abs() <= 4 * 2**-24 * p64.abs() + 2e-6 * lr * ur.abs()).all()
 
 
+FP32_SIZES = [1, 7, 300, 2048, 2049, 5000, 0]
+
+
+def fp32_case(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * torch.logspace(-8, 1, max(n, 1))[:n]
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = torch.rand(n, generator=gen) * 1e-6
+    if n >= 4:
+        g[:4] = torch.tensor([0.0, -0.0, 1e18, -1e-30])  # g * g stays finite in float32
+        v[:2] = 0.0
+    return p, g, m, v
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_adam_step_fp32_native_matches_eager_and_textbook():
+    """Native float32-moment jobs (one call, tiles shared out) against the eager
+    float32 fallback (bit for bit) and a float64 textbook AdamW (a few ulps)."""
+    lr, b1, b2, eps, wd, count = 3e-3, 0.9, 0.99, 1e-8, 0.05, 2
+    hyper = K.adam_hyperparams(count=count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=wd)
+    cases = [fp32_case(n, i) for i, n in enumerate(FP32_SIZES)]
+    nat = [tuple(t.clone() for t in c) for c in cases]
+    eag = [tuple(t.clone() for t in c) for c in cases]
+    K.adam_step_fp32_([(p, g, m, v, hyper) for p, g, m, v in nat])
+    K.adam_step_fp32_([(p, g, m, v, hyper) for p, g, m, v in eag], backend="torch")
+    for (p0, g, m0, v0), a, b in zip(cases, nat, eag):
+        for x, y in zip(a, b):
+            assert same_bits(x, y), len(p0)
+        p64, g64, m64, v64 = (t.double() for t in (p0, g, m0, v0))
+        mr = b1 * m64 + (1 - b1) * g64
+        vr = b2 * v64 + (1 - b2) * g64 * g64
+        assert ((a[2].double() - mr).abs() <= 1e-6 * (b1 * m64.abs() + (1 - b1) * g64.abs())).all()
+        assert ((a[3].double() - vr).abs() <= 1e-6 * (b2 * v64 + (1 - b2) * g64 * g64)).all()
+        m32, v32 = a[2].double(), a[3].double()
+        c = count + 1
+        ur = (m32 / (1 - b1**c)) / ((v32 / (1 - b2**c)).sqrt() + eps)
+        pr = p64 - lr * (ur + wd * p64)
+        assert ((a[0].double() - pr).abs() <= 4 * 2**-24 * p64.abs() + 2e-6 * lr * ur.abs()).all()
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_adam_step_fp32_non_contiguous_and_bad_hyper():
+    hyper = K.adam_hyperparams(count=0, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8)
+    p, g, m, v = fp32_case(64, 5)
+    pt, mt, vt = (t.reshape(8, 8).t() for t in (p.clone(), m.clone(), v.clone()))  # not contiguous: eager path
+    K.adam_step_fp32_([(pt, g.reshape(8, 8).t(), mt, vt, hyper)])
+    p2, m2, v2 = p.clone(), m.clone(), v.clone()
+    K.adam_step_fp32_([(p2, g, m2, v2, hyper)])
+    assert same_bits(pt.t().reshape(-1), p2) and same_bits(mt.t().reshape(-1), m2) and same_bits(vt.t().reshape(-1), v2)
+    with pytest.raises(ValueError, match="hyper has 3 elements"):
+        kernels_cpu.adam_many([], [(p2, g, m2, v2, torch.zeros(3))])
+    with pytest.raises(ValueError, match="exp_avg_sq has 63 elements"):
+        kernels_cpu.adam_many([], [(p2, g, m2, v2[:63], hyper)])
+    assert same_bits(p2, p2.clone())  # nothing ran: the checks come first
+
+
 def test_adam_hyperparams_tensor_count_matches_int():
     a = K.adam_hyperparams(count=7, lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     b = K.adam_hyperparams(count=torch.tensor(7), lr=torch.tensor(3e-4, dtype=torch.float64), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
