@@ -406,7 +406,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """For a param of a fast group: ``"fused"`` (float32 param, both moments quantized;
         for Adam's L2 decay only with weight_decay == 0), ``"fp32"`` (float32 param and
         plain float32 moments: small tensors or ``state_format="fp32"``), else None."""
-        if local.dtype != torch.float32 or set(st) != {"step", "exp_avg", "exp_avg_sq"}:
+        if local.dtype is not torch.float32 or len(st) != 3 or "exp_avg" not in st or "exp_avg_sq" not in st:
             return None
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
         if isinstance(m, QState) and isinstance(v, QState):

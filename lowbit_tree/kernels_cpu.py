@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from .formats import FORMATS as _FORMATS
+
 __all__ = ["available", "library", "quantize", "dequantize", "adam", "adam_many"]
 
 _SOURCE = Path(__file__).with_name("kernels_cpu.c")
@@ -205,39 +207,37 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_si
 
 def _adam_job_row(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
                   fmt_m: str, bs_m: int, fmt_v: str, bs_v: int) -> list[int]:
-    """Checks one job's tensors and returns its ``lbt_adam_job`` row (20 int64)."""
-    _check(g, torch.float32, "grad")
-    _check(hyper, torch.float32, "hyper")
-    for t in (mc, vc, mc_out, vc_out):
-        _check(t, torch.uint8, "codes")
-    for t in (ms, vs, ms_out, vs_out, out):
-        _check(t, torch.float32, "scale/out")
-    if p is not None:
-        _check(p, torch.float32, "param")
-    # the C code trusts these sizes: check them here, never write out of bounds
-    from .formats import FORMATS
-
-    def cols(name):
-        return (r + 1) // 2 if FORMATS[name].bits == 4 else r
-
-    expect = {
-        "grad": (g, rows * r), "out": (out, rows * r), "param": (p, rows * r),
-        "m_codes": (mc, rows * cols(fmt_m)), "m_codes_out": (mc_out, rows * cols(fmt_m)),
-        "v_codes": (vc, rows * cols(fmt_v)), "v_codes_out": (vc_out, rows * cols(fmt_v)),
-        "m_scale": (ms, rows * -(-r // bs_m)), "m_scale_out": (ms_out, rows * -(-r // bs_m)),
-        "v_scale": (vs, rows * -(-r // bs_v)), "v_scale_out": (vs_out, rows * -(-r // bs_v)),
-        "m_out": (m_out, rows * r), "v_out": (v_out, rows * r), "hyper": (hyper, 9),
-    }
-    for what, (t, n) in expect.items():
-        if t is not None and t.numel() != n:
-            raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {n} (rows={rows}, R={r})")
-    if p is not None and out.data_ptr() != p.data_ptr():
-        lo, hi = sorted((out.data_ptr(), p.data_ptr()))
-        if hi < lo + 4 * rows * r:
+    """Checks one job's tensors and returns its ``lbt_adam_job`` row (20 int64).
+    The C code trusts these sizes: they are checked here, it never writes out of
+    bounds. In-place jobs pass the same tensor twice; each is checked once."""
+    cm, cv = (r + 1) // 2 if _FORMATS[fmt_m].bits == 4 else r, (r + 1) // 2 if _FORMATS[fmt_v].bits == 4 else r
+    n, nbm, nbv = rows * r, rows * -(-r // bs_m), rows * -(-r // bs_v)
+    expect = (
+        ("param", p, torch.float32, n), ("grad", g, torch.float32, n), ("out", out, torch.float32, n),
+        ("m_codes", mc, torch.uint8, rows * cm), ("m_scale", ms, torch.float32, nbm),
+        ("v_codes", vc, torch.uint8, rows * cv), ("v_scale", vs, torch.float32, nbv),
+        ("m_codes_out", mc_out, torch.uint8, rows * cm), ("m_scale_out", ms_out, torch.float32, nbm),
+        ("v_codes_out", vc_out, torch.uint8, rows * cv), ("v_scale_out", vs_out, torch.float32, nbv),
+        ("m_out", m_out, torch.float32, n), ("v_out", v_out, torch.float32, n), ("hyper", hyper, torch.float32, 9),
+    )
+    ptrs = []
+    seen = {}  # id -> data_ptr of the tensors checked (alive: they are arguments)
+    for what, t, dtype, numel in expect:
+        if t is None:
+            ptrs.append(0)
+            continue
+        ptr = seen.get(id(t))
+        if ptr is None:
+            _check(t, dtype, what)
+            if t.numel() != numel:
+                raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {numel} (rows={rows}, R={r})")
+            ptr = seen[id(t)] = t.data_ptr()
+        ptrs.append(ptr)
+    if p is not None and ptrs[2] != ptrs[0]:
+        lo, hi = sorted((ptrs[2], ptrs[0]))
+        if hi < lo + 4 * n:
             raise ValueError("lbt_adam: out must be the param itself or not overlap it")
-    ptrs = [p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper]
-    return [rows, r, *(0 if t is None else t.data_ptr() for t in ptrs),
-            ctypes.addressof(_format_struct(fmt_m)), ctypes.addressof(_format_struct(fmt_v)), bs_m, bs_v]
+    return [rows, r, *ptrs, ctypes.addressof(_format_struct(fmt_m)), ctypes.addressof(_format_struct(fmt_v)), bs_m, bs_v]
 
 
 def adam(rows: int, r: int, p, g, out, mc, ms, vc, vs, mc_out, ms_out, vc_out, vs_out, m_out, v_out, hyper,
