@@ -275,7 +275,7 @@ def test_native_kernels_without_avx2(tmp_path):
     """The plain-C paths (what CPUs without AVX2 run; here only block tails) built
     alone with -mno-avx2 pass the same bit-identity tests, in a fresh process."""
     env = dict(os.environ, LOWBIT_TREE_CFLAGS="-mno-avx2 -mno-avx512f", LOWBIT_TREE_CACHE=str(tmp_path))
-    tests = "random_bit or adam_step_matches_reference or many_in_place or quantize_dequantize_bit_identical"
+    tests = "random_bit or adam_step_matches_reference or many_in_place or quantize_dequantize_bit_identical or fp32_native"
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, "-k", tests],
         env=env, capture_output=True, text=True, timeout=600,
