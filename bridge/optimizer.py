@@ -345,6 +345,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             fused: list = []  # the fused kernel's steps, run together after the loop
             fp32_native: list = []  # fp32-state params stepped by the native CPU kernel
             fast = ok is None and self._fast_group(group)
+            native_fp32 = fast and self._native_fp32(group)
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -365,7 +366,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if path == "fused":
                     fused.append(self._fused_adam_item(group, local, grad, st, fused_hyper))
                     continue
-                if path == "fp32" and self._native_fp32(group, local):
+                if path == "fp32" and native_fp32 and local.is_cpu:
                     fp32_native.append(self._fused_adam_item(group, local, grad, st, fused_hyper, quantized=False))
                     continue
                 if path == "fp32":
@@ -418,12 +419,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return "fp32"
         return None
 
-    def _native_fp32(self, group, local) -> bool:
-        """Whether an fp32-state param of a fast group is stepped by the native CPU
-        kernel (:func:`lowbit_tree.kernels.adam_step_fp32_`): on CPU when the native
-        kernels are built, for AdamW and for Adam without weight decay (Adam's L2
-        decay goes through torch's multi-tensor Adam)."""
-        if local.device.type != "cpu" or not kernels_cpu.available():
+    def _native_fp32(self, group) -> bool:
+        """Whether a fast group's fp32-state CPU params are stepped by the native
+        kernel (:func:`lowbit_tree.kernels.adam_step_fp32_`): when the native kernels
+        are built, for AdamW and for Adam without weight decay (Adam's L2 decay, and
+        params on other devices, go through torch's multi-tensor Adam)."""
+        if not kernels_cpu.available():
             return False
         wd = group.get("weight_decay", 0.0)
         return self._fused_adam == "adamw" or not (isinstance(wd, torch.Tensor) or wd != 0)

@@ -255,12 +255,13 @@ def _adam_fp32_job_row(p, g, m, v, hyper) -> list[int]:
     """One float32-moment job's row: param, grad, m, v float32 contiguous, same numel;
     p, m and v are updated in place."""
     n = p.numel()
-    for what, t in (("param", p), ("grad", g), ("exp_avg", m), ("exp_avg_sq", v), ("hyper", hyper)):
-        _check(t, torch.float32, what)
-        if t.numel() != (9 if what == "hyper" else n):
-            raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {9 if what == 'hyper' else n}")
-    ptrs = [p, g, p, m, None, v, None, None, None, None, None, None, None, hyper]
-    return [1, n, *(0 if t is None else t.data_ptr() for t in ptrs), 0, 0, _FP32_TILE, _FP32_TILE]
+    for what, t, numel in (("param", p, n), ("grad", g, n), ("exp_avg", m, n), ("exp_avg_sq", v, n), ("hyper", hyper, 9)):
+        if t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous() or t.numel() != numel:
+            _check(t, torch.float32, what)
+            raise ValueError(f"lbt_adam: {what} has {t.numel()} elements, expected {numel}")
+    pp = p.data_ptr()
+    return [1, n, pp, g.data_ptr(), pp, m.data_ptr(), 0, v.data_ptr(), 0, 0, 0, 0, 0, 0, 0, hyper.data_ptr(),
+            0, 0, _FP32_TILE, _FP32_TILE]
 
 
 def adam_many(jobs: list[tuple], fp32_jobs: list[tuple] = ()) -> None:
