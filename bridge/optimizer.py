@@ -407,7 +407,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """For a param of a fast group: ``"fused"`` (float32 param, both moments quantized;
         for Adam's L2 decay only with weight_decay == 0), ``"fp32"`` (float32 param and
         plain float32 moments: small tensors or ``state_format="fp32"``), else None."""
-        if local.dtype is not torch.float32 or len(st) != 3 or "exp_avg" not in st or "exp_avg_sq" not in st:
+        if (local.dtype is not torch.float32 or len(st) != 3
+                or "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st):
             return None
         m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
         if isinstance(m, QState) and isinstance(v, QState):
@@ -430,7 +431,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return self._fused_adam == "adamw" or not (isinstance(wd, torch.Tensor) or wd != 0)
 
     def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params:
+        """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params
+        that the native kernel does not take (other devices, Adam's L2 decay):
         per-param Python overhead of the core path dominated models with many small
         tensors (norms, biases). Same math as torch.optim.Adam/AdamW by construction."""
         b1, b2 = group["betas"]
