@@ -292,6 +292,21 @@ def _dequantize_core(
     return out
 
 
+def _adam_update(m, v, g, p, hyper):
+    """The fused step's float32 math (every path: quantized or plain float32
+    moments, eager or compiled; the C kernel's ``adam_block`` does the same
+    operations): returns the new ``(m, v, out)``, ``out = p + (-lr) * (u + wd * p)``
+    in p's dtype, or the direction ``u`` when ``p`` is None."""
+    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd = hyper.unbind(0)
+    m = b1 * m + omb1 * g
+    v = b2 * v + omb2 * (g * g)
+    u = (m * rbc1) / (_exact_sqrt(v) * rsbc2 + eps)
+    if p is None:
+        return m, v, u
+    pf = p.float()
+    return m, v, (pf + (-lr) * (u + wd * pf)).to(p.dtype)
+
+
 def _adam_core(
     p: Optional[torch.Tensor],
     g: torch.Tensor,
@@ -319,19 +334,10 @@ def _adam_core(
     ``hyper`` is float32 ``[b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd]``.
     """
     r = g.shape[1]
-    g = g.float()
-    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd = hyper.unbind(0)
     odd = bool(r % 2)
     m = _dequantize_core(m_codes, m_scale, m_decode, fmt_m, bs_m, odd)
     v = _dequantize_core(v_codes, v_scale, v_decode, fmt_v, bs_v, odd)
-    m = b1 * m + omb1 * g
-    v = b2 * v + omb2 * (g * g)
-    u = (m * rbc1) / (_exact_sqrt(v) * rsbc2 + eps)
-    if p is not None:
-        pf = p.float()
-        out = (pf + (-lr) * (u + wd * pf)).to(p.dtype)
-    else:
-        out = u
+    m, v, out = _adam_update(m, v, g.float(), p, hyper)
     mc, ms = _quantize_core(m, m_base, m_thresholds, m_encode, fmt_m, bs_m)
     vc, vs = _quantize_core(v, v_base, v_thresholds, v_encode, fmt_v, bs_v)
     if return_moments:
@@ -661,7 +667,7 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
     runs one :func:`adam_step_quantized` each. Results are bit-identical to
     calling :func:`adam_step_quantized` per parameter.
     """
-    jobs, keep = [], []
+    jobs = []
     use_native = _native_on(backend)
     for p32, grad, mc, ms, vc, vs, fmt_m, fmt_v, block_size, hyper in steps:
         fm, fv = get_format(fmt_m), get_format(fmt_v)
@@ -683,8 +689,7 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
                 hyper=hyper, out=p32, state_out=(mc, ms, vc, vs), backend=backend,
             )
             continue
-        g32, h32 = _f32c(grad), _f32c(hyper)
-        keep += [g32, h32]  # alive until the call below
+        g32, h32 = _f32c(grad), _f32c(hyper)  # kept alive by ``jobs`` until the call below
         mcu = mc if mc.dtype is torch.uint8 else mc.view(torch.uint8)
         vcu = vc if vc.dtype is torch.uint8 else vc.view(torch.uint8)
         jobs.append((rows, r, p32, g32, p32, mcu, ms, vcu, vs, mcu, ms, vcu, vs, None, None, h32, fm.name, bs_m, fv.name, bs_v))
@@ -714,13 +719,10 @@ def adam_step_fp32_(steps: Sequence[tuple], *, backend: Optional[str] = None) ->
         if p32.is_cpu and use_native and all(t.dtype is torch.float32 and t.is_contiguous() for t in (p32, m, v)):
             native_jobs.append((p32, _f32c(grad), m, v, _f32c(hyper)))
             continue
-        b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd = hyper.to(p32.device).float().unbind(0)
-        g = grad.float()
-        m.copy_(b1 * m + omb1 * g)
-        v.copy_(b2 * v + omb2 * (g * g))
-        u = (m * rbc1) / (_exact_sqrt(v) * rsbc2 + eps)
-        pf = p32.float()
-        p32.copy_(pf + (-lr) * (u + wd * pf))
+        m_new, v_new, p_new = _adam_update(m, v, grad.float(), p32, hyper.to(p32.device).float())
+        m.copy_(m_new)
+        v.copy_(v_new)
+        p32.copy_(p_new)
     if native_jobs:
         from . import kernels_cpu
 
