@@ -33,3 +33,29 @@ def test_step_time_case_c_reports_all_columns(tmp_path, capsys):
         assert r["median_ms"] > 0 and r["first_step_s"] > 0 and r["ratio_to_fused"] > 0
         assert 2.0 < r["state_bytes_per_param"] < 8.0  # small tensors keep some fp32 state
     assert "skipped" in rows["no-such-impl"]
+
+
+AB_SCRIPT = SCRIPT.with_name("kernel_ab.py")
+
+
+@pytest.mark.skipif(not AB_SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
+    """Two builds of the kernel source, one with its Adam update altered: the
+    harness times both and marks the altered one's output as different."""
+    from lowbit_tree import kernels_cpu
+
+    if not kernels_cpu.available():
+        pytest.skip("no C compiler")
+    src = kernels_cpu._SOURCE.read_text()
+    old = "float u = (m * rbc1) / (sv * rsbc2 + eps);"
+    assert old in src
+    altered = tmp_path / "altered.c"
+    altered.write_text(src.replace(old, "float u = (m * rbc1) / (sv * rsbc2 + 2 * eps);"))
+    spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main([str(kernels_cpu._SOURCE), str(kernels_cpu._SOURCE), str(altered),
+                   "--formats", "8bit", "--sizes", "16x256", "--rounds", "2"])
+    assert rc == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("8bit 16x256 wide")]
+    assert line.count("!") == 1 and line.rstrip().endswith("!"), line  # only the altered build

@@ -1,0 +1,120 @@
+"""A/B timing of builds of the native CPU kernel (``lowbit_tree/kernels_cpu.c``).
+
+Each C source given is built with the library's own flags and loaded side by
+side; every (build, state format, size, data) combination then runs the fused
+Adam step (``lbt_adam_jobs``) directly, out of place on fixed inputs, and the
+timed calls are interleaved in rounds, so a slow period of a shared machine hits
+all builds alike. Prints min and median ns per element, and ``!`` where a build's
+output (param, codes, scales) differs from the first build's.
+
+Sizes: ``128x256`` fits in L2 (compute cost), ``2048x2048`` streams from memory.
+Data ``wide``: normal gradients (moments spread over many octaves of each block's
+absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
+
+Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
+       [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show]
+With no source, the library's own source (one build: absolute figures only).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import lowbit_tree as lt
+from lowbit_tree import kernels as K
+from lowbit_tree import kernels_cpu as KC
+
+
+def build(source: Path, outdir: Path):
+    """Compile ``source`` like the library does and load it."""
+    so = outdir / f"ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}.so"
+    for flags in (KC._FLAGS + (KC._AMD_FLAGS if KC._is_amd() else []), KC._FLAGS):  # the AMD option is GCC-only
+        if subprocess.run([KC._compiler(), *flags, str(source), "-o", str(so), "-lm"], capture_output=True).returncode == 0:
+            break
+    else:
+        raise RuntimeError(f"could not build {source}")
+    lib = ctypes.CDLL(str(so))
+    lib.lbt_adam_jobs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.lbt_adam_jobs.restype = None
+    return lib
+
+
+def make_case(state_format: str, rows: int, cols: int, data: str):
+    """Inputs after a few real steps (non-trivial moments), fixed for every call."""
+    fm, fv = lt.STATE_FORMATS[state_format]
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(rows, cols, generator=gen)
+    g = torch.randn(rows, cols, generator=gen) * 1e-2
+    if data == "narrow":
+        g = (torch.rand(rows, cols, generator=gen) * 0.5 + 0.5) * g.sign() * 1e-2
+    m, v = lt.zeros(p.shape, fm), lt.zeros(p.shape, fv)
+    hyper = K.adam_hyperparams(count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+    for _ in range(5):
+        K.adam_step_quantized_([(p, g, m.codes, m.scale, v.codes, v.scale, fm, fv, (m.block_size, v.block_size), hyper)])
+    return fm, fv, p, g, m, v, hyper
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="*", type=Path)
+    ap.add_argument("--formats", default="8bit,fp8")
+    ap.add_argument("--sizes", default="128x256,2048x2048")
+    ap.add_argument("--data", default="wide", help="wide, narrow or both (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--show", action="store_true", help="print every round's figure")
+    args = ap.parse_args(argv)
+    if not KC.available():
+        print("native CPU kernels unavailable (no C compiler, or LOWBIT_TREE_NATIVE=0)")
+        return 1
+    sources = args.sources or [KC._SOURCE]
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(s, Path(tmp)) for s in sources]
+        cfgs = []
+        for sf in args.formats.split(","):
+            for size in args.sizes.split(","):
+                rows, cols = (int(x) for x in size.split("x"))
+                for data in args.data.split(","):
+                    fm, fv, p, g, m, v, hyper = make_case(sf, rows, cols, data)
+                    mc, vc = m.codes.view(torch.uint8), v.codes.view(torch.uint8)
+                    for li in range(len(libs)):
+                        out = (torch.empty_like(p), torch.empty_like(mc), torch.empty_like(m.scale),
+                               torch.empty_like(vc), torch.empty_like(v.scale))
+                        row = KC._adam_job_row(rows, cols, p, g, out[0], mc, m.scale, vc, v.scale, out[1], out[2],
+                                               out[3], out[4], None, None, hyper, fm, m.block_size, fv, v.block_size)
+                        cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out,
+                                         inputs=(p, g, m, v, hyper), n=rows * cols, ns=[]))
+        for _ in range(args.rounds):
+            for c in cfgs:
+                calls = max(1, int(2e6 // c["n"]))
+                fn, ptr = c["lib"].lbt_adam_jobs, c["table"].data_ptr()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(1, ptr, args.threads)
+                c["ns"].append((time.perf_counter() - t0) / calls / c["n"] * 1e9)
+    names = [s.name for s in sources]
+    print(f"ns/element, min / median over {args.rounds} rounds, {args.threads} thread(s); ! = output differs from {names[0]}")
+    print(f"{'case':28s}" + "".join(f"{n:>18s}" for n in names))
+    for key in dict.fromkeys(c["key"] for c in cfgs):
+        cs = [c for c in cfgs if c["key"] == key]
+        same = [all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cs[0]["out"], c["out"])) for c in cs]
+        print(f"{key:28s}" + "".join(f"{min(c['ns']):9.2f} /{statistics.median(c['ns']):6.2f}{' ' if ok else '!'}"
+                                     for c, ok in zip(cs, same)))
+        if args.show:
+            for c in cs:
+                print("    " + " ".join(f"{x:.1f}" for x in c["ns"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
