@@ -1,7 +1,8 @@
 """A/B timing of builds of the native CPU kernel (``lowbit_tree/kernels_cpu.c``).
 
 Each C source given is built with the library's own flags and loaded side by
-side; every (build, state format, size, data) combination then runs the fused
+side, and prepares its own format structs (so builds whose code tables differ
+in layout compare fairly); every (build, state format, size, data) combination then runs the fused
 Adam step (``lbt_adam_jobs``) directly, out of place on fixed inputs, and the
 timed calls are interleaved in rounds, so a slow period of a shared machine hits
 all builds alike. Prints min and median ns per element, and ``!`` where a build's
@@ -45,7 +46,30 @@ def build(source: Path, outdir: Path):
     lib = ctypes.CDLL(str(so))
     lib.lbt_adam_jobs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.lbt_adam_jobs.restype = None
+    lib.lbt_prepare.argtypes = [ctypes.POINTER(KC._Format)]
+    lib.lbt_prepare.restype = ctypes.c_int
+    lib.formats = {}
     return lib
+
+
+def lib_format(lib, name: str) -> int:
+    """Address of ``name``'s format struct prepared by ``lib`` itself: builds
+    whose table layouts differ each get their own (the struct's leading fields
+    are the same; a build that fills ``packed`` in place gets a buffer as large
+    as the bucket table)."""
+    if name not in lib.formats:
+        fmt, tab = lt.formats.FORMATS[name], K._cpu_code_table(name)
+        buf = torch.zeros(tab.base.numel() * 2, dtype=torch.int32)
+        st = KC._Format(
+            fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
+            tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
+            tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
+            tab.thresholds.data_ptr(), buf.data_ptr(),
+        )
+        if lib.lbt_prepare(ctypes.byref(st)) != 0:
+            raise RuntimeError(f"lbt_prepare of this build rejected {name}")
+        lib.formats[name] = (st, buf)
+    return ctypes.addressof(lib.formats[name][0])
 
 
 def make_case(state_format: str, rows: int, cols: int, data: str):
@@ -92,6 +116,7 @@ def main(argv=None) -> int:
                                torch.empty_like(vc), torch.empty_like(v.scale))
                         row = KC._adam_job_row(rows, cols, p, g, out[0], mc, m.scale, vc, v.scale, out[1], out[2],
                                                out[3], out[4], None, None, hyper, fm, m.block_size, fv, v.block_size)
+                        row[16], row[17] = lib_format(libs[li], fm), lib_format(libs[li], fv)
                         cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out,
                                          inputs=(p, g, m, v, hyper), n=rows * cols, ns=[]))
         for _ in range(args.rounds):

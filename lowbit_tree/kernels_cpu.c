@@ -25,10 +25,15 @@ typedef struct {
     const uint8_t *encode;       /* last + 1: index -> stored byte */
     const float *sorted;         /* last: all thresholds, ascending */
     /* filled by lbt_prepare: */
-    uint32_t *packed;            /* nbuckets: base << 24 | low key bits of the bucket's threshold */
+    uint32_t *packed;            /* the range table's rows (see build_range_table), malloc'ed */
     int32_t encode_mode;         /* 0: encode table, 1: idx + encode_arg, 2: e4m3 signed around encode_arg */
     int32_t encode_arg;
     int32_t e4m3_arith;          /* e4m3 codes rounded and decoded by bit arithmetic: 1 signed, 2 zero-free */
+    int32_t rng_adj[8];          /* row = (mag - rng_adj[k]) >> rng_sh[k], slot k = max(mag >> 23, rng_elow) & 7 */
+    int32_t rng_sh[8];
+    int32_t rng_elow;            /* octaves <= elow share one slot, the 7 above have one each */
+    int32_t rng_kmin, rng_kmax;  /* magnitudes are clamped into [kmin, kmax] */
+    int32_t rng_npos;            /* rows of non-negative values; negative ones follow (signed formats) */
 } lbt_format;
 
 static inline int32_t f2i(float x) { int32_t i; memcpy(&i, &x, 4); return i; }
@@ -116,12 +121,24 @@ static inline void store_bytes8(uint8_t *dst, __m256i x) {
     memcpy(dst, &w, 8);
 }
 
+/* low bytes of the 32-bit lanes of a, b, c, d (each 0..255) -> 32 bytes in order */
+static inline void store_bytes32(uint8_t *dst, __m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i x = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 static inline __m256i load_bytes8(const uint8_t *src) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
 }
 #endif
 
 static void e4m3_pass(const float *restrict x, int64_t n, float safe, int32_t zero_free, uint8_t *restrict codes);
+static void bucket_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f,
+                        int32_t *restrict bucket, int32_t *restrict low);
+#ifdef __AVX2__
+static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, const lbt_format *f,
+                                uint8_t *restrict codes);
+#endif
 static void decode_e4m3_block(const uint8_t *restrict codes, int64_t n, float s, int32_t sq, float *restrict out);
 
 /* The arithmetic e4m3 path (scalar and vector) against the format's tables: all
@@ -165,45 +182,237 @@ static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
     return ok;
 }
 
-/* Fills f->packed and f->encode_mode / encode_arg from the tables; returns 0, or
- * a negative number when the tables do not have the shape the kernels rely on. */
-static int prepare_tables(lbt_format *f) {
-    if (f->shift < 1 || f->shift > 23) return -1;
-    const int32_t mask = (1 << f->shift) - 1;
-    for (int32_t b = 0; b < f->nbuckets; b++) {
-        int32_t base = f->base[b];
-        if (base < 0 || base > 255 || base > f->last) return -2;
-        uint32_t low = (uint32_t)1 << f->shift; /* no threshold: never reached */
-        float t = f->thresholds[b];
-        if (!isinf(t)) {
-            int32_t key = bucket_key(t, f);
-            if ((key >> f->shift) - f->offset != b) return -3;
-            low = (uint32_t)(key & mask);
-        }
-        f->packed[b] = ((uint32_t)base << 24) | low;
+/* The range table of an 8-bit map: where the codes of x come from, one table
+ * row per lane, a compact successor of the bucket table (base / thresholds).
+ * The magnitude bits of x, clamped into [kmin, kmax], fall into one of 8 slots:
+ * the 7 octaves up to kmax's each get a slot, all lower octaves share one. Slot k cuts its magnitudes into buckets of 2**rng_sh[k], each
+ * holding at most one threshold of either sign, so the dense top octaves of a
+ * dynamic map get fine buckets and its sparse low octaves coarse ones (about a
+ * fifth of one uniform shift's rows: the rows stay in L1 while params and grads
+ * stream through). The slot's shift and offset come from two 8-lane permutes,
+ * no memory. Signed formats have a second set of rows for negative values.
+ * Row = ((c0 + has_threshold + bias) << 24) - t (modulo 2**32), with c0 the
+ * number of thresholds below the bucket's values, t the low 24 magnitude bits
+ * of its threshold (inverted for negative rows, 0 if none) and bias the code of
+ * index 0 in mode-1 encodings (else 0); then for x in the bucket
+ *   code = (row + lane) >> 24,  lane = (mag ^ (x < 0 ? ~0 : 0)) & 0xFFFFFF
+ * (lane >= t carries into the top byte, lane < t borrows from it), exact
+ * because a bucket never crosses a multiple of 2**24 magnitude bits, so the low
+ * 24 bits order x like its float value. lbt_prepare checks the result
+ * against a brute-force count at every bucket edge and threshold. */
+static inline int32_t high_bit(uint32_t x) { return 31 - __builtin_clz(x); }
+
+static inline int32_t range_slot(int32_t mag, const lbt_format *f) {
+    int32_t e = mag >> 23;
+    return (e < f->rng_elow ? f->rng_elow : e) & 7;
+}
+
+static inline int32_t range_pos(int32_t mag, const lbt_format *f) {
+    int32_t k = range_slot(mag, f);
+    return (int32_t)(((uint32_t)mag - (uint32_t)f->rng_adj[k]) >> f->rng_sh[k]);
+}
+
+/* scalar row index and lane value of one (already scaled) value */
+static inline void range_key(float v, const lbt_format *f, int32_t *row, int32_t *lane) {
+    int32_t mag = f2i(v) & 0x7FFFFFFF;
+    mag = mag < f->rng_kmin ? f->rng_kmin : mag;
+    mag = mag > f->rng_kmax ? f->rng_kmax : mag;
+    int32_t neg = (f->is_signed & (v < 0.0f)) ? -1 : 0;
+    *row = range_pos(mag, f) + (neg & f->rng_npos);
+    *lane = (mag ^ neg) & 0xFFFFFF;
+}
+
+/* the code index of a lane from its range-table row (plus the table's bias,
+ * modulo 256) */
+static inline int32_t row_index(int32_t e, int32_t lane) { return (int32_t)(((uint32_t)e + (uint32_t)lane) >> 24); }
+
+static float bits2f(int32_t i) { float x; memcpy(&x, &i, 4); return x; }
+
+/* The magnitudes [*lo, *hi] of slot octave o (o <= elow: all lower octaves)
+ * within [kmin, kmax], its first bucket's start aligned down to the slot's
+ * shift; returns 0 if the slot holds none. */
+static int slot_span(const lbt_format *f, int32_t o, int32_t sh, int64_t *a0, int64_t *hi) {
+    int64_t lo = o == f->rng_elow ? 0 : (int64_t)o << 23, top = ((int64_t)o + 1) << 23;
+    lo = lo > f->rng_kmin ? lo : f->rng_kmin;
+    *hi = top - 1 < f->rng_kmax ? top - 1 : f->rng_kmax;
+    *a0 = (lo >> sh) << sh;
+    return lo <= *hi;
+}
+
+static int build_range_table(lbt_format *f, int32_t bias) {
+    const int32_t n = f->last; /* thresholds */
+    const float *t = f->sorted;
+    if (n < 1) return -1;
+    int32_t mmin = 0x7FFFFFFF, mmax = 0;
+    for (int32_t k = 0; k < n; k++) {
+        if (!(t[k] != 0.0f && isfinite(t[k])) || (k && !(t[k] > t[k - 1]))) return -2;
+        if (!f->is_signed && t[k] < 0.0f) return -2;
+        int32_t m = f2i(t[k]) & 0x7FFFFFFF;
+        mmin = m < mmin ? m : mmin;
+        mmax = m > mmax ? m : mmax;
     }
-    /* the top bucket (NaN, inf, clamped values) holds no threshold and base == last */
-    if (f->base[f->nbuckets - 1] != f->last || !isinf(f->thresholds[f->nbuckets - 1])) return -4;
+    /* finest shift each octave needs: neighbouring thresholds of one sign differ above it */
+    int32_t need[256];
+    for (int32_t o = 0; o < 256; o++) need[o] = 23;
+    for (int32_t k = 1; k < n; k++) {
+        if ((t[k] < 0.0f) != (t[k - 1] < 0.0f)) continue;
+        int32_t a = f2i(t[k]) & 0x7FFFFFFF, b = f2i(t[k - 1]) & 0x7FFFFFFF;
+        if ((a >> 23) != (b >> 23)) continue;
+        int32_t h = high_bit((uint32_t)(a ^ b)), o = a >> 23;
+        need[o] = h < need[o] ? h : need[o];
+    }
+    /* magnitudes are clamped into [mmin - 1, mmax + 1]: every threshold of
+     * either sign lies strictly inside, so clamping never moves a value across
+     * one (NaN and inf go to the top) */
+    if (mmax + 1 >= 0x7F800000) return -3;
+    f->rng_kmin = mmin - 1, f->rng_kmax = mmax + 1;
+    f->rng_elow = (f->rng_kmax >> 23) - 7;
+    if (f->rng_kmin < 0 || f->rng_elow < 1) return -3;
+    int32_t shlow = 23;
+    for (int32_t o = 0; o <= f->rng_elow; o++) shlow = need[o] < shlow ? need[o] : shlow;
+    /* rows slot by slot, upwards */
+    int64_t rows = 0;
+    for (int32_t o = f->rng_elow; o <= f->rng_elow + 7; o++) {
+        int32_t sh = o == f->rng_elow ? shlow : need[o];
+        int64_t a0, hi;
+        if (!slot_span(f, o, sh, &a0, &hi)) {
+            f->rng_adj[o & 7] = 0, f->rng_sh[o & 7] = 0;
+            continue;
+        }
+        /* (mag - adj) >> sh must stay below 2**32: a coarser slot above many
+         * rows takes a finer shift (always valid) */
+        while (sh > 0 && ((rows << sh) + (hi - a0) >= (1LL << 31))) sh--;
+        slot_span(f, o, sh, &a0, &hi);
+        if (sh == 0 && (rows + (hi - a0)) >= (1LL << 31)) return -3;
+        f->rng_adj[o & 7] = (int32_t)(a0 - (rows << sh));
+        f->rng_sh[o & 7] = sh;
+        rows += ((hi - a0) >> sh) + 1;
+    }
+    if (rows > (1 << 20)) return -3;
+    const int32_t npos = (int32_t)rows, nrows = f->is_signed ? 2 * npos : npos;
+    uint32_t *tab = (uint32_t *)malloc(sizeof(uint32_t) * nrows);
+    if (!tab) return -5;
+    f->rng_npos = npos;
+    int32_t row = 0;
+    for (int32_t o = f->rng_elow; o <= f->rng_elow + 7; o++) {
+        int32_t sh = f->rng_sh[o & 7];
+        int64_t a0, hi;
+        if (!slot_span(f, o, sh, &a0, &hi)) continue;
+        for (int64_t a = a0; a <= hi; a += 1LL << sh, row++) {
+            int64_t b = a + (1LL << sh); /* exclusive */
+            if (range_pos((int32_t)a, f) != row) { free(tab); return -4; }
+            for (int32_t side = 0; side < (f->is_signed ? 2 : 1); side++) {
+                int32_t c0 = 0, inside = 0, tv = 0;
+                for (int32_t k = 0; k < n; k++) {
+                    int32_t m = f2i(t[k]) & 0x7FFFFFFF, tneg = t[k] < 0.0f;
+                    if (tneg == side && m >= a && m < b) inside++, tv = side ? ~m & 0xFFFFFF : m & 0xFFFFFF;
+                    /* below the bucket's values: positive side, t < +a; negative side, t < -(b - 1) */
+                    else if (side ? t[k] < -bits2f((int32_t)(b - 1 < 0x7F800000 ? b - 1 : 0x7F800000)) : t[k] < bits2f((int32_t)a)) c0++;
+                }
+                if (inside > 1) { free(tab); return -4; }
+                tab[row + side * npos] = ((uint32_t)(c0 + inside + bias) << 24) - (uint32_t)tv;
+            }
+        }
+    }
+    if (row != npos) { free(tab); return -4; }
+    f->packed = tab; /* lives as long as the format (the process) */
+    return 0;
+}
+
+/* Fills f->encode_mode / encode_arg and the range table (8-bit); returns 0,
+ * or a negative number when the tables do not have the shape the kernels rely on. */
+static int prepare_tables(lbt_format *f) {
     int ok = 1;
     for (int32_t i = 0; i <= f->last; i++) ok &= f->encode[i] == (uint8_t)(i + f->encode[0]);
     if (ok) {
         f->encode_mode = 1;
         f->encode_arg = f->encode[0];
-        return 0;
+    } else {
+        int32_t z = -1;
+        for (int32_t i = 0; i <= f->last; i++)
+            if (f->encode[i] == 0x80 || f->encode[i] == 0) { z = i; break; }
+        ok = z >= 0;
+        for (int32_t i = 0; ok && i <= f->last; i++)
+            ok &= f->encode[i] == (uint8_t)(i > z ? i - z : 0x80 | (z - i));
+        f->encode_mode = ok ? 2 : 0;
+        f->encode_arg = ok ? z : 0;
     }
-    int32_t z = -1;
-    for (int32_t i = 0; i <= f->last; i++)
-        if (f->encode[i] == 0x80 || f->encode[i] == 0) { z = i; break; }
-    ok = z >= 0;
-    for (int32_t i = 0; ok && i <= f->last; i++)
-        ok &= f->encode[i] == (uint8_t)(i > z ? i - z : 0x80 | (z - i));
-    f->encode_mode = ok ? 2 : 0;
-    f->encode_arg = ok ? z : 0;
-    return 0;
+    /* mode 1: the rows give the code byte itself */
+    return f->bits == 8 ? build_range_table(f, f->encode_mode == 1 ? f->encode_arg : 0) : 0;
 }
 
+/* The range table (scalar and vector paths) against a brute-force count of the
+ * thresholds <= x, at both ends of every bucket, at every threshold and its two
+ * float neighbours, and at non-finite and out-of-range values: the code is a
+ * step function that is constant in a bucket except at its one threshold, so
+ * these points decide it everywhere. */
+static int range_table_matches(const lbt_format *f) {
+    const int32_t n = f->last, sides = f->is_signed ? 2 : 1, bias = f->encode_mode == 1 ? f->encode_arg : 0;
+    const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-45f, -1e-45f, 1e-30f, -1e-30f,
+                              1e30f, -1e30f, 1.0f, -1.0f, 3.4e38f, -3.4e38f};
+    int64_t cap = 4 * (int64_t)f->rng_npos * sides + 6 * n + 16, m = 0;
+    float *x = (float *)malloc(sizeof(float) * cap);
+    int32_t *want = (int32_t *)malloc(sizeof(int32_t) * cap), *row = (int32_t *)malloc(sizeof(int32_t) * cap);
+    int32_t *lane = (int32_t *)malloc(sizeof(int32_t) * cap);
+    uint8_t *codes = (uint8_t *)malloc(cap);
+    int ok = x && want && row && lane && codes;
+    for (int32_t o = f->rng_elow; ok && o <= f->rng_elow + 7; o++) { /* bucket edges, slot by slot */
+        int32_t sh = f->rng_sh[o & 7];
+        int64_t a0, hi;
+        if (!slot_span(f, o, sh, &a0, &hi)) continue;
+        for (int64_t a = a0; a <= hi; a += 1LL << sh) {
+            int64_t lo = a < f->rng_kmin ? f->rng_kmin : a, b = a + (1LL << sh) - 1;
+            b = b > hi ? hi : b;
+            for (int32_t side = 0; side < sides; side++) {
+                x[m++] = side ? -bits2f((int32_t)lo) : bits2f((int32_t)lo);
+                x[m++] = side ? -bits2f((int32_t)b) : bits2f((int32_t)b);
+            }
+        }
+    }
+    for (int32_t k = 0; ok && k < n; k++)
+        for (int32_t d = 0; d < 3; d++) {
+            float t = f->sorted[k];
+            x[m] = d == 0 ? t : nextafterf(t, d == 1 ? -INFINITY : INFINITY);
+            m += f->is_signed || x[m] >= 0.0f;
+        }
+    for (unsigned j = 0; ok && j < sizeof specials / sizeof *specials; j++) {
+        x[m] = specials[j];
+        m += f->is_signed || !(x[m] < 0.0f);
+    }
+    for (int64_t i = 0; ok && i < m; i++) {
+        int32_t c = 0;
+        for (int32_t k = 0; k < n; k++) c += f->sorted[k] <= x[i];
+        want[i] = x[i] != x[i] ? f->last : c;
+    }
+    if (ok) bucket_pass(x, m, 1.0f, f, row, lane);
+    for (int64_t i = 0; ok && i < m; i++) {
+        int32_t r1, l1;
+        range_key(x[i], f, &r1, &l1);
+        ok &= r1 == row[i] && l1 == lane[i] && row[i] >= 0 && row[i] < f->rng_npos * sides;
+        ok = ok && row_index((int32_t)f->packed[row[i]], lane[i]) == ((want[i] + bias) & 0xFF);
+    }
+#ifdef __AVX2__
+    if (ok && f->encode_mode == 1) {
+        int64_t done = table_codes_avx2(x, m, 1.0f, f, codes);
+        for (int64_t i = 0; i < done; i++) ok &= codes[i] == (uint8_t)(want[i] + bias);
+    }
+#endif
+    free(x);
+    free(want);
+    free(row);
+    free(lane);
+    free(codes);
+    return ok;
+}
+
+/* The check lbt_prepare runs, for tests: 1 if f's range table gives the
+ * reference codes (formats without one: 1). */
+int lbt_check_range_table(const lbt_format *f) { return f->bits != 8 || (f->packed && range_table_matches(f)); }
+
 int lbt_prepare(lbt_format *f) {
+    f->packed = NULL;
     int rc = prepare_tables(f);
+    if (rc == 0 && f->bits == 8 && !range_table_matches(f)) rc = -6;
     f->e4m3_arith = 0;
     if (rc == 0 && f->float8 && f->bits == 8) {
         int32_t zero_free = !f->is_signed;
@@ -217,65 +426,89 @@ static void e4m3_pass(const float *restrict x, int64_t n, float safe, int32_t ze
     int64_t i = 0;
 #ifdef __AVX2__
     const __m256 vs = _mm256_set1_ps(safe);
+    for (; i + 32 <= n; i += 32)
+        store_bytes32(codes + i, e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), zero_free),
+                      e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i + 8), vs), zero_free),
+                      e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i + 16), vs), zero_free),
+                      e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i + 24), vs), zero_free));
     for (; i + 8 <= n; i += 8) store_bytes8(codes + i, e4m3_code8(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), zero_free));
 #endif
     for (; i < n; i++) codes[i] = (uint8_t)e4m3_code(x[i] / safe, zero_free);
 }
 
 #ifdef __AVX2__
-/* 8-bit table formats in one pass (mode 1 encodings: code = index + c): bucket
- * key, one packed-table load per lane, compare, code. Returns elements done. */
+/* 8-bit table formats in one pass (mode 1 encodings): slot and bucket of each
+ * lane, one range-table load per lane, code = (row + lane) >> 24. */
+typedef struct {
+    __m256 vs;
+    __m256i kmin, kmax, elow, npos, adj, shv;
+    const uint32_t *packed;
+    int32_t sgn;
+} table_consts;
+
+static inline __m256i table_codes8(__m256 x, const table_consts *T) {
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), low24 = _mm256_set1_epi32(0xFFFFFF);
+    __m256 v = _mm256_div_ps(x, T->vs);
+    __m256i mag = _mm256_min_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs), T->kmin), T->kmax);
+    __m256i k = _mm256_max_epi32(_mm256_srli_epi32(mag, 23), T->elow); /* slot: permutevar reads its low 3 bits */
+    __m256i b = _mm256_srlv_epi32(_mm256_sub_epi32(mag, _mm256_permutevar8x32_epi32(T->adj, k)),
+                                  _mm256_permutevar8x32_epi32(T->shv, k));
+    __m256i lane;
+    if (T->sgn) {
+        __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
+        b = _mm256_add_epi32(b, _mm256_and_si256(neg, T->npos));
+        lane = _mm256_and_si256(_mm256_xor_si256(mag, neg), low24);
+    } else {
+        lane = _mm256_and_si256(mag, low24);
+    }
+    /* lane indices through 64-bit extracts (a vector store reloaded as scalars
+     * stalls store-to-load forwarding) */
+    const uint32_t *restrict packed = T->packed;
+    __m128i blo = _mm256_castsi256_si128(b), bhi = _mm256_extracti128_si256(b, 1);
+    uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(blo), q1 = (uint64_t)_mm_extract_epi64(blo, 1);
+    uint64_t q2 = (uint64_t)_mm_cvtsi128_si64(bhi), q3 = (uint64_t)_mm_extract_epi64(bhi, 1);
+    __m256i e = _mm256_setr_epi32((int32_t)packed[(uint32_t)q0], (int32_t)packed[q0 >> 32],
+                                  (int32_t)packed[(uint32_t)q1], (int32_t)packed[q1 >> 32],
+                                  (int32_t)packed[(uint32_t)q2], (int32_t)packed[q2 >> 32],
+                                  (int32_t)packed[(uint32_t)q3], (int32_t)packed[q3 >> 32]);
+    return _mm256_srli_epi32(_mm256_add_epi32(e, lane), 24);
+}
+
+/* Returns elements done. */
 static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, const lbt_format *f,
                                 uint8_t *restrict codes) {
-    const __m256 vs = _mm256_set1_ps(safe), zero = _mm256_setzero_ps();
-    const __m256i kmin = _mm256_set1_epi32(f->key_min), kmax = _mm256_set1_epi32(f->key_max);
-    const __m256i off = _mm256_set1_epi32(f->offset), mask = _mm256_set1_epi32((1 << f->shift) - 1);
-    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), low24 = _mm256_set1_epi32(0xFFFFFF);
-    const __m256i one = _mm256_set1_epi32(1), c = _mm256_set1_epi32(f->encode_arg);
-    const __m128i shift = _mm_cvtsi32_si128(f->shift);
-    const int32_t sgn = f->is_signed;
-    const uint32_t *restrict packed = f->packed;
+    table_consts T;
+    T.vs = _mm256_set1_ps(safe);
+    T.kmin = _mm256_set1_epi32(f->rng_kmin), T.kmax = _mm256_set1_epi32(f->rng_kmax);
+    T.elow = _mm256_set1_epi32(f->rng_elow), T.npos = _mm256_set1_epi32(f->rng_npos);
+    T.adj = _mm256_loadu_si256((const __m256i *)f->rng_adj), T.shv = _mm256_loadu_si256((const __m256i *)f->rng_sh);
+    T.packed = f->packed, T.sgn = f->is_signed;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vs);
-        __m256i mag = _mm256_min_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs), kmin), kmax);
-        __m256i key = _mm256_sub_epi32(mag, kmin);
-        if (sgn) key = _mm256_xor_si256(key, _mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ))); /* ~rel */
-        __m256i b = _mm256_sub_epi32(_mm256_sra_epi32(key, shift), off);
-        /* lane indices through 64-bit extracts (a vector store reloaded as scalars
-         * stalls store-to-load forwarding) */
-        __m128i blo = _mm256_castsi256_si128(b), bhi = _mm256_extracti128_si256(b, 1);
-        uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(blo), q1 = (uint64_t)_mm_extract_epi64(blo, 1);
-        uint64_t q2 = (uint64_t)_mm_cvtsi128_si64(bhi), q3 = (uint64_t)_mm_extract_epi64(bhi, 1);
-        __m256i e = _mm256_setr_epi32((int32_t)packed[(uint32_t)q0], (int32_t)packed[q0 >> 32],
-                                      (int32_t)packed[(uint32_t)q1], (int32_t)packed[q1 >> 32],
-                                      (int32_t)packed[(uint32_t)q2], (int32_t)packed[q2 >> 32],
-                                      (int32_t)packed[(uint32_t)q3], (int32_t)packed[q3 >> 32]);
-        /* low >= thr  <=>  low > thr - 1 (both in [0, 2**24)) */
-        __m256i ge = _mm256_cmpgt_epi32(_mm256_and_si256(key, mask), _mm256_sub_epi32(_mm256_and_si256(e, low24), one));
-        __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(e, 24), ge);
-        store_bytes8(codes + i, _mm256_add_epi32(idx, c));
-    }
+    for (; i + 32 <= n; i += 32)
+        store_bytes32(codes + i, table_codes8(_mm256_loadu_ps(x + i), &T), table_codes8(_mm256_loadu_ps(x + i + 8), &T),
+                      table_codes8(_mm256_loadu_ps(x + i + 16), &T), table_codes8(_mm256_loadu_ps(x + i + 24), &T));
+    for (; i + 8 <= n; i += 8) store_bytes8(codes + i, table_codes8(_mm256_loadu_ps(x + i), &T));
     return i;
 }
 #endif
 
-/* 8-bit formats, first pass over one block: the bucket of each x[i] / safe
- * (its packed-table row) and the low key bits compared with the bucket's
- * threshold. Branch-free, vectorizes. */
+/* 8-bit formats, first pass over one block: the range-table row of each
+ * x[i] / safe and its lane value (range_key). Branch-free. */
 static void bucket_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f,
                         int32_t *restrict bucket, int32_t *restrict low) {
-    const int32_t kmin = f->key_min, kmax = f->key_max, shift = f->shift, off = f->offset;
-    const int32_t sgn = f->is_signed, mask = (1 << shift) - 1;
+    const int32_t kmin = f->rng_kmin, kmax = f->rng_kmax, npos = f->rng_npos, sgn = f->is_signed;
+    const int32_t elow = f->rng_elow;
+    const int32_t *restrict adj = f->rng_adj, *restrict shv = f->rng_sh;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i] / safe;
         int32_t mag = f2i(v) & 0x7FFFFFFF;
         mag = mag < kmin ? kmin : mag;
         mag = mag > kmax ? kmax : mag;
-        int32_t rel = mag - kmin;
-        int32_t key = (sgn & (v < 0.0f)) ? ~rel : rel;
-        bucket[i] = (key >> shift) - off;
-        low[i] = key & mask;
+        int32_t k = ((mag >> 23) < elow ? elow : (mag >> 23)) & 7;
+        uint32_t a = (uint32_t)adj[k], sh = (uint32_t)shv[k];
+        int32_t neg = (sgn & (v < 0.0f)) ? -1 : 0;
+        bucket[i] = (int32_t)(((uint32_t)mag - a) >> sh) + (neg & npos);
+        low[i] = (mag ^ neg) & 0xFFFFFF;
     }
 }
 
@@ -286,28 +519,20 @@ static void lookup_pass(int32_t *restrict bucket, int64_t n, const uint32_t *res
     for (int64_t i = 0; i < n; i++) bucket[i] = (int32_t)packed[bucket[i]];
 }
 
-/* packed row + low bits -> code byte */
+/* range-table rows + lane values -> code bytes */
 static void code_pass(const int32_t *restrict entry, const int32_t *restrict low, int64_t n, const lbt_format *f,
                       uint8_t *restrict codes) {
     if (f->encode_mode == 1) {
-        const int32_t c = f->encode_arg;
-        for (int64_t i = 0; i < n; i++) {
-            int32_t e = entry[i];
-            codes[i] = (uint8_t)(((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF)) + c);
-        }
+        for (int64_t i = 0; i < n; i++) codes[i] = (uint8_t)row_index(entry[i], low[i]); /* bias: the code */
     } else if (f->encode_mode == 2) {
         const int32_t z = f->encode_arg;
         for (int64_t i = 0; i < n; i++) {
-            int32_t e = entry[i];
-            int32_t k = (int32_t)((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF)) - z;
+            int32_t k = row_index(entry[i], low[i]) - z;
             codes[i] = (uint8_t)(k > 0 ? k : 0x80 | -k);
         }
     } else {
         const uint8_t *restrict enc = f->encode;
-        for (int64_t i = 0; i < n; i++) {
-            int32_t e = entry[i];
-            codes[i] = enc[((uint32_t)e >> 24) + (low[i] >= (e & 0xFFFFFF))];
-        }
+        for (int64_t i = 0; i < n; i++) codes[i] = enc[row_index(entry[i], low[i])];
     }
 }
 

@@ -77,6 +77,12 @@ class _Format(ctypes.Structure):
         ("encode_mode", ctypes.c_int32),
         ("encode_arg", ctypes.c_int32),
         ("e4m3_arith", ctypes.c_int32),
+        ("rng_adj", ctypes.c_int32 * 8),
+        ("rng_sh", ctypes.c_int32 * 8),
+        ("rng_elow", ctypes.c_int32),
+        ("rng_kmin", ctypes.c_int32),
+        ("rng_kmax", ctypes.c_int32),
+        ("rng_npos", ctypes.c_int32),
     ]
 
 
@@ -139,6 +145,8 @@ def library():
     lib.lbt_adam_jobs.restype = None
     lib.lbt_prepare.argtypes = [fptr]
     lib.lbt_prepare.restype = ctypes.c_int
+    lib.lbt_check_range_table.argtypes = [fptr]
+    lib.lbt_check_range_table.restype = ctypes.c_int
     return lib
 
 
@@ -152,21 +160,16 @@ def _format_struct(name: str) -> _Format:
     from .kernels import _cpu_code_table
 
     fmt, tab = FORMATS[name], _cpu_code_table(name)
-    packed = torch.empty(tab.base.numel(), dtype=torch.int32)
-    _KEEP[name] = packed  # the tables live as long as the process (module constants)
     st = _Format(
         fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
         tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
         tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
-        tab.thresholds.data_ptr(), packed.data_ptr(), 0, 0, 0,
+        tab.thresholds.data_ptr(), None,  # packed: the range table, built by lbt_prepare
     )
     rc = library().lbt_prepare(ctypes.byref(st))
     if rc != 0:  # a table the C kernel's assumptions do not hold for: a bug, never silent
         raise RuntimeError(f"lbt_prepare rejected the code table of {name!r} (error {rc})")
     return st
-
-
-_KEEP: dict[str, torch.Tensor] = {}
 
 
 # Below this many elements a call runs on one thread: an OpenMP parallel region

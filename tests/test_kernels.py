@@ -96,6 +96,40 @@ def test_native_quantize_on_random_bit_patterns(name):
     check_quantize(x, fmt, bs, backend="native")
 
 
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if lt.FORMATS[n].bits == 8])
+def test_native_range_table_is_small_and_its_check_can_fail(name):
+    """The 8-bit encode reads one row of a range table per value: rows are few
+    (they must stay in L1 while params stream through: a uniform bucket table
+    had ~2900 per sign), and the brute-force check lbt_prepare runs on them
+    rejects a table with a row's threshold moved up by one magnitude step, or
+    its count moved by one."""
+    import ctypes
+
+    st = kernels_cpu._format_struct(name)
+    lib = kernels_cpu.library()
+    nrows = st.rng_npos * (2 if st.is_signed else 1)
+    assert 0 < st.rng_npos <= 700, st.rng_npos
+    assert lib.lbt_check_range_table(ctypes.byref(st)) == 1
+    rows = ctypes.cast(st.packed, ctypes.POINTER(ctypes.c_uint32))
+    gen = torch.Generator().manual_seed(len(name))
+    with_threshold = [i for i in range(nrows) if rows[i] & 0xFFFFFF]  # row = (count << 24) - threshold
+    assert len(with_threshold) == lt.FORMATS[name].values.numel() - 1
+    picks = torch.randint(0, nrows, (20,), generator=gen).tolist()
+    picks += with_threshold[:: max(1, len(with_threshold) // 20)]
+    for i in picks:
+        keep = rows[i]
+        # count +-1 on any row; threshold + 1 where there is one (- 1 can be
+        # harmless: a threshold at its bucket's first magnitude)
+        for delta in (1 << 24, -(1 << 24)) + ((-1,) if i in with_threshold else ()):
+            rows[i] = (keep + delta) & 0xFFFFFFFF
+            try:
+                assert lib.lbt_check_range_table(ctypes.byref(st)) == 0, (i, hex(keep), delta)
+            finally:
+                rows[i] = keep
+    assert lib.lbt_check_range_table(ctypes.byref(st)) == 1
+
+
 @pytest.mark.parametrize("kw", CPU_BACKENDS)
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_nonfinite_and_empty(name, kw):
