@@ -822,20 +822,41 @@ static int block_fusable(const lbt_adam_job *J) {
     return J->bs_m == J->bs_v && (J->bs_m % 2 == 0) && J->fm->is_signed && !J->fm->sqrt_ && !J->m_out && !J->v_out;
 }
 
-/* One block's Adam update on its dequantized moments mb, vb (overwritten by the
- * new m and the transformed new v), with their absmax bits (amv[0], amv[1]).
+/* Codes of one block of each moment in an 8-bit table format, to decode inside
+ * the Adam loop (value = table[code] * scale, squared for sqrt formats: the
+ * float operations of dequantize_segment). */
+typedef struct {
+    const uint8_t *mc, *vc;
+    const float *dm, *dv;
+    float sm, sv;
+} block_codes;
+
+/* One block's Adam update on its old moments (dequantized in mb, vb, or, with
+ * dec, decoded from D's codes as it goes), writing the new m and the transformed
+ * new v to mb, vb, with their absmax bits (amv[0], amv[1]).
  * pmode 0: o = u; 1: o is the param, updated in place; 2: o = p + ... from p.
- * vmode 0: v as is; 1: sqrt(v); 2: negative v -> NaN. */
+ * vmode 0: v as is; 1: sqrt(v) (and v's codes are of sqrt(v)); 2: negative v -> NaN. */
 static inline __attribute__((always_inline)) void adam_block(const float *restrict g, float *restrict o,
                                                              const float *restrict p, int64_t n, const float *hyper,
                                                              float *restrict mb, float *restrict vb, const int pmode,
-                                                             const int vmode, int32_t *amv) {
+                                                             const int vmode, const int dec, const block_codes *D,
+                                                             int32_t *amv) {
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
+    const uint8_t *restrict mc = dec ? D->mc : NULL, *restrict vc = dec ? D->vc : NULL;
+    const float *restrict dm = dec ? D->dm : NULL, *restrict dv = dec ? D->dv : NULL;
+    const float sm = dec ? D->sm : 0.0f, svs = dec ? D->sv : 0.0f;
     int32_t am = 0, av = 0;
     for (int64_t k = 0; k < n; k++) {
-        float gi = g[k];
-        float m = b1 * mb[k] + omb1 * gi, v = b2 * vb[k] + omb2 * (gi * gi);
+        float gi = g[k], m0, v0;
+        if (dec) {
+            float t = dv[vc[k]] * svs;
+            m0 = dm[mc[k]] * sm;
+            v0 = vmode == 1 ? t * t : t;
+        } else {
+            m0 = mb[k], v0 = vb[k];
+        }
+        float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
         float sv = sqrtf(v); /* also the transform of sqrt formats */
         float u = (m * rbc1) / (sv * rsbc2 + eps);
         if (pmode == 0) {
@@ -859,13 +880,14 @@ static inline __attribute__((always_inline)) void adam_block(const float *restri
  * J and every (pmode, vmode) pair a call with literal flags, so each combination
  * is compiled (and vectorized) on its own. */
 static void adam_block_job(const lbt_adam_job *J, int64_t off, int64_t n, float *restrict mb, float *restrict vb,
-                           int vmode, int32_t *amv) {
+                           int vmode, const block_codes *D, int32_t *amv) {
     const int pmode = !J->p ? 0 : (J->out == J->p ? 1 : 2);
     const float *g = J->g + off, *p = pmode == 2 ? J->p + off : NULL;
     float *o = J->out + off;
 #define LBT_ADAM_CASE(P, V) \
     if (pmode == P && vmode == V) {                                                    \
-        adam_block(g, o, p, n, J->hyper, mb, vb, P, V, amv);                             \
+        if (D) adam_block(g, o, p, n, J->hyper, mb, vb, P, V, 1, D, amv);                \
+        else adam_block(g, o, p, n, J->hyper, mb, vb, P, V, 0, NULL, amv);               \
         return;                                                                          \
     }
     LBT_ADAM_CASE(0, 0) LBT_ADAM_CASE(0, 1) LBT_ADAM_CASE(0, 2)
@@ -880,13 +902,21 @@ static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const floa
     const lbt_format *fm = J->fm, *fv = J->fv;
     const int64_t bs = J->bs_m;
     const int vmode = fv->sqrt_ ? 1 : (!fv->is_signed ? 2 : 0);
+    /* 8-bit table formats: decoded inside the Adam loop, whose vector work then
+     * overlaps the table loads */
+    const int dec = fm->bits == 8 && !fm->e4m3_arith && fv->bits == 8 && !fv->e4m3_arith;
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         int64_t cm = fm->bits == 4 ? b0 / 2 : b0, cv = fv->bits == 4 ? b0 / 2 : b0;
-        dequantize_segment(mc + cm, ms + blk, n, bs, fm, mb);
-        dequantize_segment(vc + cv, vs + blk, n, bs, fv, vb);
         int32_t amv[2];
-        adam_block_job(J, off + b0, n, mb, vb, vmode, amv);
+        if (dec) {
+            block_codes D = {mc + cm, vc + cv, fm->decode, fv->decode, ms[blk], vs[blk]};
+            adam_block_job(J, off + b0, n, mb, vb, vmode, &D, amv);
+        } else {
+            dequantize_segment(mc + cm, ms + blk, n, bs, fm, mb);
+            dequantize_segment(vc + cv, vs + blk, n, bs, fv, vb);
+            adam_block_job(J, off + b0, n, mb, vb, vmode, NULL, amv);
+        }
         int32_t am = amv[0], av = amv[1];
         float sm = block_scale(am, fm), sv = block_scale(av, fv);
         ms_o[blk] = sm;
@@ -902,7 +932,7 @@ static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, floa
     if (!fm) { /* float32 moments (mc, vc point at them), updated in place */
         const int64_t T = job_tile(J), off = t * T, n = J->R - off < T ? J->R - off : T;
         int32_t amv[2];
-        adam_block_job(J, off, n, (float *)J->mc + off, (float *)J->vc + off, 0, amv);
+        adam_block_job(J, off, n, (float *)J->mc + off, (float *)J->vc + off, 0, NULL, amv);
         return;
     }
     const int64_t R = J->R, bs_m = J->bs_m, bs_v = J->bs_v, T = job_tile(J);
@@ -935,7 +965,7 @@ static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, floa
     }
     const int64_t off = r0 * R + j0, total = nr * len; /* nr > 1 only with j0 == 0, len == R: contiguous */
     int32_t amv[2]; /* unused here: quantize_segment transforms and takes the absmax itself */
-    adam_block_job(J, off, total, mb, vb, 0, amv);
+    adam_block_job(J, off, total, mb, vb, 0, NULL, amv);
     if (J->m_out) memcpy(J->m_out + off, mb, sizeof(float) * total);
     if (J->v_out) memcpy(J->v_out + off, vb, sizeof(float) * total);
     for (int64_t i = 0; i < nr; i++) {
