@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--show", action="store_true", help="print every round's figure")
+    ap.add_argument("--inplace", action="store_true",
+                    help="update param and states in place, as the bridge does (each build on its own copies)")
     args = ap.parse_args(argv)
     if not KC.available():
         print("native CPU kernels unavailable (no C compiler, or LOWBIT_TREE_NATIVE=0)")
@@ -112,10 +114,16 @@ def main(argv=None) -> int:
                     fm, fv, p, g, m, v, hyper = make_case(sf, rows, cols, data)
                     mc, vc = m.codes.view(torch.uint8), v.codes.view(torch.uint8)
                     for li in range(len(libs)):
-                        out = (torch.empty_like(p), torch.empty_like(mc), torch.empty_like(m.scale),
-                               torch.empty_like(vc), torch.empty_like(v.scale))
-                        row = KC._adam_job_row(rows, cols, p, g, out[0], mc, m.scale, vc, v.scale, out[1], out[2],
-                                               out[3], out[4], None, None, hyper, fm, m.block_size, fv, v.block_size)
+                        if args.inplace:  # out = the inputs, copies per build
+                            out = (p.clone(), mc.clone(), m.scale.clone(), vc.clone(), v.scale.clone())
+                            ins = out
+                        else:
+                            out = (torch.empty_like(p), torch.empty_like(mc), torch.empty_like(m.scale),
+                                   torch.empty_like(vc), torch.empty_like(v.scale))
+                            ins = (p, mc, m.scale, vc, v.scale)
+                        row = KC._adam_job_row(rows, cols, ins[0], g, out[0], ins[1], ins[2], ins[3], ins[4], out[1],
+                                               out[2], out[3], out[4], None, None, hyper, fm, m.block_size, fv,
+                                               v.block_size)
                         row[16], row[17] = lib_format(libs[li], fm), lib_format(libs[li], fv)
                         cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out,
                                          inputs=(p, g, m, v, hyper), n=rows * cols, ns=[]))

@@ -34,6 +34,8 @@ typedef struct {
     int32_t rng_elow;            /* octaves <= elow share one slot, the 7 above have one each */
     int32_t rng_kmin, rng_kmax;  /* magnitudes are clamped into [kmin, kmax] */
     int32_t rng_npos;            /* rows of non-negative values; negative ones follow (signed formats) */
+    int32_t lin;                 /* 4-bit maps with evenly spaced thresholds: index = floor(x * lin_a - lin_b) */
+    float lin_a, lin_b;
 } lbt_format;
 
 static inline int32_t f2i(float x) { int32_t i; memcpy(&i, &x, 4); return i; }
@@ -405,14 +407,71 @@ static int range_table_matches(const lbt_format *f) {
     return ok;
 }
 
-/* The check lbt_prepare runs, for tests: 1 if f's range table gives the
- * reference codes (formats without one: 1). */
-int lbt_check_range_table(const lbt_format *f) { return f->bits != 8 || (f->packed && range_table_matches(f)); }
+static void lin_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f, int32_t *restrict idx);
+
+/* The arithmetic 4-bit index against a brute-force count of the thresholds <=
+ * x, at every threshold and its two float neighbours and at non-finite, zero,
+ * negative, tiny and huge values (vector and scalar paths). The computed index
+ * is monotone in x (each rounding is), like the count, so agreeing at every
+ * threshold and the float below it means agreeing everywhere. */
+static int lin_matches(const lbt_format *f) {
+    const int32_t n = f->last;
+    const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-45f, -1e-45f, 1e-30f, -1e-30f,
+                              1e30f, -1e30f, 1.0f, -1.0f, 3.4e38f, -3.4e38f, 0.5f, 2.0f};
+    float x[3 * 16 + 18];
+    int32_t want[3 * 16 + 18], got[3 * 16 + 18];
+    int32_t m = 0;
+    if (n < 1 || n > 16) return 0;
+    for (int32_t k = 0; k < n; k++) {
+        x[m++] = f->sorted[k];
+        x[m++] = nextafterf(f->sorted[k], -INFINITY);
+        x[m++] = nextafterf(f->sorted[k], INFINITY);
+    }
+    for (unsigned j = 0; j < sizeof specials / sizeof *specials; j++) x[m++] = specials[j];
+    for (int32_t i = 0; i < m; i++) {
+        int32_t c = 0;
+        for (int32_t k = 0; k < n; k++) c += f->sorted[k] <= x[i];
+        want[i] = x[i] != x[i] ? n : c;
+    }
+    lin_pass(x, m, 1.0f, f, got);
+    int ok = 1;
+    for (int32_t i = 0; i < m; i++) ok &= got[i] == want[i];
+    for (int32_t i = 0; i < m; i++) { /* the scalar tail on every point */
+        lin_pass(x + i, 1, 1.0f, f, got + i);
+        ok &= got[i] == want[i];
+    }
+    return ok;
+}
+
+/* 4-bit maps: evenly spaced thresholds with a power-of-two spacing get lin_pass */
+static void prepare_lin(lbt_format *f) {
+    f->lin = 0;
+    if (f->bits != 4 || f->last < 2) return;
+    const float *t = f->sorted;
+    float d = t[1] - t[0];
+    if (!(d > 0.0f)) return;
+    float a = 1.0f / d;
+    int32_t e = (f2i(a) >> 23) & 0xFF;
+    if (f2i(a) != (e << 23) || e == 0 || e == 0xFF) return; /* not a power of two */
+    for (int32_t k = 1; k < f->last; k++)
+        if ((t[k] - t[k - 1]) * a != 1.0f) return;
+    f->lin_a = a;
+    f->lin_b = t[0] * a - 1.0f;
+    f->lin = 1;
+    if (!lin_matches(f)) f->lin = 0; /* the 15 comparisons then (inspectable: lin) */
+}
+
+/* The checks lbt_prepare runs, for tests: 1 if f's range table (8-bit) and
+ * arithmetic 4-bit index (when on) give the reference codes. */
+int lbt_check_tables(const lbt_format *f) {
+    return (f->bits != 8 || (f->packed && range_table_matches(f))) && (!f->lin || lin_matches(f));
+}
 
 int lbt_prepare(lbt_format *f) {
     f->packed = NULL;
     int rc = prepare_tables(f);
     if (rc == 0 && f->bits == 8 && !range_table_matches(f)) rc = -6;
+    prepare_lin(f);
     f->e4m3_arith = 0;
     if (rc == 0 && f->float8 && f->bits == 8) {
         int32_t zero_free = !f->is_signed;
@@ -536,6 +595,30 @@ static void code_pass(const int32_t *restrict entry, const int32_t *restrict low
     }
 }
 
+/* 4-bit maps whose thresholds are evenly spaced, t_k = (k + c) / a with a a
+ * power of two (linear4_unsigned: a = 16, c = 1.5): the number of thresholds
+ * <= n is floor(n * a - (c - 1)), clamped to [0, last], NaN -> last.
+ * lbt_prepare checks it against the thresholds (lin_matches). */
+static void lin_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f, int32_t *restrict idx) {
+    const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
+    int64_t i = 0;
+#ifdef __AVX2__
+    const __m256 vs = _mm256_set1_ps(safe), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), vl = _mm256_set1_ps(last);
+    for (; i + 8 <= n; i += 8) {
+        __m256 y = _mm256_sub_ps(_mm256_mul_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), vs), va), vb);
+        y = _mm256_min_ps(y, vl); /* NaN -> last (minps returns its second operand) */
+        __m256i k = _mm256_max_epi32(_mm256_cvttps_epi32(y), _mm256_setzero_si256()); /* trunc = floor for y >= 0 */
+        _mm256_storeu_si256((__m256i *)(idx + i), k);
+    }
+#endif
+    for (; i < n; i++) {
+        float y = (x[i] / safe) * a - b;
+        y = y < last ? y : last; /* also NaN */
+        y = y > 0.0f ? y : 0.0f;
+        idx[i] = (int32_t)y;
+    }
+}
+
 /* 4-bit formats: the index is the number of thresholds <= x[i] / safe (NaN ->
  * last), by 15 comparisons against constants: no table lookup. */
 static void count_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f, int32_t *restrict idx) {
@@ -560,6 +643,28 @@ static inline float block_scale(int32_t amax, const lbt_format *f) {
     return amax >= 0x7F800000 ? NAN : am / f->divisor;
 }
 
+/* 4-bit indices idx[0..n) (each 0..15) -> n / 2 bytes, the even element in the
+ * low nibble; an odd n leaves its last index in the low nibble of the last byte
+ * (high nibble 0). */
+static void pack_nibbles(const int32_t *restrict idx, int64_t n, uint8_t *restrict codes) {
+    int64_t pairs = n / 2, j = 0;
+#ifdef __AVX2__
+    for (; 2 * j + 32 <= n; j += 16) {
+        const int32_t *q = idx + 2 * j;
+        __m256i b = _mm256_packus_epi16(
+            _mm256_packus_epi32(_mm256_loadu_si256((const __m256i *)q), _mm256_loadu_si256((const __m256i *)(q + 8))),
+            _mm256_packus_epi32(_mm256_loadu_si256((const __m256i *)(q + 16)), _mm256_loadu_si256((const __m256i *)(q + 24))));
+        b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); /* 32 index bytes in order */
+        /* 16-bit word w = idx[2i] | idx[2i+1] << 8 -> idx[2i] | idx[2i+1] << 4 */
+        __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x00FF)), _mm256_srli_epi16(b, 4));
+        w = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08); /* qwords 0 and 2 */
+        _mm_storeu_si128((__m128i *)(codes + j), _mm256_castsi256_si128(w));
+    }
+#endif
+    for (; j < pairs; j++) codes[j] = (uint8_t)(idx[2 * j] | (idx[2 * j + 1] << 4));
+    if (n & 1) codes[pairs] = (uint8_t)idx[n - 1];
+}
+
 /* Codes of one block of already transformed values x[0..n) with scale s.
  * ``codes`` points at the block's first byte (4-bit: the block starts at an even
  * element; an odd n leaves the last byte's high nibble 0). s1, s2: scratch of n. */
@@ -567,10 +672,9 @@ static void encode_block(const float *restrict x, int64_t n, float s, const lbt_
                          int32_t *restrict s1, int32_t *restrict s2) {
     float safe = s > 0.0f ? s : 1.0f;
     if (f->bits == 4) {
-        count_pass(x, n, safe, f, s1);
-        int64_t pairs = n / 2;
-        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(s1[2 * j] | (s1[2 * j + 1] << 4));
-        if (n & 1) codes[pairs] = (uint8_t)s1[n - 1];
+        if (f->lin) lin_pass(x, n, safe, f, s1);
+        else count_pass(x, n, safe, f, s1);
+        pack_nibbles(s1, n, codes);
     } else if (f->e4m3_arith) {
         e4m3_pass(x, n, safe, f->e4m3_arith == 2, codes);
     } else {
@@ -626,14 +730,11 @@ static void quantize_segment(float *restrict x, int64_t len, int64_t bs, const l
         int64_t n = b0 + bs < len ? bs : len - b0;
         float s = block_scale(transform_absmax(x + b0, n, f), f);
         scale[blk] = s;
-        if (odd4) count_pass(x + b0, n, s > 0.0f ? s : 1.0f, f, s1 + b0);
+        if (odd4 && f->lin) lin_pass(x + b0, n, s > 0.0f ? s : 1.0f, f, s1 + b0);
+        else if (odd4) count_pass(x + b0, n, s > 0.0f ? s : 1.0f, f, s1 + b0);
         else encode_block(x + b0, n, s, f, codes + (f->bits == 4 ? b0 / 2 : b0), s1, s2);
     }
-    if (odd4) {
-        int64_t pairs = len / 2;
-        for (int64_t j = 0; j < pairs; j++) codes[j] = (uint8_t)(s1[2 * j] | (s1[2 * j + 1] << 4));
-        if (len & 1) codes[pairs] = (uint8_t)s1[len - 1]; /* high nibble: padding 0 */
-    }
+    if (odd4) pack_nibbles(s1, len, codes); /* an odd len: high nibble of the last byte 0 (padding) */
 }
 
 #ifdef __AVX2__
@@ -908,7 +1009,7 @@ static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const floa
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         int64_t cm = fm->bits == 4 ? b0 / 2 : b0, cv = fv->bits == 4 ? b0 / 2 : b0;
-        int32_t amv[2];
+        int32_t amv[2] = {0, 0};
         if (dec) {
             block_codes D = {mc + cm, vc + cv, fm->decode, fv->decode, ms[blk], vs[blk]};
             adam_block_job(J, off + b0, n, mb, vb, vmode, &D, amv);

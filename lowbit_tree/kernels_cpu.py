@@ -83,6 +83,9 @@ class _Format(ctypes.Structure):
         ("rng_kmin", ctypes.c_int32),
         ("rng_kmax", ctypes.c_int32),
         ("rng_npos", ctypes.c_int32),
+        ("lin", ctypes.c_int32),
+        ("lin_a", ctypes.c_float),
+        ("lin_b", ctypes.c_float),
     ]
 
 
@@ -145,8 +148,8 @@ def library():
     lib.lbt_adam_jobs.restype = None
     lib.lbt_prepare.argtypes = [fptr]
     lib.lbt_prepare.restype = ctypes.c_int
-    lib.lbt_check_range_table.argtypes = [fptr]
-    lib.lbt_check_range_table.restype = ctypes.c_int
+    lib.lbt_check_tables.argtypes = [fptr]
+    lib.lbt_check_tables.restype = ctypes.c_int
     return lib
 
 

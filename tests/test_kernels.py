@@ -110,7 +110,7 @@ def test_native_range_table_is_small_and_its_check_can_fail(name):
     lib = kernels_cpu.library()
     nrows = st.rng_npos * (2 if st.is_signed else 1)
     assert 0 < st.rng_npos <= 700, st.rng_npos
-    assert lib.lbt_check_range_table(ctypes.byref(st)) == 1
+    assert lib.lbt_check_tables(ctypes.byref(st)) == 1
     rows = ctypes.cast(st.packed, ctypes.POINTER(ctypes.c_uint32))
     gen = torch.Generator().manual_seed(len(name))
     with_threshold = [i for i in range(nrows) if rows[i] & 0xFFFFFF]  # row = (count << 24) - threshold
@@ -124,10 +124,34 @@ def test_native_range_table_is_small_and_its_check_can_fail(name):
         for delta in (1 << 24, -(1 << 24)) + ((-1,) if i in with_threshold else ()):
             rows[i] = (keep + delta) & 0xFFFFFFFF
             try:
-                assert lib.lbt_check_range_table(ctypes.byref(st)) == 0, (i, hex(keep), delta)
+                assert lib.lbt_check_tables(ctypes.byref(st)) == 0, (i, hex(keep), delta)
             finally:
                 rows[i] = keep
-    assert lib.lbt_check_range_table(ctypes.byref(st)) == 1
+    assert lib.lbt_check_tables(ctypes.byref(st)) == 1
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_native_linear_4bit_index_is_on_and_its_check_can_fail():
+    """linear4_unsigned's thresholds are evenly spaced (1/16 apart): its native
+    index is floor(x * 16 - 0.5) instead of 15 comparisons (inspectable: lin),
+    dynamic4's are not; the check lbt_prepare runs rejects a slope or offset
+    slightly off (one float step can be harmless: the same function)."""
+    import ctypes
+
+    lib = kernels_cpu.library()
+    assert kernels_cpu._format_struct("dynamic4").lin == 0
+    st = kernels_cpu._format_struct("linear4_unsigned")
+    assert (st.lin, st.lin_a, st.lin_b) == (1, 16.0, 0.5)
+    assert lib.lbt_check_tables(ctypes.byref(st)) == 1
+    for field, deltas in (("lin_a", (2**-6, -(2**-6))), ("lin_b", (2**-6, -(2**-6)))):
+        keep = getattr(st, field)
+        for delta in deltas:
+            setattr(st, field, keep + delta)
+            try:
+                assert lib.lbt_check_tables(ctypes.byref(st)) == 0, (field, delta)
+            finally:
+                setattr(st, field, keep)
+    assert lib.lbt_check_tables(ctypes.byref(st)) == 1
 
 
 @pytest.mark.parametrize("kw", CPU_BACKENDS)
