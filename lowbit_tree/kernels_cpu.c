@@ -193,14 +193,14 @@ static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
  * fifth of one uniform shift's rows: the rows stay in L1 while params and grads
  * stream through). The slot's shift and offset come from two 8-lane permutes,
  * no memory. Signed formats have a second set of rows for negative values.
- * Row = ((c0 + has_threshold + bias) << 24) - t (modulo 2**32), with c0 the
- * number of thresholds below the bucket's values, t the low 24 magnitude bits
- * of its threshold (inverted for negative rows, 0 if none) and bias the code of
- * index 0 in mode-1 encodings (else 0); then for x in the bucket
- *   code = (row + lane) >> 24,  lane = (mag ^ (x < 0 ? ~0 : 0)) & 0xFFFFFF
- * (lane >= t carries into the top byte, lane < t borrows from it), exact
- * because a bucket never crosses a multiple of 2**24 magnitude bits, so the low
- * 24 bits order x like its float value. lbt_prepare checks the result
+ * With lane = mag ^ (x < 0 ? ~0 : 0) (so lanes of one bucket are ordered like
+ * the values) and row = ((c0 + has_threshold + bias - H) << 24) - t (modulo
+ * 2**32), where c0 is the number of thresholds below the bucket's values, t the
+ * low 24 bits of its threshold's lane (0 if none), bias the code of index 0 in
+ * mode-1 encodings (else 0) and H the lane bits from 24 up, the same for the
+ * whole bucket because a bucket never crosses a multiple of 2**24 magnitudes:
+ *   code = (row + lane) >> 24
+ * (a low lane >= t carries into the top byte, one below t borrows from it). lbt_prepare checks the result
  * against a brute-force count at every bucket edge and threshold. */
 static inline int32_t high_bit(uint32_t x) { return 31 - __builtin_clz(x); }
 
@@ -221,7 +221,7 @@ static inline void range_key(float v, const lbt_format *f, int32_t *row, int32_t
     mag = mag > f->rng_kmax ? f->rng_kmax : mag;
     int32_t neg = (f->is_signed & (v < 0.0f)) ? -1 : 0;
     *row = range_pos(mag, f) + (neg & f->rng_npos);
-    *lane = (mag ^ neg) & 0xFFFFFF;
+    *lane = mag ^ neg;
 }
 
 /* the code index of a lane from its range-table row (plus the table's bias,
@@ -312,7 +312,9 @@ static int build_range_table(lbt_format *f, int32_t bias) {
                     else if (side ? t[k] < -bits2f((int32_t)(b - 1 < 0x7F800000 ? b - 1 : 0x7F800000)) : t[k] < bits2f((int32_t)a)) c0++;
                 }
                 if (inside > 1) { free(tab); return -4; }
-                tab[row + side * npos] = ((uint32_t)(c0 + inside + bias) << 24) - (uint32_t)tv;
+                /* the lane's bits from 24 up are the same for the whole bucket: folded in */
+                uint32_t high = ((uint32_t)a ^ (side ? 0xFFFFFFFFu : 0u)) >> 24;
+                tab[row + side * npos] = ((uint32_t)(c0 + inside + bias - high) << 24) - (uint32_t)tv;
             }
         }
     }
@@ -506,7 +508,7 @@ typedef struct {
 } table_consts;
 
 static inline __m256i table_codes8(__m256 x, const table_consts *T) {
-    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), low24 = _mm256_set1_epi32(0xFFFFFF);
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF);
     __m256 v = _mm256_div_ps(x, T->vs);
     __m256i mag = _mm256_min_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs), T->kmin), T->kmax);
     __m256i k = _mm256_max_epi32(_mm256_srli_epi32(mag, 23), T->elow); /* slot: permutevar reads its low 3 bits */
@@ -516,9 +518,9 @@ static inline __m256i table_codes8(__m256 x, const table_consts *T) {
     if (T->sgn) {
         __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
         b = _mm256_add_epi32(b, _mm256_and_si256(neg, T->npos));
-        lane = _mm256_and_si256(_mm256_xor_si256(mag, neg), low24);
+        lane = _mm256_xor_si256(mag, neg);
     } else {
-        lane = _mm256_and_si256(mag, low24);
+        lane = mag;
     }
     /* lane indices through 64-bit extracts (a vector store reloaded as scalars
      * stalls store-to-load forwarding) */
@@ -567,7 +569,7 @@ static void bucket_pass(const float *restrict x, int64_t n, float safe, const lb
         uint32_t a = (uint32_t)adj[k], sh = (uint32_t)shv[k];
         int32_t neg = (sgn & (v < 0.0f)) ? -1 : 0;
         bucket[i] = (int32_t)(((uint32_t)mag - a) >> sh) + (neg & npos);
-        low[i] = (mag ^ neg) & 0xFFFFFF;
+        low[i] = mag ^ neg;
     }
 }
 
