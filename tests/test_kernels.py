@@ -439,9 +439,16 @@ def test_adam_step_fp32_non_contiguous_and_bad_hyper():
 
 
 def test_adam_hyperparams_tensor_count_matches_int():
+    """The bridge passes a CPU step count as a number and a CUDA one as a tensor
+    (no sync): both give the same float32 vector."""
     a = K.adam_hyperparams(count=7, lr=3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     b = K.adam_hyperparams(count=torch.tensor(7), lr=torch.tensor(3e-4, dtype=torch.float64), b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
     assert same_bits(a, b)
+    for b1, b2 in ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)):
+        for count in [*range(300), 10**4, 10**6]:
+            a = K.adam_hyperparams(count=count, lr=1e-3, b1=b1, b2=b2, eps=1e-8, weight_decay=0.01)
+            b = K.adam_hyperparams(count=torch.tensor(float(count)), lr=1e-3, b1=b1, b2=b2, eps=1e-8, weight_decay=0.01)
+            assert same_bits(a, b), (b1, b2, count)
 
 
 def test_eager_switch(monkeypatch):
