@@ -139,7 +139,7 @@ static void bucket_pass(const float *restrict x, int64_t n, float safe, const lb
                         int32_t *restrict bucket, int32_t *restrict low);
 #ifdef __AVX2__
 static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, const lbt_format *f,
-                                uint8_t *restrict codes);
+                                uint8_t *restrict codes, int32_t *restrict rows, int32_t *restrict lanes);
 #endif
 static void decode_e4m3_block(const uint8_t *restrict codes, int64_t n, float s, int32_t sq, float *restrict out);
 
@@ -397,7 +397,7 @@ static int range_table_matches(const lbt_format *f) {
     }
 #ifdef __AVX2__
     if (ok && f->encode_mode == 1) {
-        int64_t done = table_codes_avx2(x, m, 1.0f, f, codes);
+        int64_t done = table_codes_avx2(x, m, 1.0f, f, codes, row, lane); /* scratch: their check is done */
         for (int64_t i = 0; i < done; i++) ok &= codes[i] == (uint8_t)(want[i] + bias);
     }
 #endif
@@ -507,23 +507,29 @@ typedef struct {
     int32_t sgn;
 } table_consts;
 
-static inline __m256i table_codes8(__m256 x, const table_consts *T) {
+/* row index (returned) and lane of 8 values */
+static inline __m256i table_key8(__m256 x, const table_consts *T, __m256i *lane) {
     const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF);
     __m256 v = _mm256_div_ps(x, T->vs);
     __m256i mag = _mm256_min_epi32(_mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(v), abs), T->kmin), T->kmax);
     __m256i k = _mm256_max_epi32(_mm256_srli_epi32(mag, 23), T->elow); /* slot: permutevar reads its low 3 bits */
     __m256i b = _mm256_srlv_epi32(_mm256_sub_epi32(mag, _mm256_permutevar8x32_epi32(T->adj, k)),
                                   _mm256_permutevar8x32_epi32(T->shv, k));
-    __m256i lane;
     if (T->sgn) {
         __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ));
         b = _mm256_add_epi32(b, _mm256_and_si256(neg, T->npos));
-        lane = _mm256_xor_si256(mag, neg);
+        *lane = _mm256_xor_si256(mag, neg);
     } else {
-        lane = mag;
+        *lane = mag;
     }
-    /* lane indices through 64-bit extracts (a vector store reloaded as scalars
-     * stalls store-to-load forwarding) */
+    return b;
+}
+
+/* codes of 8 values in one go (block tails) */
+static inline __m256i table_codes8(__m256 x, const table_consts *T) {
+    __m256i lane, b = table_key8(x, T, &lane);
+    /* lane indices through 64-bit extracts (a vector store reloaded at once as
+     * scalars stalls store-to-load forwarding) */
     const uint32_t *restrict packed = T->packed;
     __m128i blo = _mm256_castsi256_si128(b), bhi = _mm256_extracti128_si256(b, 1);
     uint64_t q0 = (uint64_t)_mm_cvtsi128_si64(blo), q1 = (uint64_t)_mm_extract_epi64(blo, 1);
@@ -535,19 +541,42 @@ static inline __m256i table_codes8(__m256 x, const table_consts *T) {
     return _mm256_srli_epi32(_mm256_add_epi32(e, lane), 24);
 }
 
-/* Returns elements done. */
+static void table_consts_init(table_consts *T, float safe, const lbt_format *f) {
+    T->vs = _mm256_set1_ps(safe);
+    T->kmin = _mm256_set1_epi32(f->rng_kmin), T->kmax = _mm256_set1_epi32(f->rng_kmax);
+    T->elow = _mm256_set1_epi32(f->rng_elow), T->npos = _mm256_set1_epi32(f->rng_npos);
+    T->adj = _mm256_loadu_si256((const __m256i *)f->rng_adj), T->shv = _mm256_loadu_si256((const __m256i *)f->rng_sh);
+    T->packed = f->packed, T->sgn = f->is_signed;
+}
+
+/* rows[i] = packed[rows[i]]: left to the compiler, which reads the indices back
+ * from memory (stored a pass earlier: no forwarding stall) instead of moving
+ * them out of vector registers */
+static void gather_rows(int32_t *restrict rows, int64_t n, const uint32_t *restrict packed) {
+    for (int64_t i = 0; i < n; i++) rows[i] = (int32_t)packed[rows[i]];
+}
+
+/* Returns elements done. Whole 32s in three passes over the block (keys, table
+ * rows, codes; ``rows``, ``lanes``: scratch of n), cheaper than one pass that
+ * moves each lane's index from a vector register to a scalar one; then 8s. */
 static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, const lbt_format *f,
-                                uint8_t *restrict codes) {
+                                uint8_t *restrict codes, int32_t *restrict rows, int32_t *restrict lanes) {
     table_consts T;
-    T.vs = _mm256_set1_ps(safe);
-    T.kmin = _mm256_set1_epi32(f->rng_kmin), T.kmax = _mm256_set1_epi32(f->rng_kmax);
-    T.elow = _mm256_set1_epi32(f->rng_elow), T.npos = _mm256_set1_epi32(f->rng_npos);
-    T.adj = _mm256_loadu_si256((const __m256i *)f->rng_adj), T.shv = _mm256_loadu_si256((const __m256i *)f->rng_sh);
-    T.packed = f->packed, T.sgn = f->is_signed;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        store_bytes32(codes + i, table_codes8(_mm256_loadu_ps(x + i), &T), table_codes8(_mm256_loadu_ps(x + i + 8), &T),
-                      table_codes8(_mm256_loadu_ps(x + i + 16), &T), table_codes8(_mm256_loadu_ps(x + i + 24), &T));
+    table_consts_init(&T, safe, f);
+    const int64_t n32 = n / 32 * 32;
+    for (int64_t i = 0; i < n32; i += 8) {
+        __m256i lane, b = table_key8(_mm256_loadu_ps(x + i), &T, &lane);
+        _mm256_storeu_si256((__m256i *)(rows + i), b);
+        _mm256_storeu_si256((__m256i *)(lanes + i), lane);
+    }
+    gather_rows(rows, n32, T.packed);
+#define LBT_CODE8(j) \
+    _mm256_srli_epi32(_mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(rows + (j))), \
+                                       _mm256_loadu_si256((const __m256i *)(lanes + (j)))), 24)
+    for (int64_t i = 0; i < n32; i += 32)
+        store_bytes32(codes + i, LBT_CODE8(i), LBT_CODE8(i + 8), LBT_CODE8(i + 16), LBT_CODE8(i + 24));
+#undef LBT_CODE8
+    int64_t i = n32;
     for (; i + 8 <= n; i += 8) store_bytes8(codes + i, table_codes8(_mm256_loadu_ps(x + i), &T));
     return i;
 }
@@ -682,7 +711,7 @@ static void encode_block(const float *restrict x, int64_t n, float s, const lbt_
     } else {
         int64_t done = 0;
 #ifdef __AVX2__
-        if (f->encode_mode == 1) done = table_codes_avx2(x, n, safe, f, codes);
+        if (f->encode_mode == 1) done = table_codes_avx2(x, n, safe, f, codes, s1, s2);
 #endif
         if (done < n) { /* the rest, or all without AVX2, in three passes */
             bucket_pass(x + done, n - done, safe, f, s1, s2);
