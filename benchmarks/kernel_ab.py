@@ -2,18 +2,20 @@
 
 Each C source given is built with the library's own flags and loaded side by
 side, and prepares its own format structs (so builds whose code tables differ
-in layout compare fairly); every (build, state format, size, data) combination then runs the fused
-Adam step (``lbt_adam_jobs``) directly, out of place on fixed inputs, and the
-timed calls are interleaved in rounds, so a slow period of a shared machine hits
-all builds alike. Prints min and median ns per element, and ``!`` where a build's
-output (param, codes, scales) differs from the first build's.
+in layout compare fairly); every (build, state format, size, data) combination
+then runs the fused Adam step (``lbt_adam_jobs``) directly, out of place on
+fixed inputs (``--inplace``: on the build's own copies of param and states,
+updated in place as the bridge does), and the timed calls are interleaved in
+rounds, so a slow period of a shared machine hits all builds alike. Prints min
+and median ns per element, and ``!`` where a build's output (param, codes,
+scales) differs from the first build's.
 
 Sizes: ``128x256`` fits in L2 (compute cost), ``2048x2048`` streams from memory.
 Data ``wide``: normal gradients (moments spread over many octaves of each block's
 absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 
 Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
-       [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show]
+       [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
 With no source, the library's own source (one build: absolute figures only).
 """
 from __future__ import annotations
