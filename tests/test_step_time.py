@@ -54,8 +54,9 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main([str(kernels_cpu._SOURCE), str(kernels_cpu._SOURCE), str(altered),
-                   "--formats", "8bit", "--sizes", "16x256", "--rounds", "2"])
-    assert rc == 0
-    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("8bit 16x256 wide")]
-    assert line.count("!") == 1 and line.rstrip().endswith("!"), line  # only the altered build
+    for extra in ([], ["--inplace"]):  # in place: each build steps its own copies, same count of calls
+        rc = mod.main([str(kernels_cpu._SOURCE), str(kernels_cpu._SOURCE), str(altered),
+                       "--formats", "8bit", "--sizes", "16x256", "--rounds", "2", *extra])
+        assert rc == 0
+        (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("8bit 16x256 wide")]
+        assert line.count("!") == 1 and line.rstrip().endswith("!"), (extra, line)  # only the altered build
