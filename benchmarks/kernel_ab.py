@@ -2,7 +2,7 @@
 
 Each C source given is built with the library's own flags and loaded side by
 side, and prepares its own format structs (so builds whose code tables differ
-in layout compare fairly); every (build, state format, size, data) combination
+compare fairly; the struct's fields must be this checkout's); every (build, state format, size, data) combination
 then runs the fused Adam step (``lbt_adam_jobs``) directly, out of place on
 fixed inputs (``--inplace``: on the build's own copies of param and states,
 updated in place as the bridge does), and the timed calls are interleaved in
@@ -55,23 +55,19 @@ def build(source: Path, outdir: Path):
 
 
 def lib_format(lib, name: str) -> int:
-    """Address of ``name``'s format struct prepared by ``lib`` itself: builds
-    whose table layouts differ each get their own (the struct's leading fields
-    are the same; a build that fills ``packed`` in place gets a buffer as large
-    as the bucket table)."""
+    """Address of ``name``'s format struct prepared by ``lib`` itself, so that
+    builds whose tables differ in content each get their own (the struct's
+    fields are this checkout's ``kernels_cpu._Format``)."""
     if name not in lib.formats:
         fmt, tab = lt.formats.FORMATS[name], K._cpu_code_table(name)
-        buf = torch.zeros(tab.base.numel() * 2, dtype=torch.int32)
         st = KC._Format(
-            fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
-            tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
-            tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
-            tab.thresholds.data_ptr(), buf.data_ptr(),
+            fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor), tab.last,
+            tab.decode.data_ptr(), tab.encode.data_ptr(), tab.thresholds.data_ptr(), None,
         )
         if lib.lbt_prepare(ctypes.byref(st)) != 0:
             raise RuntimeError(f"lbt_prepare of this build rejected {name}")
-        lib.formats[name] = (st, buf)
-    return ctypes.addressof(lib.formats[name][0])
+        lib.formats[name] = st
+    return ctypes.addressof(lib.formats[name])
 
 
 def make_case(state_format: str, rows: int, cols: int, data: str):

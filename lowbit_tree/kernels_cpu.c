@@ -18,10 +18,8 @@ typedef struct {
     int32_t sqrt_;      /* store sqrt(x) */
     int32_t float8;     /* codes are e4m3 bytes (encode table) */
     float divisor;      /* scale = absmax / divisor */
-    int32_t shift, key_min, key_max, offset, nbuckets, last;
+    int32_t last;       /* the largest code index (thresholds: last) */
     const float *decode;         /* 256: code byte -> normalized value */
-    const int32_t *base;         /* nbuckets */
-    const float *thresholds;     /* nbuckets: the threshold inside each bucket, +inf if none */
     const uint8_t *encode;       /* last + 1: index -> stored byte */
     const float *sorted;         /* last: all thresholds, ascending */
     /* filled by lbt_prepare: */
@@ -40,12 +38,12 @@ typedef struct {
 
 static inline int32_t f2i(float x) { int32_t i; memcpy(&i, &x, 4); return i; }
 
-static inline int32_t bucket_key(float v, const lbt_format *f) {
-    int32_t mag = f2i(v) & 0x7FFFFFFF;
-    mag = mag < f->key_min ? f->key_min : mag;
-    mag = mag > f->key_max ? f->key_max : mag;
-    int32_t rel = mag - f->key_min;
-    return (f->is_signed & (v < 0.0f)) ? ~rel : rel;
+/* The reference code index of a normalized value: the number of thresholds
+ * <= x (NaN: the last index). What every fast path is checked against at load. */
+static int32_t ref_index(const lbt_format *f, float x) {
+    int32_t c = 0;
+    for (int32_t k = 0; k < f->last; k++) c += f->sorted[k] <= x;
+    return x != x ? f->last : c;
 }
 
 /* e4m3 by arithmetic (no table), for the float8 formats. The map's midpoints
@@ -170,10 +168,7 @@ static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
     for (unsigned j = 0; j < sizeof specials / sizeof *specials; j++) {
         float v = specials[j];
         if (!f->is_signed && v < 0.0f) continue;
-        int32_t key = bucket_key(v, f), b = (key >> f->shift) - f->offset;
-        b = b < 0 ? 0 : (b > f->nbuckets - 1 ? f->nbuckets - 1 : b);
-        int32_t k = f->base[b] + (v >= f->thresholds[b]);
-        x[n] = v, want[n++] = f->encode[k > f->last ? f->last : k];
+        x[n] = v, want[n++] = f->encode[ref_index(f, v)];
     }
     e4m3_pass(x, n, 1.0f, zero_free, got);
     int ok = 1;
@@ -187,8 +182,9 @@ static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
 /* The range table of an 8-bit map: where the codes of x come from, one table
  * row per lane, a compact successor of the bucket table (base / thresholds).
  * The magnitude bits of x, clamped into [kmin, kmax], fall into one of 8 slots:
- * the 7 octaves up to kmax's each get a slot, all lower octaves share one. Slot k cuts its magnitudes into buckets of 2**rng_sh[k], each
- * holding at most one threshold of either sign, so the dense top octaves of a
+ * the 7 octaves up to kmax's each get a slot, all lower octaves share one.
+ * Slot k cuts its magnitudes into buckets of 2**rng_sh[k], each holding at
+ * most one threshold of either sign, so the dense top octaves of a
  * dynamic map get fine buckets and its sparse low octaves coarse ones (about a
  * fifth of one uniform shift's rows: the rows stay in L1 while params and grads
  * stream through). The slot's shift and offset come from two 8-lane permutes,
@@ -200,8 +196,9 @@ static int e4m3_matches(const lbt_format *f, int32_t zero_free) {
  * mode-1 encodings (else 0) and H the lane bits from 24 up, the same for the
  * whole bucket because a bucket never crosses a multiple of 2**24 magnitudes:
  *   code = (row + lane) >> 24
- * (a low lane >= t carries into the top byte, one below t borrows from it). lbt_prepare checks the result
- * against a brute-force count at every bucket edge and threshold. */
+ * (a low lane >= t carries into the top byte, one below t borrows from it).
+ * lbt_prepare checks the result against a brute-force count at every bucket
+ * edge and threshold. */
 static inline int32_t high_bit(uint32_t x) { return 31 - __builtin_clz(x); }
 
 static inline int32_t range_slot(int32_t mag, const lbt_format *f) {
@@ -304,12 +301,14 @@ static int build_range_table(lbt_format *f, int32_t bias) {
             int64_t b = a + (1LL << sh); /* exclusive */
             if (range_pos((int32_t)a, f) != row) { free(tab); return -4; }
             for (int32_t side = 0; side < (f->is_signed ? 2 : 1); side++) {
+                /* the bucket's smallest value: +a, or -(b - 1) on the negative side */
+                const int64_t top = b - 1 < 0x7F800000 ? b - 1 : 0x7F800000;
+                const float lowest = side ? -bits2f((int32_t)top) : bits2f((int32_t)a);
                 int32_t c0 = 0, inside = 0, tv = 0;
                 for (int32_t k = 0; k < n; k++) {
                     int32_t m = f2i(t[k]) & 0x7FFFFFFF, tneg = t[k] < 0.0f;
                     if (tneg == side && m >= a && m < b) inside++, tv = side ? ~m & 0xFFFFFF : m & 0xFFFFFF;
-                    /* below the bucket's values: positive side, t < +a; negative side, t < -(b - 1) */
-                    else if (side ? t[k] < -bits2f((int32_t)(b - 1 < 0x7F800000 ? b - 1 : 0x7F800000)) : t[k] < bits2f((int32_t)a)) c0++;
+                    else if (t[k] < lowest) c0++;
                 }
                 if (inside > 1) { free(tab); return -4; }
                 /* the lane's bits from 24 up are the same for the whole bucket: folded in */
@@ -384,15 +383,9 @@ static int range_table_matches(const lbt_format *f) {
         m += f->is_signed || !(x[m] < 0.0f);
     }
     for (int64_t i = 0; ok && i < m; i++) {
-        int32_t c = 0;
-        for (int32_t k = 0; k < n; k++) c += f->sorted[k] <= x[i];
-        want[i] = x[i] != x[i] ? f->last : c;
-    }
-    if (ok) bucket_pass(x, m, 1.0f, f, row, lane);
-    for (int64_t i = 0; ok && i < m; i++) {
-        int32_t r1, l1;
-        range_key(x[i], f, &r1, &l1);
-        ok &= r1 == row[i] && l1 == lane[i] && row[i] >= 0 && row[i] < f->rng_npos * sides;
+        want[i] = ref_index(f, x[i]);
+        range_key(x[i], f, row + i, lane + i);
+        ok &= row[i] >= 0 && row[i] < f->rng_npos * sides;
         ok = ok && row_index((int32_t)f->packed[row[i]], lane[i]) == ((want[i] + bias) & 0xFF);
     }
 #ifdef __AVX2__
@@ -430,11 +423,7 @@ static int lin_matches(const lbt_format *f) {
         x[m++] = nextafterf(f->sorted[k], INFINITY);
     }
     for (unsigned j = 0; j < sizeof specials / sizeof *specials; j++) x[m++] = specials[j];
-    for (int32_t i = 0; i < m; i++) {
-        int32_t c = 0;
-        for (int32_t k = 0; k < n; k++) c += f->sorted[k] <= x[i];
-        want[i] = x[i] != x[i] ? n : c;
-    }
+    for (int32_t i = 0; i < m; i++) want[i] = ref_index(f, x[i]);
     lin_pass(x, m, 1.0f, f, got);
     int ok = 1;
     for (int32_t i = 0; i < m; i++) ok &= got[i] == want[i];
@@ -497,6 +486,13 @@ static void e4m3_pass(const float *restrict x, int64_t n, float safe, int32_t ze
     for (; i < n; i++) codes[i] = (uint8_t)e4m3_code(x[i] / safe, zero_free);
 }
 
+/* rows[i] = packed[rows[i]]: the middle pass of an 8-bit encode, left to the
+ * compiler, which reads the indices back from memory (stored a pass earlier: no
+ * forwarding stall) instead of moving them out of vector registers */
+static void gather_rows(int32_t *restrict rows, int64_t n, const uint32_t *restrict packed) {
+    for (int64_t i = 0; i < n; i++) rows[i] = (int32_t)packed[rows[i]];
+}
+
 #ifdef __AVX2__
 /* 8-bit table formats in one pass (mode 1 encodings): slot and bucket of each
  * lane, one range-table load per lane, code = (row + lane) >> 24. */
@@ -549,13 +545,6 @@ static void table_consts_init(table_consts *T, float safe, const lbt_format *f) 
     T->packed = f->packed, T->sgn = f->is_signed;
 }
 
-/* rows[i] = packed[rows[i]]: left to the compiler, which reads the indices back
- * from memory (stored a pass earlier: no forwarding stall) instead of moving
- * them out of vector registers */
-static void gather_rows(int32_t *restrict rows, int64_t n, const uint32_t *restrict packed) {
-    for (int64_t i = 0; i < n; i++) rows[i] = (int32_t)packed[rows[i]];
-}
-
 /* Returns elements done. Whole 32s in three passes over the block (keys, table
  * rows, codes; ``rows``, ``lanes``: scratch of n), cheaper than one pass that
  * moves each lane's index from a vector register to a scalar one; then 8s. */
@@ -582,31 +571,11 @@ static int64_t table_codes_avx2(const float *restrict x, int64_t n, float safe, 
 }
 #endif
 
-/* 8-bit formats, first pass over one block: the range-table row of each
- * x[i] / safe and its lane value (range_key). Branch-free. */
+/* 8-bit formats without AVX2, block tails and encodings other than mode 1,
+ * first of three passes: the range-table row of each x[i] / safe and its lane. */
 static void bucket_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f,
                         int32_t *restrict bucket, int32_t *restrict low) {
-    const int32_t kmin = f->rng_kmin, kmax = f->rng_kmax, npos = f->rng_npos, sgn = f->is_signed;
-    const int32_t elow = f->rng_elow;
-    const int32_t *restrict adj = f->rng_adj, *restrict shv = f->rng_sh;
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i] / safe;
-        int32_t mag = f2i(v) & 0x7FFFFFFF;
-        mag = mag < kmin ? kmin : mag;
-        mag = mag > kmax ? kmax : mag;
-        int32_t k = ((mag >> 23) < elow ? elow : (mag >> 23)) & 7;
-        uint32_t a = (uint32_t)adj[k], sh = (uint32_t)shv[k];
-        int32_t neg = (sgn & (v < 0.0f)) ? -1 : 0;
-        bucket[i] = (int32_t)(((uint32_t)mag - a) >> sh) + (neg & npos);
-        low[i] = mag ^ neg;
-    }
-}
-
-/* The table lookup, kept scalar: on CPUs without fast gathers (AMD) scalar loads
- * beat both hardware and emulated vector gathers. */
-__attribute__((optimize("no-tree-vectorize")))
-static void lookup_pass(int32_t *restrict bucket, int64_t n, const uint32_t *restrict packed) {
-    for (int64_t i = 0; i < n; i++) bucket[i] = (int32_t)packed[bucket[i]];
+    for (int64_t i = 0; i < n; i++) range_key(x[i] / safe, f, bucket + i, low + i);
 }
 
 /* range-table rows + lane values -> code bytes */
@@ -715,7 +684,7 @@ static void encode_block(const float *restrict x, int64_t n, float s, const lbt_
 #endif
         if (done < n) { /* the rest, or all without AVX2, in three passes */
             bucket_pass(x + done, n - done, safe, f, s1, s2);
-            lookup_pass(s1, n - done, f->packed);
+            gather_rows(s1, n - done, f->packed);
             code_pass(s1, s2, n - done, f, codes + done);
         }
     }

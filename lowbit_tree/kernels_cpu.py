@@ -62,15 +62,8 @@ class _Format(ctypes.Structure):
         ("sqrt_", ctypes.c_int32),
         ("float8", ctypes.c_int32),
         ("divisor", ctypes.c_float),
-        ("shift", ctypes.c_int32),
-        ("key_min", ctypes.c_int32),
-        ("key_max", ctypes.c_int32),
-        ("offset", ctypes.c_int32),
-        ("nbuckets", ctypes.c_int32),
         ("last", ctypes.c_int32),
         ("decode", ctypes.c_void_p),
-        ("base", ctypes.c_void_p),
-        ("thresholds", ctypes.c_void_p),
         ("encode", ctypes.c_void_p),
         ("sorted", ctypes.c_void_p),
         ("packed", ctypes.c_void_p),
@@ -164,10 +157,9 @@ def _format_struct(name: str) -> _Format:
 
     fmt, tab = FORMATS[name], _cpu_code_table(name)
     st = _Format(
-        fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor),
-        tab.shift, tab.key_min, tab.key_max, tab.bucket_offset, tab.base.numel(), tab.last,
-        tab.decode.data_ptr(), tab.base.data_ptr(), tab.bucket_thresholds.data_ptr(), tab.encode.data_ptr(),
-        tab.thresholds.data_ptr(), None,  # packed: the range table, built by lbt_prepare
+        fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor), tab.last,
+        tab.decode.data_ptr(), tab.encode.data_ptr(), tab.thresholds.data_ptr(),
+        None,  # packed: the range table, built by lbt_prepare
     )
     rc = library().lbt_prepare(ctypes.byref(st))
     if rc != 0:  # a table the C kernel's assumptions do not hold for: a bug, never silent
