@@ -385,10 +385,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 st["step"].add_(1 if ok is None else ok.to(torch.float32))
             for device, lists in plain.items():
                 self._fp32_adam_steps(group, device, *lists)
-            if fused:
-                self._fused_adam_steps(fused)
-            if fp32_native:
-                self._fused_adam_steps(fp32_native, quantized=False)
+            if fused or fp32_native:
+                self._fused_adam_steps(fused, fp32_native)
         return loss
 
     # -- fast paths ---------------------------------------------------------------------
@@ -473,10 +471,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 hyper, step)
 
     @staticmethod
-    def _fused_adam_steps(items: list, quantized: bool = True) -> None:
-        """All of a group's fused steps in one kernel call (one parallel region on CPU)."""
-        (kernels.adam_step_quantized_ if quantized else kernels.adam_step_fp32_)([it[:-1] for it in items])
-        steps = [it[-1] for it in items]
+    def _fused_adam_steps(quantized: list, fp32: list) -> None:
+        """All of a group's fused steps, quantized and float32-moment ones, in one
+        kernel call (one parallel region on CPU)."""
+        kernels.adam_steps_([it[:-1] for it in quantized], [it[:-1] for it in fp32])
+        steps = [it[-1] for it in quantized] + [it[-1] for it in fp32]
         by_device: dict = {}
         for s in steps:
             by_device.setdefault(s.device, []).append(s)

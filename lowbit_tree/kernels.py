@@ -54,6 +54,7 @@ __all__ = [
     "adam_step_quantized",
     "adam_step_quantized_",
     "adam_step_fp32_",
+    "adam_steps_",
     "adam_step_reference",
     "use_compile",
 ]
@@ -401,12 +402,12 @@ def _use_native(device: torch.device, backend: Optional[str]) -> bool:
     return kernels_cpu.available()
 
 
+_CPU = torch.device("cpu")
+
+
 def _native_on(backend: Optional[str]) -> bool:
     """:func:`_use_native` for CPU tensors (checked once per call, not per tensor)."""
     return _use_native(_CPU, backend)
-
-
-_CPU = torch.device("cpu")
 
 
 def _f32c(t: torch.Tensor) -> torch.Tensor:
@@ -667,9 +668,33 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
     runs one :func:`adam_step_quantized` each. Results are bit-identical to
     calling :func:`adam_step_quantized` per parameter.
     """
-    jobs = []
+    adam_steps_(steps, (), backend=backend)
+
+
+def adam_step_fp32_(steps: Sequence[tuple], *, backend: Optional[str] = None) -> None:
+    """The Adam(W) step of :func:`adam_step_quantized` on plain float32 moments, **in
+    place**: each step is ``(p32, grad, exp_avg, exp_avg_sq, hyper)`` (float32 param
+    and moments, :func:`adam_hyperparams` vector) and overwrites ``p32``,
+    ``exp_avg`` and ``exp_avg_sq``.
+
+    For the many small tensors (norms, biases) that keep float32 state: on CPU
+    with the native kernels all contiguous ones go into one call (torch's
+    multi-tensor Adam on CPU dispatches about 15 kernels per tensor). Elsewhere
+    the same float32 operations run eagerly, one param at a time. Elementwise
+    and deterministic: a shard's result does not depend on where it starts.
+    """
+    adam_steps_((), steps, backend=backend)
+
+
+def adam_steps_(quantized: Sequence[tuple] = (), fp32: Sequence[tuple] = (), *,
+                backend: Optional[str] = None) -> None:
+    """:func:`adam_step_quantized_` and :func:`adam_step_fp32_` together, **in place**:
+    on CPU with the native kernels, the params of both kinds that it can take go into
+    one call (one parallel region for a whole param group); the others run as those
+    two functions describe."""
     use_native = _native_on(backend)
-    for p32, grad, mc, ms, vc, vs, fmt_m, fmt_v, block_size, hyper in steps:
+    jobs = []
+    for p32, grad, mc, ms, vc, vs, fmt_m, fmt_v, block_size, hyper in quantized:
         fm, fv = get_format(fmt_m), get_format(fmt_v)
         bs_m, bs_v = _bs_pair(block_size, fm, fv)
         rows, r = row_layout(p32.shape)
@@ -693,40 +718,21 @@ def adam_step_quantized_(steps: Sequence[tuple], *, backend: Optional[str] = Non
         mcu = mc if mc.dtype is torch.uint8 else mc.view(torch.uint8)
         vcu = vc if vc.dtype is torch.uint8 else vc.view(torch.uint8)
         jobs.append((rows, r, p32, g32, p32, mcu, ms, vcu, vs, mcu, ms, vcu, vs, None, None, h32, fm.name, bs_m, fv.name, bs_v))
-    if jobs:
-        from . import kernels_cpu
-
-        kernels_cpu.adam_many(jobs)
-
-
-def adam_step_fp32_(steps: Sequence[tuple], *, backend: Optional[str] = None) -> None:
-    """The Adam(W) step of :func:`adam_step_quantized` on plain float32 moments, **in
-    place**: each step is ``(p32, grad, exp_avg, exp_avg_sq, hyper)`` (float32 param
-    and moments, :func:`adam_hyperparams` vector) and overwrites ``p32``,
-    ``exp_avg`` and ``exp_avg_sq``.
-
-    For the many small tensors (norms, biases) that keep float32 state: on CPU
-    with the native kernels all contiguous ones go into one call (torch's
-    multi-tensor Adam on CPU dispatches about 15 kernels per tensor). Elsewhere
-    the same float32 operations run eagerly, one param at a time. Elementwise
-    and deterministic: a shard's result does not depend on where it starts.
-    """
-    native_jobs = []
-    use_native = _native_on(backend)
-    for p32, grad, m, v, hyper in steps:
+    fp32_jobs = []
+    for p32, grad, m, v, hyper in fp32:
         if p32.numel() == 0:
             continue
         if p32.is_cpu and use_native and all(t.dtype is torch.float32 and t.is_contiguous() for t in (p32, m, v)):
-            native_jobs.append((p32, _f32c(grad), m, v, _f32c(hyper)))
+            fp32_jobs.append((p32, _f32c(grad), m, v, _f32c(hyper)))
             continue
         m_new, v_new, p_new = _adam_update(m, v, grad.float(), p32, hyper.to(p32.device).float())
         m.copy_(m_new)
         v.copy_(v_new)
         p32.copy_(p_new)
-    if native_jobs:
+    if jobs or fp32_jobs:
         from . import kernels_cpu
 
-        kernels_cpu.adam_many([], native_jobs)
+        kernels_cpu.adam_many(jobs, fp32_jobs)
 
 
 def adam_step_reference(

@@ -423,6 +423,39 @@ def test_adam_step_fp32_native_matches_eager_and_textbook():
 
 
 @pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_adam_steps_mixed_call_matches_separate_calls():
+    """Quantized and float32-moment params in one adam_steps_ call (one parallel
+    region, as the bridge runs a group) write the same bits as the two kinds
+    stepped separately."""
+    hyper = K.adam_hyperparams(count=4, lr=1e-2, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.01)
+
+    def quantized_items():
+        g2 = torch.Generator().manual_seed(17)
+        out = []
+        for shape, st in (((300, 257), "8bit"), ((33, 64), "4bit"), ((5,), "fp8")):
+            fm, fv = lt.STATE_FORMATS[st]
+            m = lt.quantize(torch.randn(shape, generator=g2) * 1e-2, fm)
+            v = lt.quantize(torch.rand(shape, generator=g2) * 1e-4, fv)
+            out.append((torch.randn(shape, generator=g2), torch.randn(shape, generator=g2) * 1e-2, m.codes, m.scale,
+                        v.codes, v.scale, fm, fv, (m.block_size, v.block_size), hyper))
+        return out
+
+    fp32 = [fp32_case(n, i) for i, n in enumerate((1, 700, 5000))]
+    a_q, b_q = quantized_items(), quantized_items()
+    a_f = [tuple(t.clone() for t in c) + (hyper,) for c in fp32]
+    b_f = [tuple(t.clone() for t in c) + (hyper,) for c in fp32]
+    K.adam_steps_(a_q, a_f)
+    K.adam_step_quantized_(b_q)
+    K.adam_step_fp32_(b_f)
+    for x, y in zip(a_q, b_q):
+        for s, t in zip(x[:6], y[:6]):
+            assert same_bits(s, t)
+    for x, y in zip(a_f, b_f):
+        for s, t in zip(x[:4], y[:4]):
+            assert same_bits(s, t)
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
 def test_adam_step_fp32_non_contiguous_and_bad_hyper():
     hyper = K.adam_hyperparams(count=0, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8)
     p, g, m, v = fp32_case(64, 5)
