@@ -12,9 +12,10 @@ from .transform import (
     ScaleByAdamState,
     ScaleByLionState,
     ScaleByScheduleState,
+    Fusion,
     TraceState,
-    adam_leaf_update,
     add_decayed_weights,
+    flip_sign,
     clip_by_global_norm,
     scale,
     scale_by_adam,
@@ -32,7 +33,7 @@ from .schedule import (
     warmup_cosine_decay_schedule,
 )
 from .alias import adam, adamw, lion, sgd
-from .update import StochasticRoundingState, apply_updates, rounding_key, stochastic_round, stochastic_rounding
+from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
 from .checkpoint import state_from_dict, state_to_dict
 

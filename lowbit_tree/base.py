@@ -61,6 +61,7 @@ def identity() -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return updates, state
 
+    update.lowbit_link = ("identity", {})  # chain passes over it when fusing links into a rule
     return GradientTransformation(init, update)
 
 

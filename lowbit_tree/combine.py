@@ -12,22 +12,132 @@ from .tree_utils import broadcast_mask, map_leaves
 __all__ = ["chain", "named_chain", "partition", "PartitionState"]
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
-    """Apply transformations in order; the state is the tuple of their states."""
+def _kind(t: GradientTransformation) -> tuple[str | None, dict]:
+    return getattr(t.update, "lowbit_link", (None, {}))
 
-    def init(params):
-        return tuple(t.init(params) for t in transforms)
+
+class _Plan(NamedTuple):
+    """Which links of a chain run inside its first rule's kernel: links
+    ``[start, end)``, the rule at ``rule``; ``flip``, ``l2``, ``decay``, ``lr``,
+    ``sr``: the index of each fused link, or None."""
+
+    start: int
+    rule: int
+    end: int
+    flip: int | None
+    l2: int | None
+    decay: int | None
+    lr: int | None
+    sr: int | None
+
+
+def _fusion_plan(transforms) -> _Plan | None:
+    """The elementwise links next to the first update rule, in the orders the
+    kernel computes them: ``[flip_sign] [add_decayed_weights]`` before it (maximize,
+    L2 decay), ``[add_decayed_weights] [scale_by_learning_rate] [stochastic_rounding]``
+    after it (decoupled decay, learning rate, bf16 rounding of a param written in
+    place). ``identity`` links in between are passed over."""
+    kinds = [_kind(t)[0] for t in transforms]
+    rules = [i for i, k in enumerate(kinds) if k == "rule"]
+    if not rules:
+        return None
+    r = rules[0]
+    found = {}
+
+    def back(j, kind):
+        while j >= 0 and kinds[j] == "identity":
+            j -= 1
+        if j >= 0 and kinds[j] == kind:
+            found["l2" if kind == "decay" else kind] = j
+            return j - 1
+        return j
+
+    j = back(back(r - 1, "decay"), "flip")
+    start = j + 1
+    while start < r and kinds[start] == "identity":
+        start += 1
+
+    def ahead(k, kind):
+        m = k
+        while m < len(kinds) and kinds[m] == "identity":
+            m += 1
+        if m < len(kinds) and kinds[m] == kind:
+            found[kind] = m
+            return m + 1
+        return k
+
+    end = ahead(ahead(ahead(r + 1, "decay"), "lr"), "sr")
+    if "sr" in found and found["sr"] != len(kinds) - 1:  # fused only as the chain's last link
+        end = found.pop("sr")
+    return _Plan(start, r, end, found.get("flip"), found.get("l2"), found.get("decay"), found.get("lr"), found.get("sr"))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transformations in order; the state is the tuple of their states.
+
+    The first update rule (:func:`~lowbit_tree.scale_by_adam`, ``scale_by_lion``,
+    ``trace``) runs together with the elementwise links next to it in one kernel
+    call (see :func:`_fusion_plan`): the same float operations as running them
+    one after the other, without their passes over memory. The links' states
+    advance as if they had run.
+    """
+    plan = _fusion_plan(transforms)
 
     def update(updates, state, params=None, **extra):
         if len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transformations got a state of length {len(state)}")
-        new_states = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params, **extra)
-            new_states.append(s)
+        write = extra.pop("_write_params", False)
+        new_states = list(state)
+        last = len(transforms) - 1
+        i = 0
+        while i <= last:
+            if plan is not None and i == plan.start:
+                updates, i = _run_fused(plan, transforms, updates, state, new_states, params, write and plan.end > last,
+                                        extra)
+                continue
+            t = transforms[i]
+            link_extra = dict(extra, _write_params=True) if write and i == last else extra
+            updates, new_states[i] = t.update(updates, state[i], params, **link_extra)
+            i += 1
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init_chain(transforms), update)
+
+
+def init_chain(transforms):
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    return init
+
+
+def _run_fused(plan: _Plan, transforms, updates, state, new_states, params, may_write: bool, extra: dict):
+    """Run links ``[plan.start, plan.end)`` as one kernel call; returns ``(updates, plan.end)``."""
+    from .transform import Fusion
+
+    def info(i):
+        return _kind(transforms[i])[1]
+
+    lr = None
+    if plan.lr is not None:
+        lr, new_states[plan.lr] = info(plan.lr)["fused"](state[plan.lr])
+    write = may_write and lr is not None and params is not None
+    sr_key = None
+    if plan.sr is not None and write:
+        sr_key, new_states[plan.sr] = info(plan.sr)["fused"](state[plan.sr])
+    fusion = Fusion(
+        maximize=plan.flip is not None,
+        l2=None if plan.l2 is None else info(plan.l2)["weight_decay"],
+        decay=None if plan.decay is None else info(plan.decay)["weight_decay"],
+        lr=lr,
+        sr_key=sr_key,
+        leaf_offset=extra.get("_leaf_offset", 0),
+    )
+    rule_extra = dict(extra, _fusion=fusion, _write_params=write)
+    updates, new_states[plan.rule] = transforms[plan.rule].update(updates, state[plan.rule], params, **rule_extra)
+    if plan.sr is not None and not write:  # not fused after all: the link runs on its own
+        updates, new_states[plan.sr] = transforms[plan.sr].update(updates, state[plan.sr], params, **extra)
+    return updates, plan.end
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:

@@ -1,32 +1,40 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
-All arithmetic is float32 whatever the parameter or gradient dtype; updates
-come back in the gradient's dtype. Hyperparameters may be Python floats or 0-d
+The update rules (:func:`scale_by_adam`, :func:`scale_by_lion`, :func:`trace`)
+each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
+native C kernel on CPU, compiled torch elsewhere: the same bits). The
+elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
+:func:`scale_by_learning_rate`) are fused into that step when a
+:func:`~lowbit_tree.chain` puts them next to a rule, and otherwise do the same
+float32 operations on their own.
+
+All arithmetic is float32 whatever the parameter or gradient dtype, and updates
+are float32 (a low-precision param is rounded once, by
+:func:`~lowbit_tree.apply_updates`). Hyperparameters may be Python floats or 0-d
 tensors (so :func:`~lowbit_tree.inject_hyperparams` can swap them without
-recompiling), and nothing here reads a tensor value on the host.
+rebuilding anything).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
 
-from . import moments
+from . import kernels, moments
 from .base import EmptyState, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
-from .tree_utils import flatten, map_leaves, map_leaves_n
+from .tree_utils import flatten, map_leaves
 
 __all__ = [
     "ScaleByAdamState",
     "ScaleByLionState",
     "TraceState",
     "ScaleByScheduleState",
+    "Fusion",
     "scale_by_adam",
-    "adam_leaf_update",
-    "amsgrad_leaf_update",
     "scale_by_lion",
-    "lion_leaf_update",
     "trace",
-    "momentum_leaf_update",
+    "flip_sign",
     "add_decayed_weights",
     "scale",
     "scale_by_learning_rate",
@@ -54,55 +62,71 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def _bias_correction(beta: float | torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """``1 - beta**step`` as a 0-d tensor, in float64 where the device has it.
+class Fusion(NamedTuple):
+    """The links around a rule that :func:`~lowbit_tree.chain` runs inside the
+    rule's kernel (``None``: no such link): ``maximize`` (a :func:`flip_sign`
+    before), ``l2`` (an :func:`add_decayed_weights` before: L2 decay of the
+    gradient), ``decay`` (one after: decoupled decay), ``lr`` (the learning-rate
+    factor's negative, from :func:`scale_by_learning_rate`), ``sr_key`` (a final
+    :func:`~lowbit_tree.stochastic_rounding` when params are written in place)."""
 
-    ``1 - 0.999**1`` loses ~1e-5 relative in float32 (torch.optim computes it in
-    Python float64); the 0-d float64 result then enters float32 ops as a scalar.
-    """
-    dtype = torch.float32 if step.device.type == "mps" else torch.float64
-    step = step.to(dtype)
-    base = beta.to(dtype) if isinstance(beta, torch.Tensor) else beta
-    return 1 - base**step
-
-
-def adam_leaf_update(g, m_state, v_state, count, b1, b2, eps):
-    """One Adam step for one leaf (torch.optim.Adam semantics, ``eps`` outside the sqrt).
-
-    Args:
-      g: gradient, any float dtype.
-      m_state, v_state: stored first / second moments (QTensor, Rank1QTensor or tensor).
-      count: 0-d int tensor, steps taken before this one.
-      b1, b2, eps: floats or 0-d tensors.
-    Returns:
-      ``(update, m_state, v_state)``: the update in ``g.dtype`` (to be scaled by
-      ``-lr``) and the new moments, stored like the old ones.
-    """
-    gf = g.float()
-    m = b1 * moments.load(m_state) + (1 - b1) * gf
-    v = b2 * moments.load(v_state) + (1 - b2) * gf * gf
-    step = count + 1
-    bc1, bc2 = _bias_correction(b1, step), _bias_correction(b2, step)
-    denom = v.sqrt() / bc2.sqrt() + eps
-    update = (m / denom) / bc1
-    return update.to(g.dtype), moments.store(m, m_state), moments.store(v, v_state)
+    maximize: bool = False
+    l2: Any = None
+    decay: Any = None
+    lr: Any = None
+    sr_key: Any = None
+    leaf_offset: int = 0
 
 
-def amsgrad_leaf_update(g, m_state, v_state, vmax_state, count, b1, b2, eps):
-    """Adam with AMSGrad (torch semantics: the max of the raw second moments)."""
-    gf = g.float()
-    m = b1 * moments.load(m_state) + (1 - b1) * gf
-    v = b2 * moments.load(v_state) + (1 - b2) * gf * gf
-    vmax = torch.maximum(moments.load(vmax_state), v)
-    step = count + 1
-    bc1, bc2 = _bias_correction(b1, step), _bias_correction(b2, step)
-    update = (m / (vmax.sqrt() / bc2.sqrt() + eps)) / bc1
-    return (
-        update.to(g.dtype),
-        moments.store(m, m_state),
-        moments.store(v, v_state),
-        moments.store(vmax, vmax_state),
+def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, extra: dict):
+    """One rule's step on a tree: every leaf with a gradient goes to the kernels in
+    one call. Returns ``(updates, new state trees)``. With ``extra["_fusion"]`` (from
+    :func:`~lowbit_tree.chain`) the fused links run in the same kernel; with
+    ``_inplace_state`` the old state's tensors are overwritten, and with
+    ``_write_params`` (and a fused learning rate) the params are updated in place
+    and their updates come back as ``None``."""
+    fusion = extra.get("_fusion") or Fusion()
+    spec = dataclasses.replace(
+        spec, maximize=fusion.maximize, l2=fusion.l2 is not None, decay=fusion.decay is not None,
+        lr=fusion.lr is not None,
     )
+    g_leaves, treespec = flatten(updates)
+    per_state = [treespec.flatten_up_to(t) for t in state_trees]
+    p_leaves = treespec.flatten_up_to(params) if params is not None else [None] * len(g_leaves)
+    if spec.needs_param and params is None:
+        raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
+    write = bool(extra.get("_write_params")) and spec.lr and params is not None
+    leaves, where = [], []
+    for i, g in enumerate(g_leaves):
+        if g is None:
+            continue
+        leaves.append(kernels.StepLeaf(p_leaves[i], g, tuple(s[i] for s in per_state), fusion.leaf_offset + i))
+        where.append(i)
+    if not leaves:
+        return updates, state_trees
+    device = leaves[0].grad.device
+    hyper = kernels.step_hyperparams(
+        spec, count=count, **rule_hyper, lr=0.0 if fusion.lr is None else fusion.lr,
+        weight_decay=0.0 if fusion.decay is None else fusion.decay, l2=0.0 if fusion.l2 is None else fusion.l2,
+        device=device,
+    )
+    outs, news = kernels.run_step(
+        spec, hyper, leaves, write=write, inplace=bool(extra.get("_inplace_state")),
+        sr_key=fusion.sr_key if write else None,
+    )
+    new_updates = list(g_leaves)
+    new_states = [list(s) for s in per_state]
+    for k, i in enumerate(where):
+        new_updates[i] = outs[k]
+        for j in range(len(state_trees)):
+            new_states[j][i] = news[k][j]
+    return treespec.unflatten(new_updates), tuple(treespec.unflatten(s) for s in new_states)
+
+
+def _link(update, kind: str, **info):
+    """Mark ``update`` as a link :func:`~lowbit_tree.chain` may fuse into a rule's kernel."""
+    update.lowbit_link = (kind, info)
+    return update
 
 
 def scale_by_adam(
@@ -148,35 +172,14 @@ def scale_by_adam(
         nu_max = map_leaves(moment(False), params) if amsgrad else None
         return ScaleByAdamState(init_count(params), mu, nu, nu_max)
 
+    spec = kernels.StepSpec("adam", amsgrad=amsgrad)
+
     def update(updates, state, params=None, **extra):
-        count = state.count
-        if amsgrad:
-            def leaf(g, m, v, vmax):
-                if g is None:
-                    return None, m, v, vmax
-                return amsgrad_leaf_update(g, m, v, vmax, count, b1, b2, eps)
+        trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
+        updates, new = _run_rule(spec, dict(b1=b1, b2=b2, eps=eps), updates, trees, params, state.count, extra)
+        return updates, ScaleByAdamState(state.count + 1, new[0], new[1], new[2] if amsgrad else None)
 
-            updates, mu, nu, nu_max = map_leaves_n(4, leaf, updates, state.mu, state.nu, state.nu_max)
-        else:
-            def leaf(g, m, v):
-                if g is None:
-                    return None, m, v
-                return adam_leaf_update(g, m, v, count, b1, b2, eps)
-
-            updates, mu, nu = map_leaves_n(3, leaf, updates, state.mu, state.nu)
-            nu_max = None
-        return updates, ScaleByAdamState(count + 1, mu, nu, nu_max)
-
-    return GradientTransformation(init, update)
-
-
-def lion_leaf_update(g, m_state, b1, b2):
-    """One Lion step for one leaf: ``sign(b1*m + (1-b1)*g)``; ``m <- b2*m + (1-b2)*g``."""
-    gf = g.float()
-    m = moments.load(m_state)
-    update = torch.sign(b1 * m + (1 - b1) * gf)
-    m = b2 * m + (1 - b2) * gf
-    return update.to(g.dtype), moments.store(m, m_state)
+    return GradientTransformation(init, _link(update, "rule"))
 
 
 def scale_by_lion(
@@ -197,22 +200,13 @@ def scale_by_lion(
         )
         return ScaleByLionState(init_count(params), mu)
 
-    def update(updates, state, params=None, **extra):
-        def leaf(g, m):
-            return (None, m) if g is None else lion_leaf_update(g, m, b1, b2)
+    spec = kernels.StepSpec("lion")
 
-        updates, mu = map_leaves_n(2, leaf, updates, state.mu)
+    def update(updates, state, params=None, **extra):
+        updates, (mu,) = _run_rule(spec, dict(b1=b1, b2=b2), updates, (state.mu,), params, state.count, extra)
         return updates, ScaleByLionState(state.count + 1, mu)
 
-    return GradientTransformation(init, update)
-
-
-def momentum_leaf_update(g, buf_state, momentum, nesterov: bool):
-    """torch.optim.SGD momentum (dampening 0): ``buf <- momentum*buf + g``."""
-    gf = g.float()
-    buf = momentum * moments.load(buf_state) + gf
-    update = gf + momentum * buf if nesterov else buf
-    return update.to(g.dtype), moments.store(buf, buf_state)
+    return GradientTransformation(init, _link(update, "rule"))
 
 
 def trace(
@@ -237,14 +231,13 @@ def trace(
         )
         return TraceState(buf)
 
-    def update(updates, state, params=None, **extra):
-        def leaf(g, b):
-            return (None, b) if g is None else momentum_leaf_update(g, b, momentum, nesterov)
+    spec = kernels.StepSpec("momentum", nesterov=nesterov)
 
-        updates, buf = map_leaves_n(2, leaf, updates, state.trace)
+    def update(updates, state, params=None, **extra):
+        updates, (buf,) = _run_rule(spec, dict(b1=momentum), updates, (state.trace,), params, 0, extra)
         return updates, TraceState(buf)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, _link(update, "rule"))
 
 
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
@@ -264,18 +257,31 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = No
             raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
 
         def leaf(u, p):
-            if u is None:
-                return None
-            return (u.float() + weight_decay * p.float()).to(u.dtype)
+            return None if u is None else u.float() + weight_decay * p.float()
 
         return map_leaves(leaf, updates, params), state
 
-    tx = GradientTransformation(init, update)
+    tx = GradientTransformation(init, _link(update, "decay", weight_decay=weight_decay))
     if mask is not None:
         from .wrappers import masked
 
         return masked(tx, mask)
     return tx
+
+
+def flip_sign() -> GradientTransformation:
+    """Negate the updates (torch.optim's ``maximize``: ascend instead of descend).
+
+    Before a rule it is fused into the rule's kernel (the gradient is negated
+    before anything else, L2 decay included, as torch.optim does)."""
+
+    def init(params):
+        return EmptyState()
+
+    def update(updates, state, params=None, **extra):
+        return map_leaves(lambda u: None if u is None else -u.float(), updates), state
+
+    return GradientTransformation(init, _link(update, "flip"))
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -285,7 +291,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
         return EmptyState()
 
     def update(updates, state, params=None, **extra):
-        return map_leaves(lambda u: None if u is None else (u.float() * step_size).to(u.dtype), updates), state
+        return map_leaves(lambda u: None if u is None else u.float() * step_size, updates), state
 
     return GradientTransformation(init, update)
 
@@ -304,10 +310,14 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     def update(updates, state, params=None, **extra):
         lr = scalar_value(learning_rate, state.count)
         factor = -lr if flip_sign else lr
-        new = map_leaves(lambda u: None if u is None else (u.float() * factor).to(u.dtype), updates)
+        new = map_leaves(lambda u: None if u is None else u.float() * factor, updates)
         return new, ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, update)
+    def fused(state):  # (the kernel's lr: the factor's negative, the link's new state)
+        lr = scalar_value(learning_rate, state.count)
+        return (lr if flip_sign else -lr), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init, _link(update, "lr", fused=fused))
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
@@ -327,7 +337,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
         sq = torch.stack([u.float().square().sum() for u in leaves])
         norm = sq.sum().sqrt()
         factor = max_norm / torch.clamp(norm, min=max_norm)
-        return map_leaves(lambda u: None if u is None else (u.float() * factor).to(u.dtype), updates), state
+        return map_leaves(lambda u: None if u is None else u.float() * factor, updates), state
 
     return GradientTransformation(init, update)
 

@@ -18,6 +18,7 @@ from .tree_utils import flatten
 
 __all__ = [
     "apply_updates",
+    "step_",
     "stochastic_round",
     "stochastic_rounding",
     "StochasticRoundingState",
@@ -41,14 +42,41 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _random_bits(key: torch.Tensor, leaf_index: int, numel: int, device) -> torch.Tensor:
-    """``numel`` hashed uint32 values (as int64) for one leaf under ``key``."""
+def _key_hash(key: torch.Tensor, leaf_index: int, device) -> torch.Tensor:
+    """The 32-bit hash of ``(key words, leaf_index)`` (int64 0-d tensor)."""
     words = key.reshape(-1).to(device=device, dtype=torch.int64)
     h = _mix32(words[0] + 0x9E3779B9 * (leaf_index + 1))
     for i in range(1, words.numel()):
         h = _mix32(h ^ _mix32(words[i]))
+    return h
+
+
+def _random_bits(key: torch.Tensor, leaf_index: int, numel: int, device) -> torch.Tensor:
+    """``numel`` hashed uint32 values (as int64) for one leaf under ``key``: element
+    ``i`` gets ``mix(mix(i) ^ (mix((i >> 32) + h) + h))`` (the native kernel draws the
+    same bits from :func:`rounding_hash`)."""
+    h = _key_hash(key, leaf_index, device)
     idx = torch.arange(numel, device=device, dtype=torch.int64)
     return _mix32(_mix32(idx & _MASK32) ^ (_mix32((idx >> 32) + h) + h))
+
+
+def _mix32_int(x: int) -> int:
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def rounding_hash(key: torch.Tensor, leaf_index: int) -> int:
+    """:func:`_key_hash` on the host, as a Python int (reads ``key``: a CPU tensor
+    costs nothing, a CUDA one a sync)."""
+    words = [int(w) for w in key.reshape(-1).tolist()]
+    h = _mix32_int(words[0] + 0x9E3779B9 * (leaf_index + 1))
+    for w in words[1:]:
+        h = _mix32_int(h ^ _mix32_int(w))
+    return h
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, key: torch.Tensor, leaf_index: int = 0) -> torch.Tensor:
@@ -103,6 +131,25 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
     return spec.unflatten(out)
 
 
+def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, **extra) -> Any:
+    """``updates, state = tx.update(grads, state, params)`` then ``params = apply_updates(params,
+    updates)``, **in place**, for a caller that gives up the old state and param values
+    (as a ``torch.optim`` optimizer does).
+
+    The rules' kernels overwrite the state's tensors instead of allocating new ones,
+    and when a chain's rule is fused up to its last link (learning rate, optional
+    stochastic rounding), they write each param in place too. The result is the same,
+    bit for bit, as the pure path. Returns the new state; its records share storage
+    with ``state``'s, which must not be used afterwards.
+    """
+    updates, new_state = tx.update(grads, state, params, _inplace_state=True, _write_params=True, **extra)
+    leaves, spec = flatten(params)
+    for p, u in zip(leaves, spec.flatten_up_to(updates)):
+        if p is not None and u is not None:  # not written by a kernel: apply here
+            p.copy_(p.to(_compute_dtype(p)) + u.to(_compute_dtype(p)))
+    return new_state
+
+
 class StochasticRoundingState(NamedTuple):
     seed: torch.Tensor  # int64, 0-d
     count: torch.Tensor  # int64, 0-d: steps taken
@@ -138,6 +185,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
         if params is None:
             raise ValueError("stochastic_rounding needs params: call update(updates, state, params)")
         key = rounding_key(state)
+        offset = extra.get("_leaf_offset", 0)
         leaves, spec = flatten(params)
         ups = spec.flatten_up_to(updates)
         out = []
@@ -145,10 +193,14 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
             if p is None or u is None or p.dtype != torch.bfloat16:
                 out.append(u)
                 continue
-            target = stochastic_round(p.float() + u.float(), torch.bfloat16, key, i)
-            out.append((target.float() - p.float()).to(u.dtype))
+            target = stochastic_round(p.float() + u.float(), torch.bfloat16, key, offset + i)
+            out.append(target.float() - p.float())
         return spec.unflatten(out), StochasticRoundingState(state.seed, state.count + 1)
 
+    def fused(state):  # chain's fused form: (the key, the link's new state)
+        return rounding_key(state), StochasticRoundingState(state.seed, state.count + 1)
+
+    update.lowbit_link = ("sr", {"fused": fused})
     return GradientTransformation(init, update)
 
 

@@ -873,170 +873,385 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
     }
 }
 
-/* One parameter's fused Adam step. Every field is 8 bytes wide, so that the
- * caller can pass an array of jobs as rows of int64.
- * fm == fv == NULL: float32 moments, rows == 1: mc and vc point at m and v
- * (float32, R elements), updated in place; the *_out, scale and m_out / v_out
- * fields are unused.
- * hyper: b1, 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd (float32).
- * p == NULL: out = u (the Adam direction); else out = p + (-lr) * (u + wd * p).
- * out may alias p; the *_out code/scale arrays may alias the inputs (a tile is
- * read whole before it is written).
- * m_out / v_out (optional): the new float32 moments (before quantization). */
+/* ------------------------------------------------------------------------
+ * Update rules: one transition per rule, for every state format and param dtype.
+ *
+ * A job is one leaf (a parameter's view (rows, R)) and up to three states. Its
+ * step, per element, in float32 and in this order (the torch backend,
+ * lowbit_tree/kernels/torch_backend.py, does the same operations):
+ *   prologue  g = -g (maximize); g = g + l2 * p (L2 decay link before the rule)
+ *   rule      ADAM      m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*(g*g);
+ *                       [amsgrad: w = max(w, v), the root below of w]
+ *                       u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)
+ *             LION      c = b1*m + (1-b1)*g; u = sign(c) (0 for 0 and NaN);
+ *                       m = b2*m + (1-b2)*g
+ *             MOMENTUM  b = mu*b + g; u = b, or g + mu*b (nesterov)
+ *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
+ *   output    out = u (float32 update), or the param p + u rounded once to its
+ *             dtype (to nearest even, or stochastically for bfloat16)
+ * States are dequantized before and requantized after (codes bit-identical to
+ * the reference quantizer of the new float32 states); plain float32 / bfloat16
+ * states are read and written as such.
+ * ------------------------------------------------------------------------ */
+enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2 };
+enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
+#define LBT_MAXIMIZE 1
+#define LBT_L2 2
+#define LBT_DECAY 4
+#define LBT_LR 8
+#define LBT_AMSGRAD 16
+#define LBT_NESTEROV 32
+#define LBT_WRITE_PARAM 64
+#define LBT_STOCHASTIC 128
+/* hyper: float32 [b1 (or momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2] */
+#define LBT_NHYPER 10
+
+/* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows). */
+typedef struct {
+    void *in;                /* codes (row layout) or plain values */
+    void *out;               /* where the new state goes; may be ``in`` (in place) */
+    const float *scale_in;   /* quantized: block scales (rows, ceil(R / bs)) */
+    float *scale_out;        /* may be ``scale_in`` */
+    const lbt_format *f;     /* NULL: plain values */
+    int64_t bs;              /* quantized: block size; plain: LBT_F32 or LBT_BF16 */
+} lbt_state;
+
 typedef struct {
     int64_t rows, R;
-    const float *p, *g;
-    float *out;
-    const uint8_t *mc;
-    const float *ms;
-    const uint8_t *vc;
-    const float *vs;
-    uint8_t *mc_out;
-    float *ms_out;
-    uint8_t *vc_out;
-    float *vs_out;
-    float *m_out, *v_out;
+    const void *p;           /* param (dtype pdt); NULL if the step needs none */
+    const void *g;           /* gradient (dtype gdt) */
+    void *out;               /* LBT_WRITE_PARAM: the param itself (updated in place); else float32 u */
+    int64_t rule, flags, pdt, gdt;
     const float *hyper;
-    const lbt_format *fm, *fv;
-    int64_t bs_m, bs_v;
-} lbt_adam_job;
+    int64_t sr_hash;         /* LBT_STOCHASTIC: the key's hash (see lowbit_tree/update.py) */
+    int64_t nstates;
+    lbt_state st[3];
+} lbt_job;
 
-/* A job's work is cut into tiles of whole blocks: pieces of one row when rows
- * are long, runs of whole rows when they are short (so small rows do not each
- * pay a tile's fixed cost). */
-static int64_t job_tile(const lbt_adam_job *J) { return tile_size(J->bs_m, J->bs_v); }
+static inline float bf16_value(uint16_t h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
 
-static int64_t job_tiles(const lbt_adam_job *J) {
-    int64_t T = job_tile(J);
-    if (J->rows == 0 || J->R == 0) return 0;
-    if (J->R >= T) return J->rows * ((J->R + T - 1) / T);
-    int64_t k = T / J->R;
-    return (J->rows + k - 1) / k;
+/* torch's float -> bfloat16: to nearest even, NaN -> 0x7FC0 */
+static inline uint16_t bf16_round(float x) {
+    uint32_t u = (uint32_t)f2i(x);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* The block-fused path: m and v share a block size (even, so 4-bit blocks start
- * on a byte), m's format needs no transform, and the float32 moments are not
- * asked for. Then each block is dequantized, updated (with the transform and
- * absmax of the new moments in the same loop) and requantized while it is in
- * L1: one pass over the block's data instead of one per step. */
-static int block_fusable(const lbt_adam_job *J) {
-    return J->bs_m == J->bs_v && (J->bs_m % 2 == 0) && J->fm->is_signed && !J->fm->sqrt_ && !J->m_out && !J->v_out;
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
 }
 
-/* Codes of one block of each moment in an 8-bit table format, to decode inside
- * the Adam loop (value = table[code] * scale, squared for sqrt formats: the
- * float operations of dequantize_segment). */
+/* lowbit_tree.update.stochastic_round for element ``idx`` of a leaf whose key hashes to h */
+static inline uint16_t bf16_stochastic(float x, int64_t idx, uint32_t h) {
+    uint32_t c = mix32((uint32_t)(((uint64_t)idx >> 32) + h)) + h;
+    uint32_t r = mix32(mix32((uint32_t)idx) ^ c) & 0xFFFFu;
+    uint32_t u = (uint32_t)f2i(x);
+    if ((u & 0x7F800000u) == 0x7F800000u) return bf16_round(x);
+    return (uint16_t)(((u + r) & 0xFFFF0000u) >> 16);
+}
+
+static void load_plain(const void *src, int64_t dt, int64_t n, float *restrict dst) {
+    if (dt == LBT_BF16) {
+        const uint16_t *restrict s = (const uint16_t *)src;
+        for (int64_t k = 0; k < n; k++) dst[k] = bf16_value(s[k]);
+    } else if (dt == LBT_F16) {
+        const _Float16 *restrict s = (const _Float16 *)src;
+        for (int64_t k = 0; k < n; k++) dst[k] = (float)s[k];
+    } else {
+        memcpy(dst, src, sizeof(float) * n);
+    }
+}
+
+/* float32 values -> dtype dt (round to nearest even; bf16 stochastically with sr) */
+static void store_plain(const float *restrict x, int64_t n, int64_t dt, void *dst, int sr, int64_t idx0, uint32_t h) {
+    if (dt == LBT_BF16) {
+        uint16_t *restrict d = (uint16_t *)dst;
+        if (sr) for (int64_t k = 0; k < n; k++) d[k] = bf16_stochastic(x[k], idx0 + k, h);
+        else for (int64_t k = 0; k < n; k++) d[k] = bf16_round(x[k]);
+    } else if (dt == LBT_F16) {
+        _Float16 *restrict d = (_Float16 *)dst;
+        for (int64_t k = 0; k < n; k++) d[k] = (_Float16)x[k];
+    } else if ((const void *)x != dst) {
+        memcpy(dst, x, sizeof(float) * n);
+    }
+}
+
+static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
+
+/* The per-element rule on one run of n elements. g: the prologue's gradient
+ * (float32); s0..s2: the states' old float32 values, overwritten by the new ones,
+ * transformed for storage when TR (1: sqrt, 2: negative -> NaN, of the
+ * second-moment states), with their absmax bits in amax. DEC: ADAM's two states
+ * decoded from 8-bit table codes in the loop (D) instead of read from s0, s1.
+ * EPW 0: u goes to o; 1: o (the param, in place) += (-lr) * u; 2: o += (-lr) *
+ * (u + wd * o). Flags are literals in the callers, so each combination is
+ * compiled (and vectorized) on its own; the fused EPW 1, 2 serve the hottest
+ * case (a param updated in place through 8-bit table formats), every other
+ * epilogue is a second pass over the run (epilogue_pass). */
 typedef struct {
     const uint8_t *mc, *vc;
     const float *dm, *dv;
     float sm, sv;
 } block_codes;
 
-/* One block's Adam update on its old moments (dequantized in mb, vb, or, with
- * dec, decoded from D's codes as it goes), writing the new m and the transformed
- * new v to mb, vb, with their absmax bits (amv[0], amv[1]).
- * pmode 0: o = u; 1: o is the param, updated in place; 2: o = p + ... from p.
- * vmode 0: v as is; 1: sqrt(v) (and v's codes are of sqrt(v)); 2: negative v -> NaN. */
-static inline __attribute__((always_inline)) void adam_block(const float *restrict g, float *restrict o,
-                                                             const float *restrict p, int64_t n, const float *hyper,
-                                                             float *restrict mb, float *restrict vb, const int pmode,
-                                                             const int vmode, const int dec, const block_codes *D,
-                                                             int32_t *amv) {
+static inline __attribute__((always_inline)) void rule_run(
+    const float *restrict hyper, int64_t n, const float *restrict g, float *restrict o, float *restrict s0,
+    float *restrict s1, float *restrict s2, const int RULE, const int VAR, const int TR, const int DEC,
+    const int EPW, const block_codes *D, int32_t *amax) {
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
-    const uint8_t *restrict mc = dec ? D->mc : NULL, *restrict vc = dec ? D->vc : NULL;
-    const float *restrict dm = dec ? D->dm : NULL, *restrict dv = dec ? D->dv : NULL;
-    const float sm = dec ? D->sm : 0.0f, svs = dec ? D->sv : 0.0f;
-    int32_t am = 0, av = 0;
+    const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
+    const float *restrict dm = DEC ? D->dm : NULL, *restrict dv = DEC ? D->dv : NULL;
+    const float sm = DEC ? D->sm : 0.0f, svs = DEC ? D->sv : 0.0f;
+    int32_t a0 = 0, a1 = 0, a2 = 0;
     for (int64_t k = 0; k < n; k++) {
-        float gi = g[k], m0, v0;
-        if (dec) {
-            float t = dv[vc[k]] * svs;
-            m0 = dm[mc[k]] * sm;
-            v0 = vmode == 1 ? t * t : t;
-        } else {
-            m0 = mb[k], v0 = vb[k];
+        const float gi = g[k];
+        float u, t0, t1 = 0.0f, t2 = 0.0f;
+        if (RULE == LBT_ADAM) {
+            float m0, v0;
+            if (DEC) {
+                float t = dv[vc[k]] * svs;
+                m0 = dm[mc[k]] * sm;
+                v0 = TR == 1 ? t * t : t;
+            } else {
+                m0 = s0[k], v0 = s1[k];
+            }
+            float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
+            float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
+            if (VAR) { /* amsgrad: the running max of v */
+                float w0 = s2[k], w = (v > w0 || v != v) ? v : w0;
+                sr = sqrtf(w);
+                t2 = TR == 1 ? sr : (TR == 2 && w < 0.0f ? NAN : w);
+                s2[k] = t2;
+            }
+            u = (m * rbc1) / (sr * rsbc2 + eps);
+            t0 = m;
+            t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
+            s0[k] = t0;
+            s1[k] = t1;
+        } else if (RULE == LBT_LION) {
+            float m0 = s0[k], c = b1 * m0 + omb1 * gi;
+            u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
+            t0 = b2 * m0 + omb2 * gi;
+            s0[k] = t0;
+        } else { /* momentum */
+            float b = b1 * s0[k] + gi;
+            u = VAR ? gi + b1 * b : b;
+            t0 = b;
+            s0[k] = t0;
         }
-        float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
-        float sv = sqrtf(v); /* also the transform of sqrt formats */
-        float u = (m * rbc1) / (sv * rsbc2 + eps);
-        if (pmode == 0) {
-            o[k] = u;
-        } else {
-            float pi = pmode == 1 ? o[k] : p[k];
-            o[k] = pi + nlr * (u + wd * pi);
-        }
-        float vt = vmode == 1 ? sv : (vmode == 2 && v < 0.0f ? NAN : v);
-        mb[k] = m;
-        vb[k] = vt;
-        int32_t a = f2i(m) & 0x7FFFFFFF, c = f2i(vt) & 0x7FFFFFFF;
-        am = a > am ? a : am;
-        av = c > av ? c : av;
+        if (EPW == 0) o[k] = u;
+        else if (EPW == 1) o[k] = o[k] + nlr * u;
+        else o[k] = o[k] + nlr * (u + wd * o[k]);
+        int32_t c0 = f2i(t0) & 0x7FFFFFFF, c1 = f2i(t1) & 0x7FFFFFFF, c2 = f2i(t2) & 0x7FFFFFFF;
+        a0 = c0 > a0 ? c0 : a0;
+        a1 = c1 > a1 ? c1 : a1;
+        a2 = c2 > a2 ? c2 : a2;
     }
-    amv[0] = am;
-    amv[1] = av;
+    amax[0] = a0, amax[1] = a1, amax[2] = a2;
 }
 
-/* adam_block on J's element range [off, off + n), with the param mode taken from
- * J and every (pmode, vmode) pair a call with literal flags, so each combination
- * is compiled (and vectorized) on its own. */
-static void adam_block_job(const lbt_adam_job *J, int64_t off, int64_t n, float *restrict mb, float *restrict vb,
-                           int vmode, const block_codes *D, int32_t *amv) {
-    const int pmode = !J->p ? 0 : (J->out == J->p ? 1 : 2);
-    const float *g = J->g + off, *p = pmode == 2 ? J->p + off : NULL;
-    float *o = J->out + off;
-#define LBT_ADAM_CASE(P, V) \
-    if (pmode == P && vmode == V) {                                                    \
-        if (D) adam_block(g, o, p, n, J->hyper, mb, vb, P, V, 1, D, amv);                \
-        else adam_block(g, o, p, n, J->hyper, mb, vb, P, V, 0, NULL, amv);               \
-        return;                                                                          \
+/* The epilogue on u (float32): EPI 0 u; 1 (-lr) u; 2 (-lr) (u + wd p); 3 u + wd p;
+ * then o = d, or o = p + d when writing the param (o then holds p). */
+static void epilogue_pass(const float *restrict hyper, int64_t n, const float *restrict u, const float *p, float *o,
+                          int epi, int write) {
+    const float nlr = -hyper[7], wd = hyper[8];
+#define LBT_EPI(EXPR)                                                                    \
+    if (write) for (int64_t k = 0; k < n; k++) { float pi = o[k]; o[k] = pi + (EXPR); }            \
+    else for (int64_t k = 0; k < n; k++) { float pi = p ? p[k] : 0.0f; o[k] = (EXPR); }
+    switch (epi) {
+    case 0: LBT_EPI(u[k]) break;
+    case 1: LBT_EPI(nlr * u[k]) break;
+    case 2: LBT_EPI(nlr * (u[k] + wd * pi)) break;
+    default: LBT_EPI(u[k] + wd * pi) break;
     }
-    LBT_ADAM_CASE(0, 0) LBT_ADAM_CASE(0, 1) LBT_ADAM_CASE(0, 2)
-    LBT_ADAM_CASE(1, 0) LBT_ADAM_CASE(1, 1) LBT_ADAM_CASE(1, 2)
-    LBT_ADAM_CASE(2, 0) LBT_ADAM_CASE(2, 1) LBT_ADAM_CASE(2, 2)
-#undef LBT_ADAM_CASE
+#undef LBT_EPI
 }
 
-static void adam_row_blocks(const lbt_adam_job *J, const uint8_t *mc, const float *ms, const uint8_t *vc,
-                            const float *vs, uint8_t *mc_o, float *ms_o, uint8_t *vc_o, float *vs_o, int64_t off,
-                            int64_t len, float *restrict mb, float *restrict vb, int32_t *s1, int32_t *s2) {
-    const lbt_format *fm = J->fm, *fv = J->fv;
-    const int64_t bs = J->bs_m;
-    const int vmode = fv->sqrt_ ? 1 : (!fv->is_signed ? 2 : 0);
-    /* 8-bit table formats: decoded inside the Adam loop, whose vector work then
-     * overlaps the table loads */
-    const int dec = fm->bits == 8 && !fm->e4m3_arith && fv->bits == 8 && !fv->e4m3_arith;
+typedef struct {
+    const float *g, *p;
+    float *o, *u, *s[3];
+    int32_t amax[3];
+} run_io;
+
+/* rule_run with the job's flags as literals, then the epilogue. */
+static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D) {
+    const int rule = (int)J->rule, flags = (int)J->flags;
+    const int var = rule == LBT_ADAM ? !!(flags & LBT_AMSGRAD) : !!(flags & LBT_NESTEROV);
+    const int epi = (flags & LBT_LR) ? ((flags & LBT_DECAY) ? 2 : 1) : ((flags & LBT_DECAY) ? 3 : 0);
+    const int write = !!(flags & LBT_WRITE_PARAM);
+    const int epw = D && write && (epi == 1 || epi == 2) ? epi : 0;
+    float *uo = epw ? io->o : ((write || epi) ? io->u : io->o); /* where the rule loop writes */
+    const float *h = J->hyper, *g = io->g;
+    float *s0 = io->s[0], *s1 = io->s[1], *s2 = io->s[2];
+    int32_t *am = io->amax;
+#define LBT_RUN(R, V, T, DC, E)                                                        \
+    if (rule == R && var == V && tr == T && !!D == DC && epw == E) {                   \
+        rule_run(h, n, g, uo, s0, s1, s2, R, V, T, DC, E, D, am);                      \
+        goto done;                                                                     \
+    }
+    LBT_RUN(LBT_ADAM, 0, 0, 0, 0) LBT_RUN(LBT_ADAM, 0, 1, 0, 0) LBT_RUN(LBT_ADAM, 0, 2, 0, 0)
+    LBT_RUN(LBT_ADAM, 1, 0, 0, 0) LBT_RUN(LBT_ADAM, 1, 1, 0, 0) LBT_RUN(LBT_ADAM, 1, 2, 0, 0)
+    LBT_RUN(LBT_ADAM, 0, 1, 1, 0) LBT_RUN(LBT_ADAM, 0, 1, 1, 1) LBT_RUN(LBT_ADAM, 0, 1, 1, 2)
+    LBT_RUN(LBT_ADAM, 0, 2, 1, 0) LBT_RUN(LBT_ADAM, 0, 2, 1, 1) LBT_RUN(LBT_ADAM, 0, 2, 1, 2)
+    LBT_RUN(LBT_LION, 0, 0, 0, 0)
+    LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0)
+#undef LBT_RUN
+    abort(); /* unreachable: the Python side checks rule, flags and formats */
+done:
+    if (!epw && (write || epi)) epilogue_pass(h, n, io->u, io->p, io->o, epi, write);
+}
+
+/* Per-thread scratch, sized for the largest tile of the call. */
+typedef struct {
+    float *g, *p, *o, *u, *s[3];
+    int32_t *s1, *s2;
+} scratch;
+
+static inline int state_tr(const lbt_format *f) { return !f ? 0 : (f->sqrt_ ? 1 : (!f->is_signed ? 2 : 0)); }
+
+static int64_t state_cols(const lbt_state *S, int64_t R) { return S->f->bits == 4 ? (R + 1) / 2 : R; }
+
+/* A job's work is cut into tiles: for quantized states, pieces of one row (a
+ * multiple of every block size) when rows are long, runs of whole rows when
+ * they are short; for plain states, runs of LBT_PLAIN_TILE elements. */
+#define LBT_PLAIN_TILE 2048
+
+static int job_quantized(const lbt_job *J) { return J->nstates > 0 && J->st[0].f != NULL; }
+
+static int64_t job_tile(const lbt_job *J) {
+    if (!job_quantized(J)) return LBT_PLAIN_TILE;
+    int64_t l = 2;
+    for (int64_t i = 0; i < J->nstates; i++) { int64_t b = J->st[i].bs; l = l / gcd64(l, b) * b; }
+    return l * ((2048 + l - 1) / l);
+}
+
+static int64_t job_tiles(const lbt_job *J) {
+    int64_t n = J->rows * J->R;
+    if (n == 0) return 0;
+    if (!job_quantized(J)) return (n + LBT_PLAIN_TILE - 1) / LBT_PLAIN_TILE;
+    int64_t T = job_tile(J);
+    if (J->R >= T) return J->rows * ((J->R + T - 1) / T);
+    int64_t k = T / J->R;
+    return (J->rows + k - 1) / k;
+}
+
+/* The prologue on elements [off, off + n): g as float32 (negated, plus l2 * p),
+ * pointing into the job's gradient when nothing changes it. p: float32 values of
+ * the param at off (only read here). */
+static const float *prologue(const lbt_job *J, int64_t off, int64_t n, const float *p, float *restrict buf) {
+    const int flags = (int)J->flags;
+    if (J->gdt == LBT_F32 && !(flags & (LBT_MAXIMIZE | LBT_L2))) return (const float *)J->g + off;
+    load_plain((const char *)J->g + off * dt_size(J->gdt), J->gdt, n, buf);
+    if (flags & LBT_MAXIMIZE) for (int64_t k = 0; k < n; k++) buf[k] = -buf[k];
+    if (flags & LBT_L2) {
+        const float l2 = J->hyper[9];
+        for (int64_t k = 0; k < n; k++) buf[k] = buf[k] + l2 * p[k];
+    }
+    return buf;
+}
+
+/* Elements [off, off + n) of a job: param in and out, gradient, then the rule on
+ * states already in io->s; the states' stores are the caller's. */
+static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, scratch *B, int tr,
+                         const block_codes *D) {
+    const int flags = (int)J->flags, write = !!(flags & LBT_WRITE_PARAM);
+    const int needs_p = write || (flags & (LBT_L2 | LBT_DECAY));
+    const float *p = NULL;
+    float *o;
+    if (write) { /* o holds the param, updated in place */
+        o = J->pdt == LBT_F32 ? (float *)J->out + off : B->o;
+        if (J->pdt != LBT_F32) load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, o);
+        p = o;
+    } else {
+        o = (float *)J->out + off;
+        if (needs_p) {
+            if (J->pdt == LBT_F32) p = (const float *)J->p + off;
+            else { load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, B->p); p = B->p; }
+        }
+    }
+    io->g = prologue(J, off, n, p, B->g);
+    io->p = p;
+    io->o = o;
+    io->u = B->u;
+    rule_dispatch(J, n, io, tr, D);
+    if (write && J->pdt != LBT_F32)
+        store_plain(o, n, J->pdt, (char *)J->out + off * dt_size(J->pdt), !!(flags & LBT_STOCHASTIC), off,
+                    (uint32_t)J->sr_hash);
+}
+
+/* Plain float32 / bfloat16 states: a run of whole elements. */
+static void plain_tile(const lbt_job *J, int64_t t, scratch *B) {
+    const int64_t N = J->rows * J->R, off = t * LBT_PLAIN_TILE, n = N - off < LBT_PLAIN_TILE ? N - off : LBT_PLAIN_TILE;
+    run_io io;
+    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+    for (int64_t i = 0; i < J->nstates; i++) {
+        const lbt_state *S = &J->st[i];
+        if (S->bs == LBT_F32 && S->in == S->out) io.s[i] = (float *)S->out + off; /* in place */
+        else load_plain((const char *)S->in + off * dt_size(S->bs), S->bs, n, io.s[i]);
+    }
+    run_elements(J, off, n, &io, B, 0, NULL);
+    for (int64_t i = 0; i < J->nstates; i++) {
+        const lbt_state *S = &J->st[i];
+        store_plain(io.s[i], n, S->bs, (char *)S->out + off * dt_size(S->bs), 0, 0, 0);
+    }
+}
+
+/* Quantized states sharing one even block size: block by block, while the
+ * block is in L1 (dequantize, rule with the new states' transform and absmax
+ * in the same loop, requantize). */
+static int job_block_path(const lbt_job *J) {
+    const int64_t bs = J->st[0].bs;
+    if (bs % 2) return 0;
+    for (int64_t i = 1; i < J->nstates; i++) if (J->st[i].bs != bs) return 0;
+    return J->st[0].f->is_signed && !J->st[0].f->sqrt_; /* the first state is a signed first moment */
+}
+
+typedef struct {
+    const uint8_t *ci[3];
+    uint8_t *co[3];
+    const float *si[3];
+    float *so[3];
+} row_ptrs;
+
+static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, int64_t len, scratch *B) {
+    const int64_t bs = J->st[0].bs, ns = J->nstates;
+    const lbt_format *f0 = J->st[0].f, *f1 = ns > 1 ? J->st[1].f : NULL;
+    const int tr = state_tr(f1);
+    /* ADAM with two 8-bit table formats: decoded inside the rule loop, whose
+     * vector work then overlaps the table loads */
+    const int dec = J->rule == LBT_ADAM && ns == 2 && f0->bits == 8 && !f0->e4m3_arith && f1->bits == 8 &&
+                    !f1->e4m3_arith;
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
-        int64_t cm = fm->bits == 4 ? b0 / 2 : b0, cv = fv->bits == 4 ? b0 / 2 : b0;
-        int32_t amv[2] = {0, 0};
+        run_io io;
+        for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+        block_codes D;
         if (dec) {
-            block_codes D = {mc + cm, vc + cv, fm->decode, fv->decode, ms[blk], vs[blk]};
-            adam_block_job(J, off + b0, n, mb, vb, vmode, &D, amv);
+            D = (block_codes){RP->ci[0] + b0, RP->ci[1] + b0, f0->decode, f1->decode, RP->si[0][blk], RP->si[1][blk]};
         } else {
-            dequantize_segment(mc + cm, ms + blk, n, bs, fm, mb);
-            dequantize_segment(vc + cv, vs + blk, n, bs, fv, vb);
-            adam_block_job(J, off + b0, n, mb, vb, vmode, NULL, amv);
+            for (int64_t i = 0; i < ns; i++) {
+                const lbt_format *f = J->st[i].f;
+                dequantize_segment(RP->ci[i] + (f->bits == 4 ? b0 / 2 : b0), RP->si[i] + blk, n, bs, f, io.s[i]);
+            }
         }
-        int32_t am = amv[0], av = amv[1];
-        float sm = block_scale(am, fm), sv = block_scale(av, fv);
-        ms_o[blk] = sm;
-        vs_o[blk] = sv;
-        encode_block(mb, n, sm, fm, mc_o + cm, s1, s2);
-        encode_block(vb, n, sv, fv, vc_o + cv, s1, s2);
+        run_elements(J, off + b0, n, &io, B, tr, dec ? &D : NULL);
+        for (int64_t i = 0; i < ns; i++) {
+            const lbt_format *f = J->st[i].f;
+            float s = block_scale(io.amax[i], f);
+            RP->so[i][blk] = s;
+            encode_block(io.s[i], n, s, f, RP->co[i] + (f->bits == 4 ? b0 / 2 : b0), B->s1, B->s2);
+        }
     }
 }
 
-static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, float *restrict vb, int32_t *restrict s1,
-                      int64_t Tmax) {
-    const lbt_format *fm = J->fm, *fv = J->fv;
-    if (!fm) { /* float32 moments (mc, vc point at them), updated in place */
-        const int64_t T = job_tile(J), off = t * T, n = J->R - off < T ? J->R - off : T;
-        int32_t amv[2];
-        adam_block_job(J, off, n, (float *)J->mc + off, (float *)J->vc + off, 0, NULL, amv);
-        return;
-    }
-    const int64_t R = J->R, bs_m = J->bs_m, bs_v = J->bs_v, T = job_tile(J);
+static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
+    const int64_t R = J->R, T = job_tile(J), ns = J->nstates;
     int64_t r0, nr, j0, len;
     if (R >= T) {
         int64_t tpr = (R + T - 1) / T;
@@ -1046,45 +1261,56 @@ static void adam_tile(const lbt_adam_job *J, int64_t t, float *restrict mb, floa
         int64_t k = T / R;
         r0 = t * k, nr = J->rows - r0 < k ? J->rows - r0 : k, j0 = 0, len = R;
     }
-    const int64_t nbm = (R + bs_m - 1) / bs_m, nbv = (R + bs_v - 1) / bs_v;
-    const int64_t ccm = code_cols(fm, R), ccv = code_cols(fv, R);
-    const int64_t cj_m = fm->bits == 4 ? j0 / 2 : j0, cj_v = fv->bits == 4 ? j0 / 2 : j0;
-    if (block_fusable(J)) {
-        for (int64_t i = 0; i < nr; i++) {
-            int64_t r = r0 + i;
-            adam_row_blocks(J, J->mc + r * ccm + cj_m, J->ms + r * nbm + j0 / bs_m, J->vc + r * ccv + cj_v,
-                            J->vs + r * nbv + j0 / bs_v, J->mc_out + r * ccm + cj_m, J->ms_out + r * nbm + j0 / bs_m,
-                            J->vc_out + r * ccv + cj_v, J->vs_out + r * nbv + j0 / bs_v, r * R + j0, len, mb, vb, s1,
-                            s1 + Tmax);
+    const int block = job_block_path(J);
+    if (block) {
+        for (int64_t r = r0; r < r0 + nr; r++) {
+            row_ptrs P;
+            for (int64_t i = 0; i < ns; i++) {
+                const lbt_state *S = &J->st[i];
+                const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
+                const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
+                P.ci[i] = (const uint8_t *)S->in + r * cc + cj;
+                P.co[i] = (uint8_t *)S->out + r * cc + cj;
+                P.si[i] = S->scale_in + r * nb + j0 / S->bs;
+                P.so[i] = S->scale_out + r * nb + j0 / S->bs;
+            }
+            quantized_blocks(J, &P, r * R + j0, len, B);
         }
         return;
     }
-    for (int64_t i = 0; i < nr; i++) {
-        int64_t r = r0 + i;
-        dequantize_segment(J->mc + r * ccm + cj_m, J->ms + r * nbm + j0 / bs_m, len, bs_m, fm, mb + i * len);
-        dequantize_segment(J->vc + r * ccv + cj_v, J->vs + r * nbv + j0 / bs_v, len, bs_v, fv, vb + i * len);
+    /* any block sizes: each state a pass over the tile (nr > 1 only with j0 == 0,
+     * len == R: the tile's elements are contiguous) */
+    run_io io;
+    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+    for (int64_t i = 0; i < ns; i++) {
+        const lbt_state *S = &J->st[i];
+        const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
+        const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
+        for (int64_t q = 0; q < nr; q++) {
+            int64_t r = r0 + q;
+            dequantize_segment((const uint8_t *)S->in + r * cc + cj, S->scale_in + r * nb + j0 / S->bs, len, S->bs,
+                               S->f, io.s[i] + q * len);
+        }
     }
-    const int64_t off = r0 * R + j0, total = nr * len; /* nr > 1 only with j0 == 0, len == R: contiguous */
-    int32_t amv[2]; /* unused here: quantize_segment transforms and takes the absmax itself */
-    adam_block_job(J, off, total, mb, vb, 0, NULL, amv);
-    if (J->m_out) memcpy(J->m_out + off, mb, sizeof(float) * total);
-    if (J->v_out) memcpy(J->v_out + off, vb, sizeof(float) * total);
-    for (int64_t i = 0; i < nr; i++) {
-        int64_t r = r0 + i;
-        quantize_segment(mb + i * len, len, bs_m, fm, J->mc_out + r * ccm + cj_m, J->ms_out + r * nbm + j0 / bs_m, s1,
-                         s1 + Tmax);
-        quantize_segment(vb + i * len, len, bs_v, fv, J->vc_out + r * ccv + cj_v, J->vs_out + r * nbv + j0 / bs_v, s1,
-                         s1 + Tmax);
+    run_elements(J, r0 * R + j0, nr * len, &io, B, 0, NULL); /* raw states: quantize_segment transforms */
+    for (int64_t i = 0; i < ns; i++) {
+        const lbt_state *S = &J->st[i];
+        const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
+        const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
+        for (int64_t q = 0; q < nr; q++) {
+            int64_t r = r0 + q;
+            quantize_segment(io.s[i] + q * len, len, S->bs, S->f, (uint8_t *)S->out + r * cc + cj,
+                             S->scale_out + r * nb + j0 / S->bs, B->s1, B->s2);
+        }
     }
 }
 
-/* The fused step of many parameters in one parallel region: the tiles of all
- * jobs are shared out among the threads (results do not depend on who runs
- * which tile). */
-void lbt_adam_jobs(int64_t njobs, const lbt_adam_job *jobs, int nthreads) {
+/* The steps of many leaves in one parallel region: the tiles of all jobs are
+ * shared out among the threads (results do not depend on who runs which tile). */
+void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
     if (njobs <= 0) return;
     int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (njobs + 1));
-    int64_t Tmax = 2;
+    int64_t Tmax = LBT_PLAIN_TILE;
     start[0] = 0;
     for (int64_t j = 0; j < njobs; j++) {
         start[j + 1] = start[j] + job_tiles(&jobs[j]);
@@ -1095,9 +1321,12 @@ void lbt_adam_jobs(int64_t njobs, const lbt_adam_job *jobs, int nthreads) {
     if (total < 2) nthreads = 1;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *mb = (float *)malloc(sizeof(float) * Tmax);
-        float *vb = (float *)malloc(sizeof(float) * Tmax);
-        int32_t *s1 = (int32_t *)malloc(sizeof(int32_t) * 2 * Tmax);
+        scratch B;
+        float *mem = (float *)malloc(sizeof(float) * 7 * Tmax);
+        B.g = mem, B.p = mem + Tmax, B.o = mem + 2 * Tmax, B.u = mem + 3 * Tmax;
+        for (int i = 0; i < 3; i++) B.s[i] = mem + (4 + i) * Tmax;
+        B.s1 = (int32_t *)malloc(sizeof(int32_t) * 2 * Tmax);
+        B.s2 = B.s1 + Tmax;
         int64_t j = 0;
         #pragma omp for schedule(dynamic, 4)
         for (int64_t t = 0; t < total; t++) {
@@ -1109,11 +1338,11 @@ void lbt_adam_jobs(int64_t njobs, const lbt_adam_job *jobs, int nthreads) {
                 }
                 j = lo;
             }
-            adam_tile(&jobs[j], t - start[j], mb, vb, s1, Tmax);
+            if (job_quantized(&jobs[j])) quantized_tile(&jobs[j], t - start[j], &B);
+            else plain_tile(&jobs[j], t - start[j], &B);
         }
-        free(mb);
-        free(vb);
-        free(s1);
+        free(mem);
+        free(B.s1);
     }
     free(start);
 }

@@ -1,0 +1,326 @@
+"""The backends of the core's transitions: one step of any rule, on any format and dtype.
+
+``run_step`` executes one :class:`~.spec.StepSpec` on a list of leaves (param,
+gradient, states) with one of three backends, which give the same bits:
+
+- ``native``: the C kernel (``cpu.c``, built on first use; CPU tensors);
+- ``compiled``: the torch backend under ``torch.compile`` (CUDA's default);
+- ``eager``: the same torch code run eagerly.
+
+``LOWBIT_TREE_BACKEND`` (``native``, ``compiled``, ``eager``; unset or ``auto``)
+chooses. ``auto``: native on CPU, compiled elsewhere; on a CPU where the C kernel
+cannot be built, eager (said once, with a warning naming the switch), never
+inductor, which needs the same C compiler. Leaves the native kernel does not take
+(rank-1 records, float64 params, non-contiguous params written in place) run on
+the torch backend of their device, with the same float operations.
+
+Also here: the fast quantize / dequantize (``quantize_rows_fast``, ...), with codes
+bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from ..formats import Format, get_format
+from . import native, torch_backend
+from .spec import NHYPER, RULES, StepSpec, step_hyperparams
+from .tables import CodeTable, code_table
+
+__all__ = [
+    "BACKENDS",
+    "backend_for",
+    "StepSpec",
+    "RULES",
+    "NHYPER",
+    "step_hyperparams",
+    "StepLeaf",
+    "run_step",
+    "CodeTable",
+    "code_table",
+    "quantize_rows_fast",
+    "dequantize_rows_fast",
+    "dequantize_fast",
+]
+
+BACKENDS = ("native", "compiled", "eager")
+
+
+def _requested() -> str:
+    value = os.environ.get("LOWBIT_TREE_BACKEND", "").strip().lower() or "auto"
+    if value not in BACKENDS + ("auto",):
+        raise ValueError(f"LOWBIT_TREE_BACKEND must be one of {BACKENDS} or 'auto', got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_native() -> None:
+    why = getattr(native, "build_error", lambda: None)()
+    warnings.warn(
+        "lowbit_tree: the native CPU kernel is not available"
+        + (f" ({why})" if why else "")
+        + "; CPU steps run on the eager torch backend (LOWBIT_TREE_BACKEND=eager), correct but slower. "
+        "Install a C compiler (gcc or clang, or set CC) for the fast kernel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
+    """The backend that runs steps on ``device``: ``backend`` if given, else
+    ``LOWBIT_TREE_BACKEND``, else auto (see the module docstring)."""
+    want = backend or _requested()
+    if want not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {want!r}")
+    if device.type != "cpu":
+        return "eager" if want == "eager" else "compiled"
+    if want == "native":
+        if not native.available():
+            raise RuntimeError(
+                "LOWBIT_TREE_BACKEND=native, but the native CPU kernel could not be built (no working C compiler?)"
+            )
+        return "native"
+    if want == "auto":
+        if native.available():
+            return "native"
+        _warn_no_native()
+        return "eager"
+    return want
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+
+
+def quantize_rows_fast(x2: torch.Tensor, fmt: str | Format, block_size: int, *, backend: Optional[str] = None):
+    """Drop-in for :func:`lowbit_tree.qtensor.quantize_rows`: same ``(codes, scale)``, bit for bit.
+
+    Args:
+      x2: floating ``(rows, R)`` tensor (any float dtype; computed in float32).
+      fmt: a :class:`Format` or format name.
+      block_size: elements per block within a row.
+      backend: ``None`` (``LOWBIT_TREE_BACKEND``), or one of :data:`BACKENDS`.
+    Returns:
+      codes ``(rows, R)`` uint8 (float8_e4m3fn for fp8 formats; ``(rows, ceil(R/2))``
+      for 4-bit) and scale float32 ``(rows, ceil(R / block_size))``.
+    """
+    fmt = get_format(fmt)
+    rows, r = x2.shape
+    ncols = (r + 1) // 2 if fmt.bits == 4 else r
+    nblocks = -(-r // block_size)
+    dev = x2.device
+    if x2.numel() == 0:
+        codes = torch.zeros(rows, ncols, dtype=fmt.code_dtype, device=dev)
+        return codes, torch.zeros(rows, nblocks, dtype=torch.float32, device=dev)
+    which = backend_for(dev, backend)
+    if which == "native":
+        codes = torch.empty(rows, ncols, dtype=torch.uint8, device=dev)
+        scale = torch.empty(rows, nblocks, dtype=torch.float32, device=dev)
+        native.quantize(x2.detach().float().contiguous(), fmt.name, block_size, codes, scale)
+    else:
+        codes, scale = torch_backend.quantize_rows(x2, fmt.name, block_size, compile=which == "compiled")
+    if fmt.float8:
+        codes = codes.view(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_rows_fast(codes: torch.Tensor, scale: torch.Tensor, fmt: str | Format, block_size: int, r: int, *,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """Codes and scale of a ``(rows, r)`` row view -> float32 ``(rows, r)``, bit-identical
+    to :func:`lowbit_tree.qtensor.dequantize`."""
+    fmt = get_format(fmt)
+    rows = codes.shape[0]
+    dev = codes.device
+    if rows == 0 or r == 0:
+        return torch.zeros(rows, r, dtype=torch.float32, device=dev)
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    which = backend_for(dev, backend)
+    if which == "native":
+        out = torch.empty(rows, r, dtype=torch.float32, device=dev)
+        native.dequantize(codes.contiguous(), scale.float().contiguous(), fmt.name, block_size, r, out)
+        return out
+    return torch_backend.dequantize_rows(codes, scale, fmt.name, block_size, r, compile=which == "compiled")
+
+
+def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
+    """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
+    from ..qtensor import row_layout
+
+    rows, r = row_layout(q.shape)
+    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
+    return out.reshape(q.shape).to(dtype)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class StepLeaf(NamedTuple):
+    """One leaf of a step: its param (``None`` where the step needs none), its
+    gradient, its states (QTensor / Rank1QTensor records or plain float tensors,
+    in the rule's order), and, for stochastic rounding of a bfloat16 param, its
+    index in its tree (the rounding key is per call)."""
+
+    param: Optional[torch.Tensor]
+    grad: torch.Tensor
+    states: tuple
+    index: int = 0
+
+
+def _is_q(s) -> bool:
+    from ..qtensor import QTensor
+
+    return isinstance(s, QTensor)
+
+
+def _native_ok(leaf: StepLeaf, write: bool) -> bool:
+    """Whether the C kernel takes this leaf (else the torch backend runs it)."""
+    p, g = leaf.param, leaf.grad
+    if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
+        return False
+    if write and not p.is_contiguous():
+        return False
+    states = leaf.states
+    if all(_is_q(s) for s in states):
+        return all(s.scale.dtype is torch.float32 and s.codes.is_contiguous() and s.scale.is_contiguous()
+                   for s in states)
+    return all(isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous()
+               for s in states)
+
+
+def _row_view(shape) -> tuple[int, int]:
+    from ..qtensor import row_layout
+
+    return row_layout(tuple(shape))
+
+
+def _native_state(s, inplace: bool):
+    """(NativeState, the new leaf) for state ``s``: written in place, or into new tensors."""
+    from ..qtensor import QTensor
+
+    if _is_q(s):
+        codes = s.codes.view(torch.uint8)
+        if inplace:
+            return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
+        new_codes, new_scale = torch.empty_like(codes), torch.empty_like(s.scale)
+        leaf = QTensor(new_codes.view(s.codes.dtype), new_scale, s.shape, s.block_size, s.format)
+        return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
+    dst = s if inplace else torch.empty_like(s)
+    return native.NativeState(s, dst, None, None, None, 0), dst
+
+
+def _torch_leaf(spec, hyper, leaf: StepLeaf, write, inplace, sr_key, compile):
+    """A leaf on the torch backend; rank-1 records go through float32 and back."""
+    from .. import moments
+
+    states = list(leaf.states)
+    rank1 = [not _is_q(s) and not isinstance(s, torch.Tensor) for s in states]
+    if any(rank1):  # Rank1QTensor: dequantize / requantize around the same rule, eagerly
+        plain = [moments.load(s) for s in states]
+        out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
+                                           sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=False)
+        new = [moments.store(n, s) for n, s in zip(new, states)]
+    else:
+        out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
+                                           sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=compile)
+    if inplace:
+        for old, n in zip(states, new):
+            _copy_leaf_(old, n)
+        new = states
+    if write:
+        leaf.param.copy_(out)
+        out = None
+    return out, tuple(new)
+
+
+def _copy_leaf_(dst, src) -> None:
+    """Overwrite a state leaf's tensors with another's of the same kind."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+        return
+    names = ("codes", "row_max", "col_max") if hasattr(dst, "row_max") else ("codes", "scale")
+    for name in names:
+        d, s = getattr(dst, name), getattr(src, name)
+        if d.dtype == torch.float8_e4m3fn:
+            d, s = d.view(torch.uint8), s.view(torch.uint8)
+        d.copy_(s)
+
+
+def run_step(
+    spec: StepSpec,
+    hyper: torch.Tensor,
+    leaves: Sequence[StepLeaf],
+    *,
+    write: bool = False,
+    inplace: bool = False,
+    sr_key: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+) -> tuple[list, list]:
+    """One step of ``spec`` on every leaf, with ``hyper`` (:func:`step_hyperparams`).
+
+    Args:
+      write: update each param in place (``p + u`` rounded once to its dtype) instead
+        of returning the float32 update ``u``.
+      inplace: overwrite the states' tensors (the caller gives up the old state);
+        else new tensors are returned and nothing passed in is modified.
+      sr_key: with ``write``, round bfloat16 params stochastically with this key
+        (int64 words, :func:`lowbit_tree.update.rounding_key`) and each leaf's index.
+      backend: see :func:`backend_for`.
+    Returns:
+      ``(outs, new_states)``: per leaf the float32 update (``None`` with ``write``)
+      and the tuple of its new states (the same objects with ``inplace``).
+    """
+    if write and not spec.lr:
+        raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
+    outs: list = [None] * len(leaves)
+    news: list = [None] * len(leaves)
+    jobs = []
+    for i, leaf in enumerate(leaves):
+        g, p = leaf.grad, leaf.param
+        if spec.needs_param or write:
+            if p is None:
+                raise ValueError(f"{spec} needs params: call update(updates, state, params)")
+            if p.shape != g.shape:
+                raise ValueError(f"gradient shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
+        if len(leaf.states) != spec.nstates:
+            raise ValueError(f"the {spec.rule} rule takes {spec.nstates} states per leaf, got {len(leaf.states)}")
+        sr = sr_key if write and p is not None and p.dtype is torch.bfloat16 else None
+        if g.numel() == 0:
+            outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+            news[i] = tuple(leaf.states) if inplace else tuple(_clone_leaf(s) for s in leaf.states)
+            continue
+        which = backend_for(g.device, backend)
+        if which == "native" and _native_ok(leaf, write):
+            rows, r = _row_view(g.shape)
+            pairs = [_native_state(s, inplace) for s in leaf.states]
+            out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            sr_hash = 0
+            if sr is not None:
+                from ..update import rounding_hash
+
+                sr_hash = rounding_hash(sr, leaf.index)
+            p_in = p if write else (p.contiguous() if spec.needs_param else None)
+            jobs.append(native.NativeJob(
+                rows, r, p_in, g.contiguous(), out, spec, write, sr is not None, sr_hash, hyper,
+                tuple(ns for ns, _ in pairs)))
+            outs[i] = None if write else out
+            news[i] = tuple(leaf_ for _, leaf_ in pairs)
+        else:
+            if which == "native":
+                which = "eager"
+            outs[i], news[i] = _torch_leaf(spec, hyper, leaf, write, inplace, sr, which == "compiled")
+    if jobs:
+        hyper_c = hyper if hyper.dtype is torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
+        if hyper_c is not hyper:
+            jobs = [j._replace(hyper=hyper_c) for j in jobs]
+        native.run_jobs(jobs)
+    return outs, news
+
+
+def _clone_leaf(s):
+    if isinstance(s, torch.Tensor):
+        return s.clone()
+    return type(s)(*[c.clone() for c in (s.codes, s.scale)], s.shape, s.block_size, s.format) if _is_q(s) else s

@@ -1,0 +1,124 @@
+"""What one step computes: the update rule, its fused links, and its hyperparameter vector.
+
+A :class:`StepSpec` is static (it chooses the code); the hyperparameters are one
+float32 vector per step (:func:`step_hyperparams`), the same for every backend.
+Per element, in float32 and in this order (cpu.c and torch_backend.py implement
+exactly these operations; design.md, "Update rules"):
+
+- prologue: ``g = -g`` (``maximize``); ``g = g + l2 * p`` (``l2``: an L2-decay link
+  before the rule, torch.optim.Adam / SGD ``weight_decay``)
+- rule ``adam``: ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*(g*g)``; with
+  ``amsgrad`` ``w = max(w, v)`` and the root below is of ``w``;
+  ``u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
+- rule ``lion``: ``u = sign(b1*m + (1-b1)*g)`` (0 for 0 and NaN); ``m = b2*m + (1-b2)*g``
+- rule ``momentum``: ``b = mu*b + g``; ``u = b``, or ``g + mu*b`` with ``nesterov``
+- epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
+  ``u = (-lr) * u`` (``lr``: a learning-rate link)
+- output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
+  dtype (nearest even; bfloat16 optionally stochastically).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+__all__ = ["RULES", "StepSpec", "NHYPER", "step_hyperparams"]
+
+RULES = ("adam", "lion", "momentum")
+NHYPER = 10
+"""Length of the hyperparameter vector:
+``[b1 (momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2]``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static part of a step. ``rule`` is one of :data:`RULES`; ``amsgrad``
+    (adam) and ``nesterov`` (momentum) choose variants; ``maximize``, ``l2``,
+    ``decay`` and ``lr`` say which fused links run around the rule."""
+
+    rule: str
+    amsgrad: bool = False
+    nesterov: bool = False
+    maximize: bool = False
+    l2: bool = False
+    decay: bool = False
+    lr: bool = False
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+        if self.amsgrad and self.rule != "adam":
+            raise ValueError("amsgrad is a variant of the adam rule")
+        if self.nesterov and self.rule != "momentum":
+            raise ValueError("nesterov is a variant of the momentum rule")
+
+    @property
+    def nstates(self) -> int:
+        """States per leaf: adam (m, v[, w]), lion (m), momentum (b)."""
+        return (3 if self.amsgrad else 2) if self.rule == "adam" else 1
+
+    @property
+    def signed(self) -> tuple[bool, ...]:
+        """Whether each state is signed (a first moment) or not (second moments)."""
+        return (True, False, False)[: self.nstates] if self.rule == "adam" else (True,)
+
+    @property
+    def needs_param(self) -> bool:
+        return self.l2 or self.decay
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def step_hyperparams(
+    spec: StepSpec,
+    *,
+    count=0,
+    b1=0.9,
+    b2=0.999,
+    eps=1e-8,
+    lr=0.0,
+    weight_decay=0.0,
+    l2=0.0,
+    device=None,
+) -> torch.Tensor:
+    """The float32 hyperparameter vector of one step (:data:`NHYPER` entries).
+
+    Every given value is first rounded to float32; ``1-b1``, ``1-b2`` and the bias
+    corrections ``1/bc1``, ``1/sqrt(bc2)`` (``bc = 1 - b**(count+1)``, adam only)
+    are computed in float64 from those float32 values and rounded once, so a
+    Python float and a float32 0-d tensor of the same value give the same bits.
+    ``count`` (steps already taken) and the values may be Python numbers (built
+    on the host) or 0-d tensors (built with tensor ops on their device: no host
+    sync). For momentum, ``b1`` is the momentum. ``lr`` is the factor's negative:
+    the update is scaled by ``-lr``.
+    """
+    values = (count, b1, b2, eps, lr, weight_decay, l2)
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    adam = spec.rule == "adam"
+    if not tensors:
+        b1f, b2f = _f32(b1), _f32(b2)
+        c = int(count) + 1
+        rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
+        rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
+        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, _f32(eps), _f32(lr), _f32(weight_decay), _f32(l2)]
+        return torch.tensor(vals, dtype=torch.float32, device=device)
+    dev = device if device is not None else tensors[0].device
+
+    def f64(v):  # float32-rounded, then float64
+        return torch.as_tensor(v, device=dev).to(torch.float32).to(torch.float64).reshape(1)
+
+    b1t, b2t = f64(b1), f64(b2)
+    one = torch.ones(1, dtype=torch.float64, device=dev)
+    if adam:
+        c = torch.as_tensor(count, device=dev).to(torch.float64).reshape(1) + 1
+        rbc1 = 1 / (1 - torch.pow(b1t, c))
+        rsbc2 = (1 - torch.pow(b2t, c)).rsqrt()
+    else:
+        rbc1 = rsbc2 = torch.zeros(1, dtype=torch.float64, device=dev)
+    parts = [b1t, one - b1t, b2t, one - b2t, rbc1, rsbc2, f64(eps), f64(lr), f64(weight_decay), f64(l2)]
+    return torch.cat(parts).to(torch.float32)

@@ -1,0 +1,281 @@
+"""The torch backend: quantize, dequantize and every rule's step as torch ops.
+
+Runs on any device: compiled (``torch.compile(dynamic=True, fullgraph=True)``,
+one graph per static combination of rule, formats, block sizes and dtypes, never
+per shape) on CUDA and wherever ``LOWBIT_TREE_BACKEND=compiled``; eagerly with
+``LOWBIT_TREE_BACKEND=eager`` and on CPUs without a C compiler. Codes are
+bit-identical to the reference quantizer (:func:`lowbit_tree.qtensor.quantize_rows`)
+and the float math is :mod:`.spec`'s, operation by operation, so results equal the
+native backend's bit for bit.
+
+Float contract. On CPU inductor compiles without floating-point contraction
+(``-ffp-contract=off``) and its float32 ``sqrt`` and division are correctly
+rounded, so compiled and eager results agree bit for bit. On CUDA the compiled
+code is built with ``emulate_precision_casts`` (which turns Triton's FMA fusion
+off) and Triton's ``div_rn`` / ``sqrt_rn``. Eager CPU ``torch.sqrt(float32)`` is
+not correctly rounded, so the eager path takes the square root in float64
+(:func:`_exact_sqrt`), as the reference does.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..formats import FORMATS
+from .spec import StepSpec
+from .tables import _CPU_TABLES, code_table
+
+__all__ = ["quantize_rows", "dequantize_rows", "step_leaf", "StateKind"]
+
+
+def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 sqrt (eager CPU's float32 sqrt is not)."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return torch.sqrt(x)
+    return torch.sqrt(x.double()).float()
+
+
+# --------------------------------------------------------------------------- codes
+
+
+def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """int32 index of the nearest map value to float32 ``n`` (ties up; NaN -> last)."""
+    tab = _CPU_TABLES[fmt_name]  # static ints only; the tensors come as arguments
+    bits = n.view(torch.int32)
+    rel = (bits & 0x7FFFFFFF).clamp(tab.key_min, tab.key_max) - tab.key_min
+    key = torch.where(n < 0, ~rel, rel) if FORMATS[fmt_name].signed else rel
+    # the clamps are no-ops that tell inductor the gathers are in bounds (no
+    # wrap-around of negative indices, no bounds checks, vectorized code)
+    bucket = ((key >> tab.shift) - tab.bucket_offset).clamp(0, tab.base.numel() - 1)
+    b = base[bucket].clamp(0, tab.last + 1)
+    idx = b + (n >= thresholds[b]).to(torch.int32)
+    return idx.clamp(0, tab.last)
+
+
+def _block_index(r: int, block_size: int, device) -> torch.Tensor:
+    return torch.arange(r, device=device) // block_size
+
+
+def _quantize_core(
+    x2: torch.Tensor,
+    base: torch.Tensor,
+    thresholds: torch.Tensor,
+    encode: torch.Tensor,
+    fmt_name: str,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (rows, R) -> (codes uint8, scale float32); the reference's math."""
+    fmt = FORMATS[fmt_name]
+    rows, r = x2.shape
+    nblocks = (r + block_size - 1) // block_size
+    if not fmt.signed:
+        x2 = torch.where(x2 < 0, torch.full_like(x2, float("nan")), x2)
+    if fmt.sqrt:
+        x2 = _exact_sqrt(x2)
+    pad = nblocks * block_size - r
+    xb = torch.nn.functional.pad(x2, (0, pad)).reshape(rows, nblocks, block_size)
+    absmax = xb.abs().amax(dim=-1)
+    absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, float("nan")))
+    scale = absmax / fmt.scale_divisor
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    n = x2 / safe[:, _block_index(r, block_size, x2.device)]
+    idx = _nearest_index(n, fmt_name, base, thresholds)
+    if fmt.bits == 4:
+        idx = torch.nn.functional.pad(idx, (0, r % 2)).reshape(rows, (r + 1) // 2, 2)
+        codes = (idx[..., 0] | (idx[..., 1] << 4)).to(torch.uint8)
+    elif fmt.float8:
+        codes = encode[idx]
+    else:
+        codes = idx.to(torch.uint8)
+    return codes, scale
+
+
+def _dequantize_core(
+    codes: torch.Tensor, scale: torch.Tensor, decode: torch.Tensor, fmt_name: str, block_size: int, odd: bool
+) -> torch.Tensor:
+    """(uint8 codes, scale) -> float32 (rows, R); the reference's math.
+
+    ``odd``: 4-bit rows hold an odd number R of codes (the last high nibble is padding).
+    """
+    fmt = FORMATS[fmt_name]
+    rows = codes.shape[0]
+    r = 2 * codes.shape[1] - int(odd) if fmt.bits == 4 else codes.shape[1]
+    if fmt.bits == 4:
+        c = codes.to(torch.int32)
+        idx = torch.stack([c & 0x0F, c >> 4], dim=-1).reshape(rows, 2 * codes.shape[1])[:, :r]
+    else:
+        idx = codes.to(torch.int32)
+    out = decode[idx] * scale[:, _block_index(r, block_size, codes.device)]
+    if fmt.sqrt:
+        out = out * out
+    return out
+
+
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
+    """The float32 math of one step (:mod:`.spec`, operation by operation): returns
+    the update after the epilogue and the new (untransformed) states."""
+    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2 = hyper.unbind(0)
+    if spec.maximize:
+        g = -g
+    if spec.l2:
+        g = g + l2 * p
+    if spec.rule == "adam":
+        m = b1 * olds[0] + omb1 * g
+        v = b2 * olds[1] + omb2 * (g * g)
+        news = [m, v]
+        root = v
+        if spec.amsgrad:
+            root = torch.maximum(olds[2], v)
+            news.append(root)
+        u = (m * rbc1) / (_exact_sqrt(root) * rsbc2 + eps)
+    elif spec.rule == "lion":
+        u = torch.sign(b1 * olds[0] + omb1 * g)
+        news = [b2 * olds[0] + omb2 * g]
+    else:
+        b = b1 * olds[0] + g
+        u = g + b1 * b if spec.nesterov else b
+        news = [b]
+    if spec.decay:
+        u = u + wd * p
+    if spec.lr:
+        u = (-lr) * u
+    return u, news
+
+
+StateKind = tuple
+"""Static description of one state leaf: ``("q", format, block_size)`` for block
+codes and scales, ``("plain", dtype)`` for a float tensor."""
+
+
+def _step_core(p, g, hyper, key, *state_tensors, spec, kinds, write, sr, leaf_index):
+    """One leaf's step on plain tensors (eager, or compiled by :func:`_compiled`).
+
+    ``state_tensors``: per state, ``(codes, scale, decode, base, thresholds, encode)``
+    for ``("q", ...)`` kinds, ``(values,)`` for plain ones. Returns ``(out, *new
+    state tensors)``: ``out`` the float32 update, or with ``write`` the new param
+    in ``p``'s dtype.
+    """
+    # the (rows, R) row view (non-empty leaves only: the caller handles empty ones)
+    g2 = (g.reshape(g.shape[0], -1) if g.dim() >= 2 else g.reshape(1, -1)).float()
+    rows, r = g2.shape
+    p2 = None if p is None else p.reshape(rows, r).float()
+    olds, it = [], iter(state_tensors)
+    for kind in kinds:
+        if kind[0] == "q":
+            codes, scale, decode = next(it), next(it), next(it)
+            next(it), next(it), next(it)
+            olds.append(_dequantize_core(codes, scale, decode, kind[1], kind[2], bool(r % 2)))
+        else:
+            olds.append(next(it).reshape(rows, r).float())
+    u, news = _rule(spec, hyper, g2, p2, olds)
+    if write:
+        x = p2 + u
+        if sr:
+            from ..update import stochastic_round
+
+            out = stochastic_round(x, p.dtype, key, leaf_index)
+        else:
+            out = x.to(p.dtype)
+    else:
+        out = u
+    results, it = [out.reshape(g.shape)], iter(state_tensors)
+    for kind, new in zip(kinds, news):
+        if kind[0] == "q":
+            next(it), next(it), next(it)
+            base, thresholds, encode = next(it), next(it), next(it)
+            results.extend(_quantize_core(new, base, thresholds, encode, kind[1], kind[2]))
+        else:
+            values = next(it)
+            results.append(new.to(kind[1]).reshape(values.shape))
+    return tuple(results)
+
+
+def _bound(*tensors):
+    return _CORE(*tensors, **_STATIC)
+
+
+def _bind_static(core, static: dict):
+    """``core`` with its static keyword arguments fixed, as a function with its own
+    code object and globals: dynamo caches (and counts recompilations) per code
+    object, and specializes on globals (block sizes stay compile-time constants
+    even under ``dynamic=True``)."""
+    glb = dict(globals())
+    glb["_CORE"], glb["_STATIC"] = core, static
+    code = _bound.__code__.replace(co_name=f"{core.__name__}_bound")
+    return types.FunctionType(code, glb, code.co_name)
+
+
+def _compile_options(device_type: str) -> dict:
+    # No FMA contraction in Triton, so results equal eager's mul/add exactly.
+    return {"emulate_precision_casts": True} if device_type == "cuda" else {}
+
+
+_CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _step_core}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, static: tuple, device_type: str):
+    """One compiled callable per (kernel, static arguments, device type)."""
+    return torch.compile(
+        _bind_static(_CORES[kind], dict(static)), dynamic=True, fullgraph=True, options=_compile_options(device_type)
+    )
+
+
+def _run(kind: str, tensors: tuple, static: dict, device: torch.device, compile: bool):
+    if compile:
+        return _compiled(kind, tuple(sorted(static.items())), device.type)(*tensors)
+    return _CORES[kind](*tensors, **static)
+
+
+def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
+    """float ``(rows, R)`` -> ``(codes uint8, scale float32)``, the reference's codes."""
+    tab = code_table(fmt_name, x2.device)
+    return _run("quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode),
+                {"fmt_name": fmt_name, "block_size": block_size}, x2.device, compile)
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_size: int, r: int, *,
+                    compile: bool) -> torch.Tensor:
+    """``(codes, scale)`` of a ``(rows, r)`` view -> float32 ``(rows, r)``."""
+    tab = code_table(fmt_name, codes.device)
+    return _run("dequantize", (codes, scale, tab.decode),
+                {"fmt_name": fmt_name, "block_size": block_size, "odd": bool(r % 2)}, codes.device, compile)
+
+
+def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], *, write: bool, sr: bool = False,
+              key: Optional[torch.Tensor] = None, leaf_index: int = 0, compile: bool = False):
+    """One leaf's step (pure: new tensors out). ``states``: QTensor records or plain
+    float tensors. Returns ``(out, new_states)`` (see :func:`_step_core`)."""
+    from ..qtensor import QTensor
+
+    device = g.device
+    kinds, tensors = [], []
+    for s in states:
+        if isinstance(s, QTensor):
+            tab = code_table(s.format, device)
+            kinds.append(("q", s.format, s.block_size))
+            tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode]
+        else:
+            kinds.append(("plain", s.dtype))
+            tensors.append(s)
+    static = {"spec": spec, "kinds": tuple(kinds), "write": write, "sr": sr, "leaf_index": leaf_index}
+    h = hyper.to(device=device, dtype=torch.float32)
+    res = _run("step", (p, g, h, key, *tensors), static, device, compile)
+    out, it, new_states = res[0], iter(res[1:]), []
+    for s in states:
+        if isinstance(s, QTensor):
+            codes, scale = next(it), next(it)
+            if FORMATS[s.format].float8:
+                codes = codes.view(torch.float8_e4m3fn)
+            new_states.append(QTensor(codes, scale, s.shape, s.block_size, s.format))
+        else:
+            new_states.append(next(it))
+    return out, new_states
