@@ -1,11 +1,12 @@
 """``LowBitOptimizer``: any lowbit_tree transformation as a ``torch.optim.Optimizer``.
 
-The optimizer is a shell. Each ``step()`` rebuilds, per parameter, the core
-state pytree of that parameter from ``self.state[p]`` (torch names: ``step``,
-``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) and the
-group's current hyperparameters, runs the transformation's pure ``update`` on
-plain local tensors, and writes the results back in place (params and state
-storage keep their identity, as torch.optim users expect).
+The optimizer holds no arithmetic. Each ``step()`` goes down the layers once:
+per param group (and per distinct step count within it), the core state tree of
+the group's params is bound to the live states (:mod:`bridge.state_tree`), and
+the core's in-place transition :func:`lowbit_tree.step_` runs the group's
+transformation on it: one kernel call that updates params and states in place.
+The same transformation run through ``tx.update`` + ``apply_updates`` gives the
+same bits.
 
 Static choices (state format, block size, quantize-or-not) are fixed when a
 param's state is created, from the *global* param shape, and never recomputed.
@@ -19,20 +20,18 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import os
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.optim.adam import adam as _torch_adam  # functional multi-tensor Adam(W)
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor, kernels, kernels_cpu
+from lowbit_tree import QTensor
 from lowbit_tree.moments import check_state_format
-from lowbit_tree.update import apply_updates
 from lowbit_tree.wrappers import inject_hyperparams
 
 from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
 from .qstate import QState
+from .state_tree import STATE_NAMES, binding, is_record
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
@@ -40,14 +39,6 @@ STATE_DICT_VERSION = 1
 """Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
 
 VERSION_KEY = "lowbit_tree_version"
-
-# core state field -> torch.optim state name
-STATE_NAMES = {
-    "mu": "exp_avg",
-    "nu": "exp_avg_sq",
-    "nu_max": "max_exp_avg_sq",
-    "trace": "momentum_buffer",
-}
 
 # group keys that shape the state: fixed per param, compared on load
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
@@ -68,67 +59,13 @@ class StateReportRow(tuple):
     nbytes = property(lambda s: s[4])
 
 
-# ----------------------------------------------------------------------------
-# walking core state trees by field name
-# ----------------------------------------------------------------------------
-def _is_record(x) -> bool:
-    return isinstance(x, QTensor) or type(x).__name__ == "Rank1QTensor"
-
-
-def _walk(tree, path=()):
-    """Yield ``(path, leaf)`` for every leaf; NamedTuple fields are named by field."""
-    if tree is None:
-        return
-    if _is_record(tree) or isinstance(tree, torch.Tensor):
-        yield path, tree
-    elif isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        for f in tree._fields:
-            yield from _walk(getattr(tree, f), path + (f,))
-    elif isinstance(tree, (tuple, list)):
-        for i, x in enumerate(tree):
-            yield from _walk(x, path + (i,))
-    elif isinstance(tree, dict):
-        for k in sorted(tree):
-            yield from _walk(tree[k], path + (k,))
-    else:
-        yield path, tree
-
-
-def _rebuild(tree, fn, path=()):
-    """``tree`` with every leaf replaced by ``fn(path, leaf)``."""
-    if tree is None:
-        return None
-    if _is_record(tree) or isinstance(tree, torch.Tensor):
-        return fn(path, tree)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*[_rebuild(getattr(tree, f), fn, path + (f,)) for f in tree._fields])
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_rebuild(x, fn, path + (i,)) for i, x in enumerate(tree))
-    if isinstance(tree, dict):
-        return {k: _rebuild(v, fn, path + (k,)) for k, v in tree.items()}
-    return fn(path, tree)
-
-
-def _kind(path) -> str:
-    """What a leaf at ``path`` is: 'hyper', 'count', 'seed' or a torch state name."""
-    if "hyperparams" in path:
-        return "hyper"
-    named = [p for p in path if isinstance(p, str)]
-    last = named[-1] if named else ""
-    if last == "count":
-        return "count"
-    if last == "seed":
-        return "seed"
-    for p in reversed(named):
-        if p in STATE_NAMES:
-            return STATE_NAMES[p]
-    return "/".join(str(p) for p in path)
-
-
 def _float_tensor(value, device) -> torch.Tensor:
+    """A group's number as the core's injected hyperparameter: float64, so that the
+    step's derived constants (``1 - beta``, bias corrections) are those of the
+    Python float, as in the functional ``lowbit_tree.adamw(b1=0.9, ...)``."""
     if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float32).reshape(())
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 # ----------------------------------------------------------------------------
@@ -155,10 +92,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         poisons only the blocks of its own parameter's state.)
     """
 
-    _fused_adam: str | None = None
-    """``"adamw"`` (decoupled decay) or ``"adam"`` in subclasses whose transformation is
-    exactly that Adam: lets ``step`` use the fused kernel (see ``_fused_adam_step``)."""
-
     def __init__(
         self,
         params: Iterable,
@@ -170,7 +103,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._factory = transform_factory
         self._group_to_kwargs = group_to_kwargs or self._default_group_to_kwargs
         self._transforms: dict = {}
-        self._templates: dict = {}
+        self._bindings: dict = {}
         defaults = dict(defaults)
         defaults.setdefault("skip_nonfinite", False)
         super().__init__(params, defaults)
@@ -221,91 +154,67 @@ class LowBitOptimizer(torch.optim.Optimizer):
         key = (tuple(sorted((k, repr(v)) for k, v in static.items())), tuple(sorted(numeric)))
         tx = self._transforms.get(key)
         if tx is None:
-            tx = inject_hyperparams(self._factory)(**static, **{k: 0.0 for k in numeric})
+            tx = inject_hyperparams(self._factory, hyperparam_dtype=torch.float64)(**static, **{k: 0.0 for k in numeric})
             self._transforms[key] = tx
         return tx, key, numeric
 
     # -- per-param state ------------------------------------------------------
-    def _template(self, p, group):
-        """tx.init on a meta tensor of the *global* shape: fixes formats and block sizes."""
+    def _binding(self, group: dict, params: list, present: tuple):
+        """The state-tree binding of ``group`` for the params at positions ``present``
+        (``tx.init`` on meta tensors of their *global* shapes: formats, block sizes
+        and the quantize-or-not decision come from there)."""
         tx, key, _ = self._transform(group)
-        cache_key = (id(p), key)
-        tmpl = self._templates.get(cache_key)
-        if tmpl is None:
-            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-            tmpl = tx.init(meta)
-            self._templates[cache_key] = tmpl
-        return tmpl
+        cache_key = (key, tuple(id(p) for p in params), present)
+        b = self._bindings.get(cache_key)
+        if b is None:
+            on = set(present)
+            metas = [torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if i in on else None
+                     for i, p in enumerate(params)]
+            b = self._bindings[cache_key] = binding(tx.init(metas))
+        return b
 
     def _init_state(self, p, group) -> dict:
-        tmpl = self._template(p, group)
+        """A new param's state, torch.optim's names, zeros in the formats the core chose."""
+        params = group["params"]
+        i = next(k for k, q in enumerate(params) if q is p)
+        tmpl = self._binding(group, params, (i,)).state_leaves(i)
         local = to_local(p)
-        st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device=local.device)}
-        for path, leaf in _walk(tmpl):
-            kind = _kind(path)
-            if kind in ("hyper", "count", "seed"):
-                continue
+        st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
+        for name, leaf in tmpl.items():
             if isinstance(leaf, QTensor):
                 q = QState(lt.zeros(tuple(local.shape), leaf.format, leaf.block_size, device=local.device))
-                st[kind] = wrap_like(q, p)
-            elif _is_record(leaf):
+                st[name] = wrap_like(q, p)
+            elif is_record(leaf):
                 if is_dtensor(p):
                     raise ValueError(
                         "rank-1 normalized 4-bit states need column maxima over all rows; they are not "
                         "supported under FSDP2 sharding (use rank1_normalization=False)"
                     )
-                st[kind] = _Rank1Holder(type(leaf).__module__, leaf, local)
-            elif isinstance(leaf, torch.Tensor):
-                if tuple(leaf.shape) == tuple(p.shape):
-                    st[kind] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
-                else:
-                    st[kind] = torch.zeros(leaf.shape, dtype=leaf.dtype, device=local.device)
+                st[name] = _Rank1Holder(type(leaf).__module__, leaf, local)
+            else:
+                st[name] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
         return st
 
-    def _core_state(self, p, st, group, hyper: dict, seed: int):
-        tmpl = self._template(p, group)
-        local = to_local(p)
-        step = st["step"]
-
-        def leaf(path, t):
-            kind = _kind(path)
-            if kind == "hyper":
-                return hyper[path[-1]]
-            if kind == "count":
-                return step.to(device=local.device, dtype=t.dtype)
-            if kind == "seed":
-                return torch.tensor(seed, dtype=t.dtype, device=local.device)
-            value = st[kind]
-            if isinstance(value, _Rank1Holder):
-                return value.record
-            value = to_local(value)
-            return value.record if isinstance(value, QState) else value
-
-        return _rebuild(tmpl, leaf)
-
-    def _write_back(self, st, new_tree, ok) -> None:
-        for path, leaf in _walk(new_tree):
-            kind = _kind(path)
-            if kind in ("hyper", "count", "seed"):
+    @staticmethod
+    def _live(st: dict) -> dict:
+        """A param's states as the core sees them: records sharing the live storage."""
+        out = {}
+        for name, v in st.items():
+            if name == "step":
                 continue
-            target = st[kind]
-            if isinstance(target, _Rank1Holder):
-                target.record = leaf if ok is None else _where_tree(ok, leaf, target.record)
+            if isinstance(v, _Rank1Holder):
+                out[name] = v.record
                 continue
-            target = to_local(target)
-            if isinstance(target, QState):
-                codes, scale = leaf.codes, leaf.scale
-                if ok is not None:
-                    codes = _where(ok, codes, target.codes)
-                    scale = torch.where(ok, scale, target.scale)
-                target.codes.copy_(codes)
-                target.scale.copy_(scale)
-            else:
-                target.copy_(leaf if ok is None else torch.where(ok, leaf, target))
+            v = to_local(v)
+            out[name] = v.record if isinstance(v, QState) else v
+        return out
 
     # -- step -------------------------------------------------------------------
-    def _all_finite(self) -> torch.Tensor | None:
-        """On-device flag: every gradient of this step is finite (or None if no group asks)."""
+    def _all_finite(self) -> bool | None:
+        """Whether every gradient of this step is finite (None if no group asks).
+
+        Read on the host: free for CPU tensors, one device sync on CUDA (like
+        GradScaler's). Under FSDP2 all ranks agree (an all-reduce of the flag)."""
         if not any(g.get("skip_nonfinite") for g in self.param_groups):
             return None
         flags = []
@@ -325,7 +234,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             flag = ok.to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             ok = flag.bool()
-        return ok
+        return bool(ok)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -334,153 +243,48 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ok_all = self._all_finite()
-        index = 0  # the param's position in the optimizer: its stochastic-rounding seed
+        finite = self._all_finite()
+        offset = 0  # a param's position in the optimizer: its leaf index for stochastic rounding
         for group in self.param_groups:
-            tx, _, numeric = self._transform(group)
-            ok = ok_all if group.get("skip_nonfinite") else None
-            hyper_cache: dict = {}  # device -> injected hyperparameters (core path)
-            fused_hyper: dict = {}  # step count -> fused kernel's hyperparameter vector (CPU)
-            plain: dict = {}  # device -> (params, grads, exp_avgs, exp_avg_sqs, steps) for torch's multi-tensor Adam
-            fused: list = []  # the fused kernel's steps, run together after the loop
-            fp32_native: list = []  # fp32-state params stepped by the native CPU kernel
-            fast = ok is None and self._fast_group(group)
-            native_fp32 = fast and self._native_fp32(group)
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients (param of shape "
-                        f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
-                    )
-                local = to_local(p)
-                grad = to_local(p.grad)
-                if grad.shape != local.shape:
-                    raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match param shape {tuple(local.shape)}")
-                st = self.state[p]
-                if len(st) == 0:
-                    st.update(self._init_state(p, group))
-                path = self._fast_path(group, local, st) if fast else None
-                if path == "fused":
-                    fused.append(self._fused_adam_item(group, local, grad, st, fused_hyper))
-                    continue
-                if path == "fp32" and native_fp32 and local.is_cpu:
-                    fp32_native.append(self._fused_adam_item(group, local, grad, st, fused_hyper, quantized=False))
-                    continue
-                if path == "fp32":
-                    lists = plain.setdefault(local.device, ([], [], [], [], []))
-                    for lst, t in zip(lists, (local, grad, st["exp_avg"], st["exp_avg_sq"], st["step"])):
-                        lst.append(to_local(t))
-                    continue
-                dev = local.device
-                if dev not in hyper_cache:
-                    hyper_cache[dev] = {k: _float_tensor(v, dev) for k, v in numeric.items()}
-                tree = self._core_state(p, st, group, hyper_cache[dev], index - 1)
-                updates, new_tree = tx.update(grad, tree, local)
-                new_param = apply_updates(local, updates)
-                local.copy_(new_param if ok is None else torch.where(ok, new_param, local))
-                self._write_back(st, new_tree, ok)
-                st["step"].add_(1 if ok is None else ok.to(torch.float32))
-            for device, lists in plain.items():
-                self._fp32_adam_steps(group, device, *lists)
-            if fused or fp32_native:
-                self._fused_adam_steps(fused, fp32_native)
+            params = group["params"]
+            if not (group.get("skip_nonfinite") and finite is False):
+                self._step_group(group, params, offset)
+            offset += len(params)
         return loss
 
-    # -- fast paths ---------------------------------------------------------------------
-    def _fast_group(self, group) -> bool:
-        """Whether a group's Adam(W) params may take a fast path this step: an Adam(W)
-        subclass, no amsgrad, no stochastic rounding. ``LOWBIT_TREE_FUSED=0`` turns the
-        fast paths off: every step then runs the core's transformation instead."""
-        return (
-            self._fused_adam is not None
-            and os.environ.get("LOWBIT_TREE_FUSED", "1") != "0"
-            and not group.get("amsgrad")
-            and not group.get("bf16_stochastic_round")
-        )
-
-    def _fast_path(self, group, local, st) -> str | None:
-        """For a param of a fast group: ``"fused"`` (float32 param, both moments quantized;
-        for Adam's L2 decay only with weight_decay == 0), ``"fp32"`` (float32 param and
-        plain float32 moments: small tensors or ``state_format="fp32"``), else None."""
-        if (local.dtype is not torch.float32 or len(st) != 3
-                or "step" not in st or "exp_avg" not in st or "exp_avg_sq" not in st):
-            return None
-        m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
-        if isinstance(m, QState) and isinstance(v, QState):
-            wd = group.get("weight_decay", 0.0)
-            if self._fused_adam == "adam" and (isinstance(wd, torch.Tensor) or wd != 0):
-                return None
-            return "fused"
-        if all(type(t) is torch.Tensor and t.dtype == torch.float32 for t in (m, v)):
-            return "fp32"
-        return None
-
-    def _native_fp32(self, group) -> bool:
-        """Whether a fast group's fp32-state CPU params are stepped by the native
-        kernel (:func:`lowbit_tree.kernels.adam_step_fp32_`): when the native kernels
-        are built, for AdamW and for Adam without weight decay (Adam's L2 decay, and
-        params on other devices, go through torch's multi-tensor Adam)."""
-        if not kernels_cpu.available():
-            return False
-        wd = group.get("weight_decay", 0.0)
-        return self._fused_adam == "adamw" or not (isinstance(wd, torch.Tensor) or wd != 0)
-
-    def _fp32_adam_steps(self, group, device, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
-        """One ``torch.optim.adam.adam(foreach=True)`` call for a group's fp32-state params
-        that the native kernel does not take (other devices, Adam's L2 decay):
-        per-param Python overhead of the core path dominated models with many small
-        tensors (norms, biases). Same math as torch.optim.Adam/AdamW by construction."""
-        b1, b2 = group["betas"]
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        if device.type == "cpu":  # non-capturable foreach takes Python numbers (no sync on CPU)
-            b1, b2, lr, wd, eps = (float(x) for x in (b1, b2, lr, wd, eps))
-        _torch_adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=True, capturable=device.type != "cpu", differentiable=False, fused=None,
-            grad_scale=None, found_inf=None, has_complex=False,
-            decoupled_weight_decay=self._fused_adam == "adamw", amsgrad=False,
-            beta1=b1, beta2=b2, lr=lr, weight_decay=float(wd), eps=float(eps), maximize=False,
-        )
-
-    def _fused_adam_item(self, group, local, grad, st, cache: dict, quantized: bool = True) -> tuple:
-        """One param's arguments for :func:`lowbit_tree.kernels.adam_step_quantized_`
-        (Adam(W) in one pass per block: dequantize, update, requantize, write param
-        and codes in place). Same math as the core's ``scale_by_adam ->
-        add_decayed_weights -> scale_by_learning_rate`` (tested to agree; codes are
-        bit-identical to the reference quantizer of the moments it computes)."""
-        m, v = to_local(st["exp_avg"]), to_local(st["exp_avg_sq"])
-        step = st["step"]
-        # on CPU, params sharing a step count share one hyperparameter vector (no sync to read it)
-        key = float(step) if step.device.type == "cpu" else None
-        hyper = cache.get(key) if key is not None else None
-        if hyper is None:
-            b1, b2 = (float(b) for b in group["betas"])
-            wd = group.get("weight_decay", 0.0) if self._fused_adam == "adamw" else 0.0
-            hyper = kernels.adam_hyperparams(  # a CPU count as a number: ~0.2 ms less than the tensor path
-                count=step if key is None else key, lr=group["lr"], b1=b1, b2=b2, eps=float(group["eps"]),
-                weight_decay=float(wd), device=local.device,
-            )
-            if key is not None:
-                cache[key] = hyper
-        if not quantized:  # plain float32 moments: adam_step_fp32_'s step
-            return (local, grad, m, v, hyper, step)
-        return (local, grad, m.codes, m.scale, v.codes, v.scale, m.format, v.format, (m.block_size, v.block_size),
-                hyper, step)
-
-    @staticmethod
-    def _fused_adam_steps(quantized: list, fp32: list) -> None:
-        """All of a group's fused steps, quantized and float32-moment ones, in one
-        kernel call (one parallel region on CPU)."""
-        kernels.adam_steps_([it[:-1] for it in quantized], [it[:-1] for it in fp32])
-        steps = [it[-1] for it in quantized] + [it[-1] for it in fp32]
-        by_device: dict = {}
-        for s in steps:
-            by_device.setdefault(s.device, []).append(s)
-        for lst in by_device.values():
-            torch._foreach_add_(lst, 1)
+    def _step_group(self, group: dict, params: list, offset: int) -> None:
+        """One group: its params with gradients, batched by step count (torch.optim
+        keeps one per param), each batch one in-place core transition."""
+        tx, _, numeric = self._transform(group)
+        batches: dict = {}
+        for i, p in enumerate(params):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (param of shape "
+                    f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
+                )
+            local, grad = to_local(p), to_local(p.grad)
+            if grad.shape != local.shape:
+                raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match param shape {tuple(local.shape)}")
+            st = self.state[p]
+            if len(st) == 0:
+                st.update(self._init_state(p, group))
+            batches.setdefault(float(st["step"]), []).append(i)
+        for count, present in batches.items():
+            b = self._binding(group, params, tuple(present))
+            live: list = [None] * len(params)
+            locals_: list = [None] * len(params)
+            grads: list = [None] * len(params)
+            for i in present:
+                p = params[i]
+                live[i] = self._live(self.state[p])
+                locals_[i], grads[i] = to_local(p), to_local(p.grad)
+            hyper = {k: _float_tensor(v, "cpu") for k, v in numeric.items()}
+            state = b.tree(live, int(count), hyper, int(group.get("seed", 0)))
+            lt.step_(tx, grads, state, locals_, _leaf_offset=offset)
+            torch._foreach_add_([self.state[params[i]]["step"] for i in present], 1)
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:
@@ -560,18 +364,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         from .state_dict import export_torch
 
         return export_torch(self)
-
-
-def _where(ok, new, old):
-    if new.dtype == torch.float8_e4m3fn:
-        return torch.where(ok, new.view(torch.uint8), old.view(torch.uint8)).view(torch.float8_e4m3fn)
-    return torch.where(ok, new, old)
-
-
-def _where_tree(ok, new, old):
-    import optree
-
-    return optree.tree_map(lambda a, b: _where(ok, a, b), new, old)
 
 
 class _Rank1Holder:

@@ -104,7 +104,6 @@ class Adam(_AdamBase):
     """torch.optim.Adam (L2 weight decay) with ``state_format`` states (default ``"fp32"``)."""
 
     _factory_fn = staticmethod(adam_l2)
-    _fused_adam = "adam"
 
 
 class AdamW(_AdamBase):
@@ -112,7 +111,6 @@ class AdamW(_AdamBase):
 
     _factory_fn = staticmethod(adamw_decoupled)
     _default_wd = 1e-2
-    _fused_adam = "adamw"
 
 
 class Adam8bit(Adam):

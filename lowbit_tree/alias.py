@@ -13,7 +13,7 @@ import torch
 
 from .base import GradientTransformation, ScalarOrSchedule, identity
 from .combine import chain
-from .transform import add_decayed_weights, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace
+from .transform import add_decayed_weights, flip_sign, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace
 from .update import stochastic_rounding
 
 __all__ = ["adam", "adamw", "lion", "sgd"]
@@ -24,8 +24,13 @@ def _is_zero(x) -> bool:
     return not isinstance(x, torch.Tensor) and not callable(x) and x == 0
 
 
-def _finish(*txs, stochastic_round: bool, seed: int) -> GradientTransformation:
-    return chain(*txs, stochastic_rounding(seed)) if stochastic_round else chain(*txs)
+def _finish(*txs, stochastic_round: bool, seed: int, maximize: bool = False) -> GradientTransformation:
+    """The chain of ``txs`` (with :func:`flip_sign` first for ``maximize``, and the
+    stochastic-rounding link last): one kernel call per step when the links sit
+    next to the rule (see :func:`~lowbit_tree.chain`)."""
+    head = (flip_sign(),) if maximize else ()
+    tail = (stochastic_rounding(seed),) if stochastic_round else ()
+    return chain(*head, *txs, *tail)
 
 
 def adam(
@@ -34,7 +39,9 @@ def adam(
     b2: float | torch.Tensor = 0.999,
     eps: float | torch.Tensor = 1e-8,
     *,
+    weight_decay: float | torch.Tensor = 0.0,
     amsgrad: bool = False,
+    maximize: bool = False,
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
@@ -42,8 +49,11 @@ def adam(
     stochastic_round: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
-    """Adam (torch.optim.Adam semantics): ``chain(scale_by_adam, scale_by_learning_rate)``."""
+    """Adam as torch.optim.Adam: ``chain([flip_sign], [add_decayed_weights], scale_by_adam,
+    scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient
+    (after the sign flip of ``maximize``, as torch does)."""
     return _finish(
+        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
         scale_by_adam(
             b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
             min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
@@ -51,6 +61,7 @@ def adam(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        maximize=maximize,
     )
 
 
@@ -63,6 +74,7 @@ def adamw(
     mask: Any = None,
     *,
     amsgrad: bool = False,
+    maximize: bool = False,
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
@@ -83,6 +95,7 @@ def adamw(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        maximize=maximize,
     )
 
 
@@ -93,6 +106,7 @@ def lion(
     weight_decay: float | torch.Tensor = 0.0,
     mask: Any = None,
     *,
+    maximize: bool = False,
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
@@ -106,6 +120,7 @@ def lion(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        maximize=maximize,
     )
 
 
@@ -115,6 +130,7 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float | torch.Tensor = 0.0,
     *,
+    maximize: bool = False,
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
@@ -134,4 +150,5 @@ def sgd(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        maximize=maximize,
     )

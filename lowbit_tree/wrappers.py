@@ -59,6 +59,7 @@ STATIC_HYPERPARAMS = frozenset(
         "amsgrad",
         "mask",
         "nesterov",
+        "maximize",
         "rank1_normalization",
         "stochastic_round",
         "seed",

@@ -71,7 +71,7 @@ def test_update_is_pure_and_keeps_dtypes_and_formats(algo, fmt, dtype):
         assert all(_unchanged(t, s) for t, s in zip((grads, state, params), snaps)), "update mutated an input"
         assert optree.tree_structure(new_state) == spec0  # same records, formats, block sizes, shapes
         assert [t.dtype for t in optree.tree_leaves(new_state)] == dtypes0
-        assert all(u.dtype == g.dtype for u, g in zip(optree.tree_leaves(updates), optree.tree_leaves(grads)))
+        assert all(u.dtype == torch.float32 for u in optree.tree_leaves(updates))  # rounded once, by apply_updates
         snap_p = _snapshot(params)
         new_params = apply_updates(params, updates)
         assert _unchanged(params, snap_p)

@@ -8,7 +8,8 @@ gradient, states) with one of three backends, which give the same bits:
 - ``eager``: the same torch code run eagerly.
 
 ``LOWBIT_TREE_BACKEND`` (``native``, ``compiled``, ``eager``; unset or ``auto``)
-chooses. ``auto``: native on CPU, compiled elsewhere; on a CPU where the C kernel
+chooses. ``auto``: native on CPU, compiled elsewhere (inside a caller's
+``torch.compile``, the torch code is traced into the caller's graph); on a CPU where the C kernel
 cannot be built, eager (said once, with a warning naming the switch), never
 inductor, which needs the same C compiler. Leaves the native kernel does not take
 (rank-1 records, float64 params, non-contiguous params written in place) run on
@@ -73,6 +74,8 @@ def _warn_no_native() -> None:
 def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
     """The backend that runs steps on ``device``: ``backend`` if given, else
     ``LOWBIT_TREE_BACKEND``, else auto (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return "eager"  # inside a caller's torch.compile: trace the torch code into its graph
     want = backend or _requested()
     if want not in BACKENDS + ("auto",):
         raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {want!r}")

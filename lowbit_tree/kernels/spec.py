@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
 import torch
 
 __all__ = ["RULES", "StepSpec", "NHYPER", "step_hyperparams"]
@@ -70,10 +69,6 @@ class StepSpec:
         return self.l2 or self.decay
 
 
-def _f32(x: float) -> float:
-    return float(np.float32(x))
-
-
 def step_hyperparams(
     spec: StepSpec,
     *,
@@ -88,29 +83,37 @@ def step_hyperparams(
 ) -> torch.Tensor:
     """The float32 hyperparameter vector of one step (:data:`NHYPER` entries).
 
-    Every given value is first rounded to float32; ``1-b1``, ``1-b2`` and the bias
-    corrections ``1/bc1``, ``1/sqrt(bc2)`` (``bc = 1 - b**(count+1)``, adam only)
-    are computed in float64 from those float32 values and rounded once, so a
-    Python float and a float32 0-d tensor of the same value give the same bits.
-    ``count`` (steps already taken) and the values may be Python numbers (built
-    on the host) or 0-d tensors (built with tensor ops on their device: no host
-    sync). For momentum, ``b1`` is the momentum. ``lr`` is the factor's negative:
-    the update is scaled by ``-lr``.
+    ``1-b1``, ``1-b2`` and the bias corrections ``1/bc1``, ``1/sqrt(bc2)`` (``bc = 1 -
+    b**(count+1)``, adam only) are computed in float64 from the values as given (a
+    Python float, or a tensor's value: a float32 tensor's is its float32 value) and
+    rounded once, like every other entry. So a Python float and a float64 0-d
+    tensor of the same value give the same bits (what the bridge passes), and the
+    bias corrections lose nothing to float32 (``1 - 0.999`` in float32 is off by
+    1e-5 relative). ``count`` (steps already taken) and the values may be Python
+    numbers or 0-d tensors; tensors on a GPU are combined with tensor ops on their
+    device (no host sync). For momentum, ``b1`` is the momentum. ``lr`` is the
+    factor's negative: the update is scaled by ``-lr``.
     """
     values = (count, b1, b2, eps, lr, weight_decay, l2)
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     adam = spec.rule == "adam"
+    if tensors and not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors):
+        # CPU values cost nothing to read: the host path (same bits as the tensor path)
+        count, b1, b2, eps, lr, weight_decay, l2 = (
+            (int(v) if v is count else float(v)) if isinstance(v, torch.Tensor) else v for v in values
+        )
+        tensors = []
     if not tensors:
-        b1f, b2f = _f32(b1), _f32(b2)
+        b1f, b2f = float(b1), float(b2)
         c = int(count) + 1
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
-        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, _f32(eps), _f32(lr), _f32(weight_decay), _f32(l2)]
+        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, float(eps), float(lr), float(weight_decay), float(l2)]
         return torch.tensor(vals, dtype=torch.float32, device=device)
     dev = device if device is not None else tensors[0].device
 
-    def f64(v):  # float32-rounded, then float64
-        return torch.as_tensor(v, device=dev).to(torch.float32).to(torch.float64).reshape(1)
+    def f64(v):
+        return torch.as_tensor(v, device=dev).to(torch.float64).reshape(1)
 
     b1t, b2t = f64(b1), f64(b2)
     one = torch.ones(1, dtype=torch.float64, device=dev)

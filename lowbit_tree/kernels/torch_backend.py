@@ -55,8 +55,11 @@ def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, threshold
     return idx.clamp(0, tab.last)
 
 
-def _block_index(r: int, block_size: int, device) -> torch.Tensor:
-    return torch.arange(r, device=device) // block_size
+def _block_index(r: int, block_size: int, nblocks, device) -> torch.Tensor:
+    """The block of each element of a row. The clamp changes nothing, but without
+    it inductor 2.13 (CPU, dynamic shapes) reads garbage from a ``(rows, 1)`` scale
+    (one block per row, rows shorter than a block)."""
+    return (torch.arange(r, device=device) // block_size).clamp(0, nblocks - 1)
 
 
 def _quantize_core(
@@ -81,7 +84,7 @@ def _quantize_core(
     absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, float("nan")))
     scale = absmax / fmt.scale_divisor
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    n = x2 / safe[:, _block_index(r, block_size, x2.device)]
+    n = x2 / safe[:, _block_index(r, block_size, nblocks, x2.device)]
     idx = _nearest_index(n, fmt_name, base, thresholds)
     if fmt.bits == 4:
         idx = torch.nn.functional.pad(idx, (0, r % 2)).reshape(rows, (r + 1) // 2, 2)
@@ -108,7 +111,7 @@ def _dequantize_core(
         idx = torch.stack([c & 0x0F, c >> 4], dim=-1).reshape(rows, 2 * codes.shape[1])[:, :r]
     else:
         idx = codes.to(torch.int32)
-    out = decode[idx] * scale[:, _block_index(r, block_size, codes.device)]
+    out = decode[idx] * scale[:, _block_index(r, block_size, scale.shape[1], codes.device)]
     if fmt.sqrt:
         out = out * out
     return out
