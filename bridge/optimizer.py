@@ -36,8 +36,9 @@ from .qstate import QState
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
-STATE_DICT_VERSION = 1
-"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
+STATE_DICT_VERSION = 2
+"""Version of the layout ``state_dict()`` writes (2: nested ``{"codes", "scale"}`` under torch's
+state names; 1: ``name::codes`` keys); ``load_state_dict`` reads both."""
 
 VERSION_KEY = "lowbit_tree_version"
 
@@ -519,31 +520,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # -- state dict -----------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.optim layout; each quantized state ``name`` appears as two plain tensors
-        ``name::codes`` (uint8; fp8 codes as their uint8 bit pattern) and ``name::scale``
-        (float32), row-sharded DTensors under FSDP2. Groups carry the format version."""
-        sd = super().state_dict()
-        for gi, group in enumerate(sd["param_groups"]):
-            group[VERSION_KEY] = STATE_DICT_VERSION
-        params = [p for g in self.param_groups for p in g["params"]]
-        new_state = {}
-        for idx, st in sd["state"].items():
-            p = params[idx]
-            out = {}
-            for name, v in st.items():
-                local = to_local(v)
-                if isinstance(local, QState):
-                    codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
-                    out[f"{name}::codes"] = row_dtensor(codes, p, codes.shape[1])
-                    out[f"{name}::scale"] = row_dtensor(local.scale, p, local.scale.shape[1])
-                elif isinstance(local, _Rank1Holder):
-                    for k, t in local.tensors().items():
-                        out[f"{name}::{k}"] = t
-                else:
-                    out[name] = v
-            new_state[idx] = out
-        sd["state"] = new_state
-        return sd
+        """torch.optim's layout and state names; a quantized state is a nested dict of plain
+        tensors ``{"codes": uint8, "scale": float32}`` (see ``bridge/state_dict.py``)."""
+        from .state_dict import save_state_dict
+
+        return save_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` (any device, any FSDP world size), or a
