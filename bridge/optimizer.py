@@ -181,6 +181,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+                p = p[1]  # a (name, param) pair: torch keeps the names as the group's param_names
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{type(self).__name__}: params must be tensors, got {type(p).__name__}")
             if p.is_complex():

@@ -1,0 +1,280 @@
+"""The optimizers inside the real training stacks, and torch.optim's constructor contract.
+
+- torch.optim's constructor arguments (``foreach``, ``fused``, ``capturable``,
+  ``differentiable``, ``maximize``, ``(name, param)`` pairs, extra group keys) and the
+  clear errors for a torch.optim user's mistakes, checked against torch.optim itself;
+- torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with
+  ``flatten_optimizer_state_dict`` on and off x ``full_state_dict`` x ``cpu_offload``
+  (one process, no process group) and x ``broadcast_from_rank0`` (2 gloo ranks: a
+  replicated model and an FSDP2 one, ``@pytest.mark.slow``);
+- Hugging Face ``Trainer(optimizer_cls_and_kwargs=(bridge.AdamW8bit, {...}))``: train,
+  checkpoint, resume, against an uninterrupted run, bit for bit;
+- torchtitan's ``OptimizersContainer`` (flat FQN state dict, DCP save/load);
+- accelerate's FSDP2 plugin (2 CPU ranks, gloo).
+
+A client test is skipped, with the reason, when its library is not importable
+(``pip install -e ".[clients]"`` installs the tested versions: transformers 5.24.0,
+accelerate 1.15.0, torchtitan 0.3.0, all with torch 2.13.0). The README's "Use it
+with ..." snippets are the code of these tests (tests/test_readme.py runs them too).
+
+What would need a GPU (not run here; no GPU was lent to this work): Trainer with
+``bf16=True`` / ``fp16=True`` mixed precision and its GradScaler, torchtitan's trainer
+(its job configs, ``torch.compile`` and NCCL), accelerate with NCCL and
+``CPUOffloadPolicy(pin_memory=True)``, and ``fused=True`` resolving to our CUDA (compiled
+torch) kernels.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import bridge
+from bridge import QState
+
+NAMED = [bridge.Adam8bit, bridge.AdamW8bit, bridge.Adam4bit, bridge.AdamW4bit, bridge.AdamFp8, bridge.AdamWFp8,
+         bridge.Lion8bit, bridge.Lion4bit, bridge.SGD8bit]
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def net(seed=0):
+    """Odd shapes: rows that are not a whole number of blocks, a 1-D bias."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(19, 37), torch.nn.Tanh(), torch.nn.Linear(37, 5))
+
+
+def run(model, opt, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(8, 19, generator=g), torch.randn(8, 5, generator=g)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+
+def states(opt) -> list[dict]:
+    """Every state of every param (in order) as plain tensors (codes as uint8 bits)."""
+    from bridge.distributed import is_dtensor
+
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = {}
+            for name, v in opt.state[p].items():
+                v = v.full_tensor() if is_dtensor(v) else v
+                if isinstance(v, QState):
+                    st[name] = (v.format, v.codes.view(torch.uint8).clone(), v.scale.clone())
+                elif hasattr(v, "tensors"):  # a rank-1 record
+                    st[name] = tuple(t.clone() for t in v.tensors().values())
+                else:
+                    st[name] = v.detach().clone()
+            out.append(st)
+    return out
+
+
+def assert_same_states(a, b):
+    assert len(a) == len(b)
+    for sa, sb in zip(a, b):
+        assert sorted(sa) == sorted(sb)
+        for k in sa:
+            x, y = sa[k], sb[k]
+            if isinstance(x, tuple):
+                assert len(x) == len(y) and all(
+                    (u == w) if isinstance(u, str) else (u.dtype == w.dtype and torch.equal(u, w)) for u, w in zip(x, y)
+                ), k
+            else:
+                assert x.dtype == y.dtype and torch.equal(x, y), k
+
+
+def same_params(m1, m2) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters()))
+
+
+def kwargs_for(cls):
+    return dict(momentum=0.9) if issubclass(cls, bridge.SGD) else {}
+
+
+# ----------------------------------------------------------------------------
+# torch.optim's constructor arguments
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [bridge.AdamW8bit, bridge.AdamW, bridge.Adam4bit, bridge.Lion8bit, bridge.SGD8bit])
+@pytest.mark.parametrize("impl", [dict(foreach=True), dict(fused=True), dict(foreach=False, fused=False),
+                                  dict(capturable=True)], ids=["foreach", "fused", "neither", "capturable"])
+def test_implementation_arguments_are_kept_in_the_groups_and_change_no_bit(cls, impl):
+    if issubclass(cls, bridge.SGD):
+        impl = {k: v for k, v in impl.items() if k != "capturable"} or dict(foreach=None)  # torch's SGD has none
+    m0, m1 = net(), net()
+    o0 = cls(m0.parameters(), lr=1e-2, min_quant_size=0, **kwargs_for(cls))
+    o1 = cls(m1.parameters(), lr=1e-2, min_quant_size=0, **kwargs_for(cls), **impl)
+    for k, v in impl.items():
+        assert o1.param_groups[0][k] is v
+    run(m0, o0, 3)
+    run(m1, o1, 3)
+    assert same_params(m0, m1)
+    assert_same_states(states(o0), states(o1))
+
+
+@pytest.mark.parametrize("ours, theirs", [(bridge.AdamW8bit, torch.optim.AdamW), (bridge.Adam4bit, torch.optim.Adam),
+                                          (bridge.SGD8bit, torch.optim.SGD)])
+def test_groups_carry_torch_optim_keys(ours, theirs):
+    ref = theirs(net().parameters(), lr=1e-3)
+    opt = ours(net().parameters(), lr=1e-3)
+    missing = set(ref.param_groups[0]) - set(opt.param_groups[0]) - {"decoupled_weight_decay"}
+    assert not missing, missing
+
+
+def test_fused_true_like_torch():
+    """torch 2.13: fused=True is fine for CPU (and CUDA) params, an error for other devices
+    (torch at the first step, we at construction) and together with foreach=True."""
+    for make in (lambda ps, **k: torch.optim.AdamW(ps, **k), lambda ps, **k: bridge.AdamW8bit(ps, **k)):
+        m = net()
+        run(m, make(m.parameters(), fused=True), 1)  # CPU: accepted
+        with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+            make(net().parameters(), fused=True, foreach=True)
+    meta = [torch.nn.Parameter(torch.empty(3, 3, device="meta"))]
+    theirs = torch.optim.AdamW(meta, fused=True)
+    meta[0].grad = torch.empty(3, 3, device="meta")
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be"):
+        theirs.step()
+    with pytest.raises(RuntimeError, match=r"AdamW8bit: `fused=True` requires all the params to be .* on meta"):
+        bridge.AdamW8bit([torch.nn.Parameter(torch.empty(3, 3, device="meta"))], fused=True)
+
+
+@pytest.mark.parametrize("cls", NAMED + [bridge.AdamW, bridge.Lion, bridge.SGD])
+def test_differentiable_and_maximize_are_refused_clearly(cls):
+    m = net()
+    with pytest.raises(ValueError, match=f"{cls.__name__}: differentiable=True is not supported"):
+        cls(m.parameters(), differentiable=True, **kwargs_for(cls))
+    with pytest.raises(NotImplementedError, match="maximize=True is not implemented yet"):
+        cls(m.parameters(), maximize=True, **kwargs_for(cls))
+    with pytest.raises(NotImplementedError, match="maximize=True"):  # a group's own key too
+        cls([{"params": [m[0].weight]}, {"params": [m[0].bias], "maximize": True}], **kwargs_for(cls))
+    assert cls(m.parameters(), maximize=False, **kwargs_for(cls)).param_groups[0]["maximize"] is False
+
+
+def test_named_params_keep_param_names_in_the_state_dict_as_torch_does():
+    m = net()
+    ref = torch.optim.AdamW(m.named_parameters(), lr=1e-3)
+    opt = bridge.AdamW8bit(m.named_parameters(), lr=1e-3, min_quant_size=0)
+    run(m, opt, 2)
+    names = [n for n, _ in m.named_parameters()]
+    assert ref.state_dict()["param_groups"][0]["param_names"] == names
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["param_names"] == names
+    m2 = copy.deepcopy(m)
+    opt2 = bridge.AdamW8bit(m2.named_parameters(), lr=1e-3, min_quant_size=0)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["param_names"] == names
+    assert_same_states(states(opt), states(opt2))
+    with pytest.raises(ValueError, match="all optimizer param groups should be with/without names"):  # torch's rule
+        opt2.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def test_groups_with_torchtitan_style_extra_keys_train_like_plain_groups():
+    m0, m1 = net(), net()
+    o0 = bridge.AdamW8bit(m0.parameters(), lr=1e-2, min_quant_size=0)
+    named = list(m1.named_parameters())
+    group = {"params": [p for _, p in named], "param_names": [n for n, _ in named], "fused": True, "foreach": False,
+             "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    o1 = bridge.AdamW8bit([group], min_quant_size=0)
+    run(m0, o0, 3)
+    run(m1, o1, 3)
+    assert same_params(m0, m1)
+    assert o1.state_dict()["param_groups"][0]["param_names"] == group["param_names"]
+
+
+@pytest.mark.parametrize("cls", NAMED)
+def test_a_named_class_refuses_another_state_format(cls):
+    base = {"Adam": bridge.Adam, "AdamW": bridge.AdamW, "Lion": bridge.Lion, "SGD": bridge.SGD}[
+        cls.__name__.replace("8bit", "").replace("4bit", "").replace("Fp8", "")]
+    other = "4bit" if cls._default_format != "4bit" else "8bit"
+    m = net()
+    with pytest.raises(ValueError, match=rf"{cls.__name__} stores '{cls._default_format}' states; "
+                                         rf"state_format='{other}' conflicts .* bridge.{base.__name__}\(params, "
+                                         rf"state_format='{other}'\)"):
+        cls(m.parameters(), state_format=other, **kwargs_for(cls))
+    same = cls(m.parameters(), state_format=cls._default_format, min_quant_size=0, **kwargs_for(cls))
+    run(m, same, 1)
+    assert {r.format for r in same.state_report()} - {"fp32"}  # its own format: quantized states
+    # a param group still overrides it for its own params
+    mixed = cls([{"params": [m[0].weight]}, {"params": [m[2].weight], "state_format": "fp32"}], min_quant_size=0,
+                **kwargs_for(cls))
+    run(m, mixed, 1)
+    assert {r.format for r in mixed.state_report() if r.index == 1} == {"fp32"}
+
+
+BAD = [
+    (bridge.AdamW8bit, dict(lr="1e-3"), TypeError, r"lr must be a number .* got str '1e-3'; pass a number"),
+    (bridge.AdamW8bit, dict(lr=float("nan")), ValueError, "invalid lr value nan"),
+    (bridge.AdamW8bit, dict(lr=math.inf), ValueError, "invalid lr value inf"),
+    (bridge.AdamW8bit, dict(lr=-1e-3), ValueError, "invalid lr value -0.001"),
+    (bridge.AdamW8bit, dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "Tensor lr must be 1-element"),
+    (bridge.AdamW8bit, dict(betas=(0.9,)), ValueError, r"betas must be a pair \(beta1, beta2\), got \(0.9,\)"),
+    (bridge.AdamW8bit, dict(betas=(0.9, 0.99, 0.999)), ValueError, "betas must be a pair"),
+    (bridge.AdamW8bit, dict(betas=0.9), ValueError, "betas must be a pair"),
+    (bridge.AdamW8bit, dict(betas=(0.9, 1.0)), ValueError, r"invalid betas\[1\] value 1.0: must be in \[0.0, 1.0\)"),
+    (bridge.AdamW8bit, dict(betas=("0.9", 0.999)), TypeError, r"betas\[0\] must be a number"),
+    (bridge.AdamW8bit, dict(eps=-1e-8), ValueError, "invalid eps value -1e-08"),
+    (bridge.AdamW8bit, dict(weight_decay=-0.1), ValueError, "invalid weight_decay value -0.1"),
+    (bridge.AdamW8bit, dict(weight_decay="0.1"), TypeError, "weight_decay must be a number"),
+    (bridge.AdamW8bit, dict(amsgrad="yes"), TypeError, "amsgrad must be True or False"),
+    (bridge.AdamW8bit, dict(fused="yes"), TypeError, "fused must be True, False or None"),
+    (bridge.AdamW8bit, dict(min_quant_size=-1), ValueError, "min_quant_size must be an int >= 0"),
+    (bridge.AdamW8bit, dict(block_size=0), ValueError, "block_size must be a positive int"),
+    (bridge.AdamW, dict(state_format="3bit"), ValueError, "state_format must be one of"),
+    (bridge.AdamW8bit, dict(bf16_stochastic_round=1), TypeError, "bf16_stochastic_round must be True or False"),
+    (bridge.Lion8bit, dict(betas=(0.9, -0.1)), ValueError, r"invalid betas\[1\] value -0.1"),
+    (bridge.Lion8bit, dict(lr=None), TypeError, "lr must be a number"),
+    (bridge.SGD8bit, dict(momentum=-0.1), ValueError, r"invalid momentum value -0.1: must be in \[0.0, 1.0\)"),
+    (bridge.SGD8bit, dict(momentum=1.5), ValueError, "invalid momentum value 1.5"),
+    (bridge.SGD8bit, dict(momentum="0.9"), TypeError, "momentum must be a number"),
+    (bridge.SGD8bit, dict(momentum=0.9, dampening=0.1), ValueError, "dampening=0.1 is not supported"),
+    (bridge.SGD8bit, dict(momentum=0.0, nesterov=True), ValueError, "nesterov=True requires a momentum > 0"),
+    (bridge.SGD8bit, dict(momentum=0.9, nesterov=1), TypeError, "nesterov must be True or False"),
+]
+
+
+@pytest.mark.parametrize("cls, kw, exc, match", BAD, ids=[f"{c.__name__}-{sorted(k)[0]}-{i}" for i, (c, k, _, _) in enumerate(BAD)])
+def test_a_torch_optim_users_mistakes_are_clear_errors_at_construction_and_in_groups(cls, kw, exc, match):
+    m = net()
+    with pytest.raises(exc, match=f"{cls.__name__}: {match}"):
+        cls(m.parameters(), **kw)
+    # the same mistake in a param group added later: refused before the optimizer changes
+    base = dict(momentum=0.9) if cls is bridge.SGD8bit and "momentum" not in kw else {}
+    opt = cls([m[0].weight], **base)
+    before = copy.deepcopy(opt.param_groups[0])
+    with pytest.raises(exc, match=match):
+        opt.add_param_group({"params": [m[0].bias], **kw})
+    assert len(opt.param_groups) == 1 and opt.param_groups[0].keys() == before.keys()
+
+
+def test_torch_optim_accepts_what_we_accept_and_agrees_on_range_errors():
+    """The ranges are torch's: its AdamW/SGD refuse the same negative values."""
+    for kw in (dict(lr=-1e-3), dict(eps=-1e-8), dict(weight_decay=-0.1), dict(betas=(0.9, 1.0))):
+        with pytest.raises(ValueError):
+            torch.optim.AdamW(net().parameters(), **kw)
+        with pytest.raises(ValueError):
+            bridge.AdamW8bit(net().parameters(), **kw)
+    with pytest.raises(ValueError):
+        torch.optim.SGD(net().parameters(), momentum=-0.1)
+    # accepted by both: tensor lr and betas, lr 0
+    for make in (torch.optim.AdamW, bridge.AdamW8bit):
+        make(net().parameters(), lr=torch.tensor(1e-3), betas=(torch.tensor(0.9), torch.tensor(0.999)))
+        make(net().parameters(), lr=0.0)
+
+
+def test_group_momentum_decides_its_own_buffer():
+    m = net()
+    opt = bridge.SGD8bit([{"params": [m[0].weight]}, {"params": [m[2].weight], "momentum": 0.9}], lr=1e-2,
+                         min_quant_size=0)
+    run(m, opt, 1)
+    assert "momentum_buffer" not in opt.state[m[0].weight] and "momentum_buffer" in opt.state[m[2].weight]
