@@ -359,3 +359,130 @@ def test_flattened_version_1_names_fail_with_a_clear_error():
     with pytest.raises(ValueError, match=r"param 0 .*'exp_avg' has entries \[\], expected \['codes', 'scale'\] "
                                          r"\(an empty dict: nothing was saved under this name\)"):
         bridge.AdamW8bit(net().parameters(), lr=1e-2, min_quant_size=0).load_state_dict(sd)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face Trainer
+# ----------------------------------------------------------------------------
+class TokenDataset(torch.utils.data.Dataset):
+    """A tiny in-memory causal-LM dataset (no tokenizer, no download)."""
+
+    def __init__(self, n=24, seq=12, vocab=61, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=61, n_positions=16, n_embd=24, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)  # odd shapes: (61, 24) embeddings, (24, 72) attention
+
+
+def hf_trainer(out_dir, model, max_steps):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(out_dir), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=3e-3,
+        weight_decay=0.01, save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
+        seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    return Trainer(model=model, args=args, train_dataset=TokenDataset(),
+                   optimizer_cls_and_kwargs=(bridge.AdamW8bit, {"lr": 3e-3, "min_quant_size": 256}))
+
+
+@pytest.mark.skipif(not _have("transformers"), reason="transformers is not installed (pip install -e '.[clients]')")
+def test_hf_trainer_checkpoint_and_resume_bit_for_bit(tmp_path):
+    """Trainer(optimizer_cls_and_kwargs=(bridge.AdamW8bit, ...)) on a tiny GPT-2 built from a
+    config: 6 steps straight, against 3 steps, a checkpoint (optimizer.pt: torch.save of
+    our state dict, loaded back with weights_only=True by the Trainer) and a resumed run
+    to 6: same params, same codes and scales, bit for bit."""
+    straight = hf_trainer(tmp_path / "a", tiny_gpt2(), 6)
+    straight.train()
+    opt = straight.optimizer.optimizer if hasattr(straight.optimizer, "optimizer") else straight.optimizer
+    assert isinstance(opt, bridge.AdamW8bit)
+    assert any(r.format == "dynamic8" for r in opt.state_report())
+    saved = torch.load(tmp_path / "a" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert {g["lowbit_tree_version"] for g in saved["param_groups"]} == {2}
+
+    resumed = hf_trainer(tmp_path / "b", tiny_gpt2(), 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    ropt = resumed.optimizer.optimizer if hasattr(resumed.optimizer, "optimizer") else resumed.optimizer
+    assert same_params(straight.model, resumed.model)
+    assert_same_states(states(opt), states(ropt))
+    assert ropt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # the scheduler resumed too
+
+
+# ----------------------------------------------------------------------------
+# torchtitan
+# ----------------------------------------------------------------------------
+def titan_container(model):
+    """torchtitan's OptimizersContainer resolves optimizer names from a fixed table
+    (Adam, AdamW, DistMuon); a subclass adds ours. Two param groups, two optimizers:
+    norms and biases in fp32 ``bridge.AdamW``, the rest ``bridge.AdamW8bit``."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    class LowBitOptimizersContainer(OptimizersContainer):
+        @staticmethod
+        def _resolve_optimizer_factory(name):
+            return getattr(bridge, name)
+
+    config = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=r"(\.bias$|ln)", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.0}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW8bit",
+                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1, "min_quant_size": 1, "block_size": 8}),
+    ])  # implementation="fused" (the default): fused=True, foreach=False in every group
+    return LowBitOptimizersContainer(config, model_parts=[model])
+
+
+def _titan_steps(model, container, steps, start):
+    import fsdp_workers as W
+
+    for step in range(start, start + steps):
+        container.zero_grad()
+        model(W.batch(step)).backward()
+        container.step()
+
+
+@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+def test_torchtitan_optimizers_container_dcp_save_and_resume_bit_for_bit(tmp_path):
+    """torchtitan 0.3.0's OptimizersContainer: its flat FQN state dict ('state.<fqn>.exp_avg.codes',
+    'param_groups.<fqn>.<key>', looked up by the live state names on load) through dcp.save /
+    dcp.load (the container as a Stateful), one process: states and params bit for bit
+    against an uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_workers as W
+
+    model = W.make_model()
+    container = titan_container(model)
+    assert [type(o).__name__ for o in container.optimizers] == ["AdamW", "AdamW8bit"]
+    assert container.optimizers[1].param_groups[0]["fused"] is True
+    _titan_steps(model, container, 3, 0)
+    flat = container.state_dict()
+    assert flat["state.emb.weight.exp_avg.codes"].dtype == torch.uint8
+    assert flat["param_groups.emb.weight.state_format"] == "8bit"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: assuming a single process"
+        dcp.save({"model": model.state_dict(), "optimizer": container}, checkpoint_id=str(tmp_path / "ckpt"))
+    _titan_steps(model, container, 3, 3)
+
+    resumed = W.make_model(seed=1)  # other weights: loading must overwrite them
+    rcontainer = titan_container(resumed)
+    target = {"model": resumed.state_dict(), "optimizer": rcontainer}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
+    resumed.load_state_dict(target["model"])
+    _titan_steps(resumed, rcontainer, 3, 3)
+    assert same_params(model, resumed)
+    for a, b in zip(container.optimizers, rcontainer.optimizers):
+        assert_same_states(states(a), states(b))
