@@ -502,6 +502,45 @@ HELPER_CASES = [
 ]
 
 
+def _entry(rank, fn, world, store_file, args):
+    """A rank: gloo process group, ``fn``, then destroy the group, flush and ``os._exit(0)``
+    (pytorch issue 190489: a rank can crash in interpreter shutdown after a clean run).
+    A failure raises normally, so torch.multiprocessing reports it."""
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    fn(rank, world, *args)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(fn, world, *args):
+    """Like fsdp_workers.launch (same retry of a rank killed by a signal), ending ranks by _entry."""
+    import sys
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    for attempt in range(3):
+        try:
+            with tempfile.TemporaryDirectory(prefix="lowbit_clients_") as tmp:
+                mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
+                                   join=True, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:
+            if e.signal_name is None or attempt == 2:
+                raise
+            print(f"WARNING: {fn.__name__}: rank died by {e.signal_name}; retrying (see design.md)", file=sys.stderr)
+
+
 def _set_fails_like_torch(model_fn, get_opts, set_opts, rank):
     """None if torch.optim.AdamW loads this case, else the exception type it raises."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -586,6 +625,100 @@ def test_state_dict_helpers_two_ranks_replicated_and_fsdp2():
     broadcast_from_rank0, full cpu_offload + broadcast_from_rank0}, formats 8/4-bit/FP8
     in turn: loaded states bit for bit, two more steps identical. Cases torch 2.13 cannot
     load for its own AdamW must fail the same way for ours (asserted in the worker)."""
+    launch(state_dict_helpers_worker, 2)
+
+
+# ----------------------------------------------------------------------------
+# accelerate
+# ----------------------------------------------------------------------------
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _accelerate_steps(acc, model, opt, steps, start):
     import fsdp_workers as W
 
-    W.launch(state_dict_helpers_worker, 2)
+    for step in range(start, start + steps):
+        loss = model(W.batch(step))
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.skipif(not _have("accelerate"), reason="accelerate is not installed (pip install -e '.[clients]')")
+def test_accelerate_prepare_save_state_and_load_state_bit_for_bit(tmp_path, fresh_accelerate_state):
+    """accelerate 1.15.0, one CPU process: Accelerator.prepare wraps our optimizer
+    (AcceleratedOptimizer), save_state writes its state dict, load_state into a fresh
+    model and optimizer resumes bit for bit. (Its FSDP2 path needs an accelerator device:
+    accelerate selects DistributedType.FSDP only for GPU-like device types, never MULTI_CPU.)"""
+    from accelerate import Accelerator
+
+    import fsdp_workers as W
+
+    acc = Accelerator(cpu=True)
+    model = W.make_model()
+    opt = bridge.AdamW8bit(model.parameters(), lr=1e-2, min_quant_size=1, block_size=8)
+    model, opt = acc.prepare(model, opt)
+    _accelerate_steps(acc, model, opt, 3, 0)
+    acc.save_state(str(tmp_path / "state"))
+    _accelerate_steps(acc, model, opt, 2, 3)
+
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new run: a new Accelerator
+    acc2 = Accelerator(cpu=True)
+    model2 = W.make_model(seed=1)  # other weights: loading must overwrite them
+    opt2 = bridge.AdamW8bit(model2.parameters(), lr=1e-2, min_quant_size=1, block_size=8)
+    model2, opt2 = acc2.prepare(model2, opt2)
+    acc2.load_state(str(tmp_path / "state"))
+    _accelerate_steps(acc2, model2, opt2, 2, 3)
+    assert same_params(model, model2)
+    assert_same_states(states(opt.optimizer), states(opt2.optimizer))
+
+
+def torchtitan_fsdp_worker(rank, world, workdir):
+    import torch.distributed.checkpoint as dcp
+
+    import fsdp_workers as W
+
+    model = W.shard(W.make_model(), world)
+    container = titan_container(model)
+    for step in range(3):
+        container.zero_grad()
+        W.set_global_grads(model, step)
+        container.step()
+    flat = container.state_dict()
+    codes = flat["state.emb.weight.exp_avg.codes"]
+    assert codes.to_local().dtype == torch.uint8 and tuple(codes.shape) == (13, 12), codes  # row-sharded DTensor
+    dcp.save({"model": model.state_dict(), "optimizer": container}, checkpoint_id=workdir)
+    for step in range(3, 5):
+        container.zero_grad()
+        W.set_global_grads(model, step)
+        container.step()
+
+    resumed = W.shard(W.make_model(seed=1), world)
+    rcontainer = titan_container(resumed)
+    target = {"model": resumed.state_dict(), "optimizer": rcontainer}
+    dcp.load(target, checkpoint_id=workdir)
+    resumed.load_state_dict(target["model"])
+    for step in range(3, 5):
+        rcontainer.zero_grad()
+        W.set_global_grads(resumed, step)
+        rcontainer.step()
+    for a, b in zip(container.optimizers, rcontainer.optimizers):
+        W.assert_states_equal(W.full_states(b), W.full_states(a), what=f"rank {rank} {type(a).__name__}")
+    assert all(torch.equal(x, y) for x, y in zip(W.full_params(model), W.full_params(resumed)))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+def test_torchtitan_optimizers_container_fsdp2_two_ranks(tmp_path):
+    """torchtitan's OptimizersContainer over an FSDP2 model (uneven shards) on 2 gloo ranks:
+    its flat dict holds our row-sharded codes/scale DTensors; dcp.save, dcp.load into a fresh
+    sharded model and container, two more steps: bit for bit against the uninterrupted run."""
+    launch(torchtitan_fsdp_worker, 2, str(tmp_path / "ckpt"))
