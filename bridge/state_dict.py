@@ -29,6 +29,7 @@ from .qstate import QState
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2)
+NEW_IN_VERSION_2 = ("foreach", "maximize", "capturable", "differentiable", "fused")  # group keys
 
 
 def save_state_dict(opt) -> dict:
@@ -59,6 +60,40 @@ def save_state_dict(opt) -> dict:
         new_state[idx] = out
     sd["state"] = new_state
     return sd
+
+
+def as_version_1(state_dict: dict) -> dict:
+    """A version-2 state dict re-keyed the way version 1 saved it (``name::codes``, ...), holding
+    the same tensor objects: the target for ``dcp.load`` of a DCP checkpoint written by
+    version 1. The tensors are the live storage (or views of it), so ``dcp.load`` fills them in
+    place, and ``set_optimizer_state_dict`` / ``load_state_dict`` of the result loads it::
+
+        osd = as_version_1(get_optimizer_state_dict(model, opt))
+        dcp.load({"optim": osd}, checkpoint_id=old_checkpoint)
+        set_optimizer_state_dict(model, opt, osd)
+
+    Takes the nested layout (``{"state": ..., "param_groups": ...}``) or torch's flattened one
+    (``state.<fqn>.<name>.codes`` keys). Group keys version 1 did not write (torch.optim's
+    ``foreach``, ``fused``, ... arguments) are left out, so that DCP does not look for them;
+    loading keeps this optimizer's values for them."""
+    if "state" in state_dict and "param_groups" in state_dict:
+        state = {}
+        for pid, st in state_dict["state"].items():
+            state[pid] = {}
+            for name, v in st.items():
+                if isinstance(v, dict):
+                    state[pid].update({f"{name}::{part}": t for part, t in v.items()})
+                else:
+                    state[pid][name] = v
+        groups = [{k: v for k, v in g.items() if k not in NEW_IN_VERSION_2} for g in state_dict["param_groups"]]
+        return {"state": state, "param_groups": groups}
+    out = {}
+    for key, v in state_dict.items():
+        head, _, part = key.rpartition(".")
+        if key.startswith("param_groups.") and part in NEW_IN_VERSION_2:
+            continue
+        out[f"{head}::{part}" if key.startswith("state.") and f"::{part}" in STATE_SUFFIXES else key] = v
+    return out
 
 
 def _saved_version(saved_group: dict, state_dict: dict):

@@ -288,3 +288,34 @@ def test_version_is_inferred_when_a_flattened_round_trip_dropped_it():
     for p, q in zip(m.parameters(), m2.parameters()):
         a, b = opt.state[p]["exp_avg"], o2.state[q]["exp_avg"]
         assert torch.equal(a.codes, b.codes) if isinstance(a, QState) else torch.equal(a, b)
+
+
+def test_a_version_1_dcp_checkpoint_loads_through_as_version_1(tmp_path):
+    """DCP finds tensors by key: a version-1 checkpoint ('state.0.exp_avg::codes') has no
+    'state.0.exp_avg.codes'. as_version_1 re-keys the live dict the old way for dcp.load."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from bridge.state_dict import as_version_1
+
+    v1, data = _v1_fixture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        dcp.save({"optim": data["optim"]}, checkpoint_id=str(tmp_path / "v1"))  # what version 1 wrote
+    ps = v1.params(5)
+    opt = bridge.AdamW(v1.groups(ps), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    v1.steps(ps, opt, 1, 4)  # states exist (get_optimizer_state_dict would do this step itself)
+    target = as_version_1(opt.state_dict())
+    assert "exp_avg::codes" in target["state"][0] and "exp_avg" not in target["state"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"optim": target}, checkpoint_id=str(tmp_path / "v1"))
+    opt.load_state_dict(target)
+    _assert_loaded_exactly(opt, list(ps.values()), data["optim"]["state"])
+    # the flattened layout too
+    assert opt.param_groups[0]["fused"] is None  # a key version 1 lacked keeps this optimizer's value
+    flat = {"state.0.weight.exp_avg.codes": 1, "state.0.weight.step": 2, "param_groups.0.weight.lr": 3,
+            "param_groups.0.weight.fused": None}
+    assert as_version_1(flat) == {"state.0.weight.exp_avg::codes": 1, "state.0.weight.step": 2,
+                                  "param_groups.0.weight.lr": 3}
