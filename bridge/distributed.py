@@ -5,8 +5,8 @@ empty on some ranks). A quantized state is the record of the *local* shard wrapp
 with ``DTensor.from_local(..., shape=p.shape, stride=p.stride())``, so it carries the
 param's global shape and placement. Because blocks never straddle a row, the
 codes and scales of a shard are rows of the global codes and scales: in a state
-dict we expose them as two plain row-sharded DTensors (``name::codes``,
-``name::scale``) with global shapes ``(S0, C)`` and ``(S0, nblocks)``.
+dict we expose them as two plain row-sharded DTensors (``{"codes", "scale"}`` nested under
+the state's name) with global shapes ``(S0, C)`` and ``(S0, nblocks)``.
 """
 from __future__ import annotations
 

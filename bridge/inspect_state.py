@@ -3,11 +3,14 @@
 Reads, without running any pickled code (``torch.load(weights_only=True)``, DCP metadata):
 
 - a ``torch.save``d ``LowBitOptimizer.state_dict()`` (or a plain torch.optim one): each
-  quantized state is a ``name::codes`` / ``name::scale`` pair; the format comes from the
-  param group's ``state_format`` (first or second moment by state name) and the block size
-  from its ``block_size`` (or the format's default), checked against the tensors' shapes;
+  quantized state is a nested dict ``{"codes", "scale"}`` under its torch name (version 2;
+  version 1 wrote ``name::codes`` / ``name::scale`` keys, also read); the format comes from
+  the param group's ``state_format`` (first or second moment by state name) and the block
+  size from its ``block_size`` (or the format's default), checked against the tensors' shapes;
 - a distributed checkpoint (DCP) directory: global shapes and dtypes from its metadata,
-  the groups' ``state_format`` / ``block_size`` / version read from the checkpoint;
+  the groups' ``state_format`` / ``block_size`` / version read from the checkpoint, nested
+  (``state.<param>.<name>.codes``, ``param_groups`` lists) or flattened the way torch's
+  ``flatten_optimizer_state_dict`` and torchtitan write them (``param_groups.<fqn>.<key>``);
 - a ``torch.save``d core state pytree (``tx.init`` / ``tx.update`` output), or its flat
   ``lowbit_tree.checkpoint.state_to_dict`` form: every record's own format and block size.
 
@@ -33,6 +36,7 @@ from lowbit_tree.moments import Rank1QTensor
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
 GROUP_KEYS = ("state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
+RECORD_PARTS = ("codes", "scale", "row_max", "col_max")  # the tensors of a quantized state (version 2 nesting)
 
 
 class InspectError(Exception):
@@ -129,8 +133,9 @@ def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
     for (pid, key), info in entries.items():
         if key == "step":
             continue
-        if "::" in key:
-            name, part = key.split("::", 1)
+        sep = "::" if "::" in key else "." if "." in key and key.rsplit(".", 1)[1] in RECORD_PARTS else None
+        if sep is not None:  # one tensor of a quantized state: "name::part" (version 1), "name.part" (2)
+            name, part = key.rsplit(sep, 1)
             if (pid, name) not in pending:
                 pending[(pid, name)] = {}
                 order.append((pid, name))
@@ -149,17 +154,30 @@ def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
     return rows
 
 
-def _versions(groups: list[dict]) -> str:
-    vs = sorted({str(g.get("lowbit_tree_version")) for g in groups})
-    if vs == ["None"]:
+def _versions(groups: list[dict], layout: int | None = None) -> str:
+    """``layout``: the version the state keys show (2: nested records, 1: ``name::part`` keys)."""
+    vs = sorted({str(g.get("lowbit_tree_version")) for g in groups} - {"None"})
+    reads = f"this lowbit-tree reads {', '.join(map(str, _readable_versions()))}"
+    if not vs and layout is not None:
+        return f"{layout} (inferred from the state layout: the param groups carry no version) ({reads})"
+    if not vs:
         return "none (a plain torch.optim state dict: every state is a float tensor)"
-    return ", ".join(vs) + f" (this lowbit-tree reads {_bridge_version()})"
+    return ", ".join(vs) + f" ({reads})"
 
 
-def _bridge_version() -> int:
-    from .optimizer import STATE_DICT_VERSION
+def _readable_versions() -> tuple:
+    from .state_dict import READABLE_VERSIONS
 
-    return STATE_DICT_VERSION
+    return READABLE_VERSIONS
+
+
+def _layout(entries: dict) -> int | None:
+    keys = [key for _, key in entries]
+    if any("::" in k for k in keys):
+        return 1
+    if any("." in k and k.rsplit(".", 1)[1] in RECORD_PARTS for k in keys):
+        return 2
+    return None
 
 
 def _group_summary(groups: list[dict]) -> str:
@@ -180,10 +198,14 @@ def inspect_optimizer_state_dict(sd: dict) -> Report:
         if not isinstance(st, dict):
             raise InspectError(f"state of param {pid!r} is a {type(st).__name__}, not a dict")
         for key, t in st.items():
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, dict):  # version 2: a quantized state's tensors under its name
+                for part, tt in t.items():
+                    if isinstance(tt, torch.Tensor):
+                        entries[(pid, f"{key}.{part}")] = (tuple(tt.shape), tt.dtype, tt.numel() * tt.element_size())
+            elif isinstance(t, torch.Tensor):
                 entries[(pid, key)] = (tuple(t.shape), t.dtype, t.numel() * t.element_size())
     kind = "torch.save'd optimizer state dict; " + _group_summary(groups)
-    return Report(kind, _versions(groups), _state_rows(entries, groups))
+    return Report(kind, _versions(groups, _layout(entries)), _state_rows(entries, groups))
 
 
 def inspect_dcp(path: str) -> Report:
@@ -198,7 +220,7 @@ def inspect_dcp(path: str) -> Report:
     for key, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
             tensors[key] = (tuple(m.size), m.properties.dtype, math.prod(m.size) * _itemsize(m.properties.dtype))
-        elif ".param_groups." in f".{key}" and key.rsplit(".", 1)[-1] in GROUP_KEYS:
+        elif (".param_groups." in f".{key}" and key.rsplit(".", 1)[-1] in GROUP_KEYS) or _flat_group_key(key):
             group_keys.append(key)
     groups_by_prefix = _read_dcp_groups(path, group_keys)
     entries, other = {}, []
@@ -206,6 +228,9 @@ def inspect_dcp(path: str) -> Report:
         if ".state." in f".{key}":
             prefix, rest = f".{key}".split(".state.", 1)
             pid, name = rest.rsplit(".", 1)
+            if name in RECORD_PARTS and "." in pid:  # version 2: "<param>.<name>.codes"
+                pid, state_name = pid.rsplit(".", 1)
+                name = f"{state_name}.{name}"
             entries[(prefix.lstrip(".") + ("/" if prefix.strip(".") else "") + pid, name)] = info
         else:
             other.append(key)
@@ -219,7 +244,19 @@ def inspect_dcp(path: str) -> Report:
         kind += "; " + _group_summary(groups)
     if other:
         kind += f"; {len(other)} non-optimizer tensors not listed"
-    return Report(kind, _versions(groups) if groups else "unknown (no param_groups saved)", rows)
+    return Report(kind, _versions(groups, _layout(entries)) if groups else "unknown (no param_groups saved)", rows)
+
+
+def _flat_group_key(key: str) -> bool:
+    """A flattened group entry, ``[<prefix>.]param_groups.<fqn>.<key>`` (torch's
+    ``flatten_optimizer_state_dict``, torchtitan)."""
+    if "param_groups." not in key:
+        return False
+    rest = key.split("param_groups.", 1)[1]
+    if "." not in rest or rest.rsplit(".", 1)[1] not in GROUP_KEYS:
+        return False
+    index, _, tail = rest.partition(".")
+    return not (index.isdigit() and "." not in tail)  # "param_groups.<i>.<key>": a group list, not flattened
 
 
 def _itemsize(dtype) -> int:
@@ -242,11 +279,18 @@ def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:
 
     def walk(node, prefix):
         if isinstance(node, dict):
+            pre = prefix + "/" if prefix else ""
             if "param_groups" in node and isinstance(node["param_groups"], list):
-                pre = prefix + "/" if prefix else ""
                 out[prefix] = [dict(g, _prefix=pre) for g in node["param_groups"] if isinstance(g, dict)]
+            flat: dict[str, dict] = {}  # flattened layout: one group per param, "param_groups.<fqn>.<key>"
             for k, v in node.items():
-                if k != "param_groups":
+                if isinstance(k, str) and _flat_group_key(k):
+                    fqn, gk = k[len("param_groups."):].rsplit(".", 1)
+                    flat.setdefault(fqn, {"params": [fqn], "_prefix": pre})[gk] = v
+            if flat:
+                out.setdefault(prefix, []).extend(flat.values())
+            for k, v in node.items():
+                if k != "param_groups" and not (isinstance(k, str) and _flat_group_key(k)):
                     walk(v, f"{prefix}.{k}" if prefix else str(k))
 
     walk(loaded, "")

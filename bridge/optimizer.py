@@ -35,8 +35,9 @@ from .state_tree import STATE_NAMES, binding, is_record
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
-STATE_DICT_VERSION = 1
-"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
+STATE_DICT_VERSION = 2
+"""Version of the layout ``state_dict()`` writes (2: nested ``{"codes", "scale"}`` under torch's
+state names; 1: ``name::codes`` keys); ``load_state_dict`` reads both."""
 
 VERSION_KEY = "lowbit_tree_version"
 
@@ -113,6 +114,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
+            if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+                p = p[1]  # a (name, param) pair: torch keeps the names as the group's param_names
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{type(self).__name__}: params must be tensors, got {type(p).__name__}")
             if p.is_complex():
@@ -323,31 +326,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # -- state dict -----------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.optim layout; each quantized state ``name`` appears as two plain tensors
-        ``name::codes`` (uint8; fp8 codes as their uint8 bit pattern) and ``name::scale``
-        (float32), row-sharded DTensors under FSDP2. Groups carry the format version."""
-        sd = super().state_dict()
-        for gi, group in enumerate(sd["param_groups"]):
-            group[VERSION_KEY] = STATE_DICT_VERSION
-        params = [p for g in self.param_groups for p in g["params"]]
-        new_state = {}
-        for idx, st in sd["state"].items():
-            p = params[idx]
-            out = {}
-            for name, v in st.items():
-                local = to_local(v)
-                if isinstance(local, QState):
-                    codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
-                    out[f"{name}::codes"] = row_dtensor(codes, p, codes.shape[1])
-                    out[f"{name}::scale"] = row_dtensor(local.scale, p, local.scale.shape[1])
-                elif isinstance(local, _Rank1Holder):
-                    for k, t in local.tensors().items():
-                        out[f"{name}::{k}"] = t
-                else:
-                    out[name] = v
-            new_state[idx] = out
-        sd["state"] = new_state
-        return sd
+        """torch.optim's layout and state names; a quantized state is a nested dict of plain
+        tensors ``{"codes": uint8, "scale": float32}`` (see ``bridge/state_dict.py``)."""
+        from .state_dict import save_state_dict
+
+        return save_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` (any device, any FSDP world size), or a

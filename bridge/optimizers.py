@@ -4,14 +4,36 @@ Each is a :class:`~bridge.optimizer.LowBitOptimizer` over a chain of core
 building blocks; the math lives in ``lowbit_tree``. Every param group may
 override ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``,
 ``"fp8"``, ``"8bit_bnb"``), ``block_size`` and ``min_quant_size``.
+
+torch.optim's implementation arguments are accepted, because frameworks pass them
+blindly (torchtitan puts ``fused`` and ``foreach`` in every param group), and kept in
+the param groups as torch does:
+
+- ``foreach`` / ``fused``: choose nothing. The step is always ours: the Adam(W) classes
+  step float32 params with quantized or fp32 states in one fused kernel call per group,
+  everything else (bf16 params, amsgrad, stochastic rounding, Lion, SGD) through the
+  core transformation; both give the same update (tested). As in torch,
+  ``fused=True`` with ``foreach=True`` is an error, and so is ``fused=True`` for a
+  param on a device we have no kernels for (:data:`FUSED_DEVICES`).
+- ``capturable``: accepted; the step never reads a tensor on the host anyway.
+- ``differentiable=True``: rejected (quantized states cannot carry autograd history).
+- ``maximize``: kept in the group; ``True`` is not implemented yet and raises.
+
+Every group (the constructor's defaults and each ``param_groups`` entry, also ones
+added later) is checked before anything changes: hyperparameters must be numbers or
+1-element tensors in torch's ranges, flags booleans; the errors name the argument.
 """
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
 from lowbit_tree import alias
 from lowbit_tree.base import GradientTransformation
 from lowbit_tree.combine import chain
+from lowbit_tree.moments import STATE_FORMAT_NAMES
 from lowbit_tree.transform import add_decayed_weights, scale_by_adam, scale_by_learning_rate
 from lowbit_tree.update import stochastic_rounding
 
@@ -24,17 +46,132 @@ __all__ = [
 ]
 
 
-def _check(lr, eps=None, betas=None, weight_decay=None):
-    if not isinstance(lr, torch.Tensor) and not lr >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if eps is not None and not eps >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if betas is not None:
-        for i, b in enumerate(betas):
-            if not isinstance(b, torch.Tensor) and not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if weight_decay is not None and not isinstance(weight_decay, torch.Tensor) and not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+FUSED_DEVICES = ("cpu", "cuda")
+"""Device types with our fused kernels (native C on CPU, compiled torch on CUDA)."""
+
+
+# ----------------------------------------------------------------------------
+# argument checks: run on each param group before it is added
+# ----------------------------------------------------------------------------
+def _value(owner: str, name: str, value) -> float:
+    """A hyperparameter as a float, for range checks: a real number or a 1-element tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{owner}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        hint = f"; pass a number, e.g. {name}=float({value!r})" if isinstance(value, str) else ""
+        raise TypeError(f"{owner}: {name} must be a number or a 1-element tensor, got {type(value).__name__} {value!r}{hint}")
+    return float(value)
+
+
+def _in_range(owner: str, name: str, value, lo: float, hi: float = math.inf, hi_open: bool = True) -> None:
+    """``lo <= value < hi`` (``<= hi`` if not ``hi_open``), finite; NaN fails too."""
+    x = _value(owner, name, value)
+    ok = lo <= x and (x < hi if hi_open else x <= hi) and math.isfinite(x)
+    if not ok:
+        interval = f"in [{lo}, {hi}{')' if hi_open else ']'}" if math.isfinite(hi) else f"finite and >= {lo}"
+        raise ValueError(f"{owner}: invalid {name} value {value!r}: must be {interval}")
+
+
+def _flag(owner: str, name: str, value, allow_none: bool = False) -> None:
+    if not (isinstance(value, bool) or (allow_none and value is None)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise TypeError(f"{owner}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def _betas(owner: str, betas) -> None:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
+
+
+def _reject_maximize(owner: str, maximize) -> None:
+    """Until the core's update rules take ``maximize``: the one place that refuses it."""
+    if maximize:
+        raise NotImplementedError(
+            f"{owner}: maximize=True is not implemented yet; minimize the negated objective instead (loss = -objective)"
+        )
+
+
+def _check_implementation_args(owner: str, group: dict, params: list) -> None:
+    """torch.optim's foreach / fused / capturable / differentiable / maximize (module docstring)."""
+    for name in ("foreach", "fused"):
+        _flag(owner, name, group.get(name), allow_none=True)
+    _flag(owner, "capturable", group.get("capturable", False))
+    _flag(owner, "differentiable", group.get("differentiable", False))
+    _flag(owner, "maximize", group.get("maximize", False))
+    if group.get("differentiable"):
+        raise ValueError(
+            f"{owner}: differentiable=True is not supported: quantized states cannot carry autograd history "
+            "through the step; use torch.optim's optimizer for differentiable optimization"
+        )
+    if group.get("fused") and group.get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
+    if group.get("fused"):
+        for p in params:
+            if p.device.type not in FUSED_DEVICES:
+                raise RuntimeError(
+                    f"{owner}: `fused=True` requires all the params to be on supported devices: {list(FUSED_DEVICES)} "
+                    f"but a param of shape {tuple(p.shape)} is on {p.device.type}; pass fused=None"
+                )
+    _reject_maximize(owner, group.get("maximize", False))
+
+
+def _check_storage_args(owner: str, group: dict) -> None:
+    if group["state_format"] not in STATE_FORMAT_NAMES:
+        raise ValueError(f"{owner}: state_format must be one of {STATE_FORMAT_NAMES}, got {group['state_format']!r}")
+    bs = group["block_size"]
+    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1):
+        raise ValueError(f"{owner}: block_size must be a positive int or None, got {bs!r}")
+    _flag(owner, "bf16_stochastic_round", group["bf16_stochastic_round"])
+    _flag(owner, "skip_nonfinite", group["skip_nonfinite"])
+    mqs = group["min_quant_size"]
+    if isinstance(mqs, bool) or not isinstance(mqs, numbers.Integral) or mqs < 0:
+        raise ValueError(f"{owner}: min_quant_size must be an int >= 0, got {mqs!r}")
+
+
+def _group_params(param_group: dict) -> list:
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, param) pairs
+
+
+class _TorchOptimizer(LowBitOptimizer):
+    """The named optimizers' common part: every param group is checked (``_check_group``)
+    before it is added, the constructor's defaults included."""
+
+    _default_format = "fp32"
+
+    def add_param_group(self, param_group: dict) -> None:
+        param_group = dict(param_group)
+        params = param_group["params"]
+        if not isinstance(params, torch.Tensor):
+            param_group["params"] = params = list(params)  # a generator is read once, here
+        group = {**self.defaults, **param_group}
+        owner = type(self).__name__
+        _check_implementation_args(owner, group, _group_params(param_group))
+        _check_storage_args(owner, group)
+        self._check_group(owner, group)
+        if "momentum" in param_group and "has_momentum" not in param_group:
+            param_group["has_momentum"] = group["momentum"] != 0  # this group's own momentum decides its buffer
+        super().add_param_group(param_group)
+
+    def _check_group(self, owner: str, group: dict) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _state_format(cls, state_format):
+        """The constructor's ``state_format``: a low-bit named class takes only its own format."""
+        if state_format is None or cls._default_format == "fp32" or state_format == cls._default_format:
+            return state_format or cls._default_format
+        base = next(c for c in cls.__mro__ if c._default_format == "fp32")
+        raise ValueError(
+            f"{cls.__name__} stores {cls._default_format!r} states; state_format={state_format!r} conflicts with it: use "
+            f"bridge.{base.__name__}(params, state_format={state_format!r}) (a param group may still override "
+            "state_format for its own params)"
+        )
 
 
 def _finish(txs, stochastic_round: bool) -> GradientTransformation:
@@ -83,21 +220,29 @@ def _adam_kwargs(group):
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
 
 
-class _AdamBase(LowBitOptimizer):
+class _AdamBase(_TorchOptimizer):
     _factory_fn = None
-    _default_format = "fp32"
     _default_wd = 0.0
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
                  skip_nonfinite=False):
         weight_decay = self._default_wd if weight_decay is None else weight_decay
-        _check(lr, eps, betas, weight_decay)
+        _betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        state_format=state_format or self._default_format, block_size=block_size,
+                        foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
+                        fused=fused, state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
         super().__init__(params, type(self)._factory_fn, defaults, group_to_kwargs=_adam_kwargs)
+
+    def _check_group(self, owner, group):
+        _in_range(owner, "lr", group["lr"], 0.0)
+        _betas(owner, group["betas"])
+        _in_range(owner, "eps", group["eps"], 0.0)
+        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
+        _flag(owner, "amsgrad", group["amsgrad"])
 
 
 class Adam(_AdamBase):
@@ -156,19 +301,24 @@ def _lion_kwargs(group):
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
 
 
-class Lion(LowBitOptimizer):
+class Lion(_TorchOptimizer):
     """Lion (arXiv 2302.06675) with decoupled weight decay; one state, ``exp_avg``."""
 
-    _default_format = "fp32"
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, state_format=None, block_size=None,
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, foreach=None, maximize=False,
+                 capturable=False, differentiable=False, fused=None, state_format=None, block_size=None,
                  min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
-        _check(lr, None, betas, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay,
-                        state_format=state_format or self._default_format, block_size=block_size,
+        _betas(type(self).__name__, betas)
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach, maximize=maximize,
+                        capturable=capturable, differentiable=differentiable, fused=fused,
+                        state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
         super().__init__(params, lion_decoupled, defaults, group_to_kwargs=_lion_kwargs)
+
+    def _check_group(self, owner, group):
+        _in_range(owner, "lr", group["lr"], 0.0)
+        _betas(owner, group["betas"])
+        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
 
 
 class Lion8bit(Lion):
@@ -186,28 +336,30 @@ def _sgd_kwargs(group):
                 stochastic_round=group["bf16_stochastic_round"])
 
 
-class SGD(LowBitOptimizer):
+class SGD(_TorchOptimizer):
     """torch.optim.SGD (momentum, nesterov, L2 weight decay; dampening 0) with a
-    ``state_format`` momentum buffer. Whether a buffer exists is fixed at
-    construction (``momentum != 0``); the momentum value may change later."""
-
-    _default_format = "fp32"
+    ``state_format`` momentum buffer. Whether a group has a buffer is fixed when the
+    group is added (its ``momentum != 0``); the momentum value may change later."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
-                 skip_nonfinite=False):
-        _check(lr, None, None, weight_decay)
-        if dampening != 0:
-            raise ValueError("dampening != 0 is not supported; use dampening=0")
-        if momentum < 0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if nesterov and momentum <= 0:
-            raise ValueError("Nesterov momentum requires a momentum")
-        defaults = dict(lr=lr, momentum=momentum, dampening=0.0, weight_decay=weight_decay, nesterov=nesterov,
-                        has_momentum=momentum != 0, state_format=state_format or self._default_format,
-                        block_size=block_size, min_quant_size=min_quant_size,
-                        bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
+                 maximize=False, foreach=None, differentiable=False, fused=None, state_format=None, block_size=None,
+                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        has_momentum=momentum != 0, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused, state_format=self._state_format(state_format), block_size=block_size,
+                        min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
+                        skip_nonfinite=skip_nonfinite)
         super().__init__(params, sgd_momentum, defaults, group_to_kwargs=_sgd_kwargs)
+
+    def _check_group(self, owner, group):
+        _in_range(owner, "lr", group["lr"], 0.0)
+        _in_range(owner, "momentum", group["momentum"], 0.0, 1.0)
+        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
+        _flag(owner, "nesterov", group["nesterov"])
+        if _value(owner, "dampening", group["dampening"]) != 0:
+            raise ValueError(f"{owner}: dampening={group['dampening']!r} is not supported; use dampening=0")
+        if group["nesterov"] and _value(owner, "momentum", group["momentum"]) <= 0:
+            raise ValueError(f"{owner}: nesterov=True requires a momentum > 0")
 
 
 class SGD8bit(SGD):

@@ -1,4 +1,4 @@
-"""Loading and exporting ``LowBitOptimizer`` state dicts.
+"""Saving, loading and exporting ``LowBitOptimizer`` state dicts.
 
 Kept apart from the optimizer because it is where every kind of foreign input
 arrives: our own state dicts (any device, any FSDP world size: codes and scales
@@ -6,6 +6,15 @@ are row-sharded, so loading is slicing rows), plain torch.optim state dicts
 (migration: fp32 moments are quantized into this optimizer's formats), and
 mismatches, which must fail loudly, naming what differs, before anything is
 changed.
+
+Layout (version 2): torch.optim's, state names included. A quantized state
+``name`` is a nested dict ``{"codes": uint8 (fp8 codes as their bit pattern),
+"scale": float32}``, a rank-1 record ``{"codes", "row_max", "col_max"}``; both
+are row-sharded DTensors under FSDP2. Clients that look states up by the live
+names of ``optim.state[p]`` (torch's ``flatten_optimizer_state_dict``, which
+writes ``state.<fqn>.exp_avg.codes`` and rebuilds the nested dict from that
+prefix; torchtitan's ``OptimizersContainer``) find them. Version 1 wrote the
+same tensors as ``name::codes`` / ``name::scale``; it still loads.
 """
 from __future__ import annotations
 
@@ -15,10 +24,92 @@ import torch
 
 import lowbit_tree as lt
 
-from .distributed import is_dtensor, local_row_range, to_local, wrap_like
+from .distributed import is_dtensor, local_row_range, row_dtensor, to_local, wrap_like
 from .qstate import QState
 
-STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")
+STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
+READABLE_VERSIONS = (1, 2)
+NEW_IN_VERSION_2 = ("foreach", "maximize", "capturable", "differentiable", "fused")  # group keys
+
+
+def save_state_dict(opt) -> dict:
+    """``opt.state_dict()``: torch.optim's layout and state names; each quantized state is a
+    nested dict of plain tensors (see the module docstring), row-sharded DTensors under
+    FSDP2 (views of the live storage, so ``dcp.load`` writes in place). Groups carry the
+    format version."""
+    from .optimizer import STATE_DICT_VERSION, VERSION_KEY, _Rank1Holder
+
+    sd = torch.optim.Optimizer.state_dict(opt)
+    for group in sd["param_groups"]:
+        group[VERSION_KEY] = STATE_DICT_VERSION
+    params = [p for g in opt.param_groups for p in g["params"]]
+    new_state = {}
+    for idx, st in sd["state"].items():
+        p = params[idx]
+        out = {}
+        for name, v in st.items():
+            local = to_local(v)
+            if isinstance(local, QState):
+                codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
+                out[name] = {"codes": row_dtensor(codes, p, codes.shape[1]),
+                             "scale": row_dtensor(local.scale, p, local.scale.shape[1])}
+            elif isinstance(local, _Rank1Holder):
+                out[name] = dict(local.tensors())
+            else:
+                out[name] = v
+        new_state[idx] = out
+    sd["state"] = new_state
+    return sd
+
+
+def as_version_1(state_dict: dict) -> dict:
+    """A version-2 state dict re-keyed the way version 1 saved it (``name::codes``, ...), holding
+    the same tensor objects: the target for ``dcp.load`` of a DCP checkpoint written by
+    version 1. The tensors are the live storage (or views of it), so ``dcp.load`` fills them in
+    place, and ``set_optimizer_state_dict`` / ``load_state_dict`` of the result loads it::
+
+        osd = as_version_1(get_optimizer_state_dict(model, opt))
+        dcp.load({"optim": osd}, checkpoint_id=old_checkpoint)
+        set_optimizer_state_dict(model, opt, osd)
+
+    Takes the nested layout (``{"state": ..., "param_groups": ...}``) or torch's flattened one
+    (``state.<fqn>.<name>.codes`` keys). Group keys version 1 did not write (torch.optim's
+    ``foreach``, ``fused``, ... arguments) are left out, so that DCP does not look for them;
+    loading keeps this optimizer's values for them."""
+    if "state" in state_dict and "param_groups" in state_dict:
+        state = {}
+        for pid, st in state_dict["state"].items():
+            state[pid] = {}
+            for name, v in st.items():
+                if isinstance(v, dict):
+                    state[pid].update({f"{name}::{part}": t for part, t in v.items()})
+                else:
+                    state[pid][name] = v
+        groups = [{k: v for k, v in g.items() if k not in NEW_IN_VERSION_2} for g in state_dict["param_groups"]]
+        return {"state": state, "param_groups": groups}
+    out = {}
+    for key, v in state_dict.items():
+        head, _, part = key.rpartition(".")
+        if key.startswith("param_groups.") and part in NEW_IN_VERSION_2:
+            continue
+        out[f"{head}::{part}" if key.startswith("state.") and f"::{part}" in STATE_SUFFIXES else key] = v
+    return out
+
+
+def _saved_version(saved_group: dict, state_dict: dict):
+    """The group's format version. torch's ``flatten_optimizer_state_dict`` rebuilds
+    param groups from the live groups' keys and so drops ours; nested state dicts are
+    written by version 2 only, ``::`` keys by version 1 only."""
+    from .optimizer import VERSION_KEY
+
+    if VERSION_KEY in saved_group:
+        return saved_group[VERSION_KEY]
+    states = [st for st in state_dict.get("state", {}).values() if isinstance(st, dict)]
+    if any(isinstance(v, dict) for st in states for v in st.values()):
+        return 2
+    if any(isinstance(k, str) and k.endswith(STATE_SUFFIXES) for st in states for k in st):
+        return 1
+    return None
 
 
 def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
@@ -34,8 +125,8 @@ def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def _check_groups(opt, saved_groups: list[dict], migrating: bool) -> None:
-    from .optimizer import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY
+def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> None:
+    from .optimizer import STATE_DICT_VERSION, STATIC_KEYS
 
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
@@ -48,12 +139,12 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool) -> None:
             )
         if migrating:
             continue
-        version = saved.get(VERSION_KEY)
-        if version != STATE_DICT_VERSION:
+        version = _saved_version(saved, state_dict)
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"param group {gi}: state dict format version {version!r}, this lowbit-tree reads version "
-                f"{STATE_DICT_VERSION}; load it with the lowbit-tree release that wrote it and export it with "
-                "torch_state_dict(), which any version can load"
+                f"param group {gi}: state dict format version {version!r}, this lowbit-tree reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (writes {STATE_DICT_VERSION}); load it with the "
+                "lowbit-tree release that wrote it and export it with torch_state_dict(), which any version can load"
             )
         for key in STATIC_KEYS:
             if key in group and saved.get(key) != group.get(key):
@@ -70,7 +161,9 @@ def _is_ours(state_dict: dict) -> bool:
 
     if any(VERSION_KEY in g for g in state_dict.get("param_groups", [])):
         return True
-    return any(k.endswith(STATE_SUFFIXES) for st in state_dict.get("state", {}).values() for k in st)
+    states = [st for st in state_dict.get("state", {}).values() if isinstance(st, dict)]
+    return any(isinstance(v, dict) or (isinstance(k, str) and k.endswith(STATE_SUFFIXES))
+               for st in states for k, v in st.items())
 
 
 def load_into(opt, state_dict: dict) -> None:
@@ -79,7 +172,7 @@ def load_into(opt, state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
     migrating = not _is_ours(state_dict)
-    _check_groups(opt, state_dict["param_groups"], migrating)
+    _check_groups(opt, state_dict["param_groups"], migrating, state_dict)
 
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -111,6 +204,10 @@ def load_into(opt, state_dict: dict) -> None:
             else:
                 if name not in saved:
                     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
+                if not isinstance(saved[name], torch.Tensor):
+                    raise ValueError(f"{where}: {name!r} is a {type(saved[name]).__name__}, expected a tensor: this "
+                                     f"optimizer keeps it unquantized ({_describe(exp_local)}); the state dict was "
+                                     "written with another state_format or min_quant_size")
                 value = _rows(saved[name], p, f"{where} {name}") if exp_local.shape == to_local(p).shape and p.ndim else saved[name]
                 value = to_local(value)
                 if tuple(value.shape) != tuple(exp_local.shape):
@@ -129,26 +226,62 @@ def load_into(opt, state_dict: dict) -> None:
     groups = []
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
         g = {k: v for k, v in saved.items() if k != VERSION_KEY}
-        if migrating:  # a torch.optim dict has none of our static keys: keep ours
-            for k, v in group.items():
-                if k != "params" and k not in g:
-                    g[k] = v
+        # keys the saved group lacks (a torch.optim dict has none of our static keys; an older
+        # dict lacks keys added since) keep this optimizer's values
+        for k, v in group.items():
+            if k != "params" and k not in g:
+                g[k] = v
         groups.append(g)
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
     for p, st in new_states.values():
         opt.state[p] = st
 
 
+def _record_parts(saved: dict, name: str, parts: tuple, where: str) -> dict | None:
+    """The saved tensors of record state ``name``, ``{part: (label, tensor)}``: a nested dict
+    (version 2) or ``name::part`` keys (version 1); None if the state is saved neither way."""
+    value = saved.get(name)
+    if isinstance(value, dict):
+        missing, extra = [k for k in parts if k not in value], sorted(str(k) for k in value if k not in parts)
+        if missing or extra:
+            raise ValueError(f"{where}: {name!r} has entries {sorted(map(str, value))}, expected {list(parts)}"
+                             + (" (an empty dict: nothing was saved under this name)" if not value else ""))
+        return {k: (f"{name}.{k}", value[k]) for k in parts}
+    keys = {k: f"{name}::{k}" for k in parts}
+    if not any(key in saved for key in keys.values()):
+        return None
+    for key in keys.values():
+        if key not in saved:
+            raise ValueError(f"{where}: the state dict has {sorted(k for k in keys.values() if k in saved)} "
+                             f"without {key!r}")
+    return {k: (key, saved[key]) for k, key in keys.items()}
+
+
+def _tensor(label: str, value, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where}: {label!r} is a {type(value).__name__}, expected a tensor")
+    return value
+
+
+def _describe(t) -> str:
+    from .optimizer import _Rank1Holder
+
+    if isinstance(t, QState):
+        return f"a {t.format!r} state with block size {t.block_size}"
+    if isinstance(t, _Rank1Holder):
+        return "a rank-1 normalized 4-bit state"
+    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+
+
 def _load_quantized(saved, name, p, exp_local: QState, expected, where, migrating):
-    codes_key, scale_key = f"{name}::codes", f"{name}::scale"
-    if codes_key in saved:
-        if scale_key not in saved:
-            raise ValueError(f"{where}: {codes_key!r} without {scale_key!r}")
-        codes = to_local(_rows(saved[codes_key], p, f"{where} {codes_key}"))
-        scale = to_local(_rows(saved[scale_key], p, f"{where} {scale_key}"))
+    parts = _record_parts(saved, name, ("codes", "scale"), where)
+    if parts is not None:
+        (codes_label, codes), (scale_label, scale) = parts["codes"], parts["scale"]
+        codes = to_local(_rows(_tensor(codes_label, codes, where), p, f"{where} {codes_label}"))
+        scale = to_local(_rows(_tensor(scale_label, scale, where), p, f"{where} {scale_label}"))
         want_codes = exp_local.codes.view(torch.uint8) if exp_local.is_float8 else exp_local.codes
         if codes.dtype != torch.uint8:
-            raise ValueError(f"{where}: {codes_key!r} has dtype {codes.dtype}, expected torch.uint8")
+            raise ValueError(f"{where}: {codes_label!r} has dtype {codes.dtype}, expected torch.uint8")
         if tuple(codes.shape) != tuple(want_codes.shape) or tuple(scale.shape) != tuple(exp_local.scale.shape):
             raise ValueError(
                 f"{where}: {name!r} codes {tuple(codes.shape)} / scale {tuple(scale.shape)} do not match this "
@@ -157,13 +290,13 @@ def _load_quantized(saved, name, p, exp_local: QState, expected, where, migratin
                 "with another state format, block size or parameter shape"
             )
         if scale.dtype != torch.float32:
-            raise ValueError(f"{where}: {scale_key!r} has dtype {scale.dtype}, expected torch.float32")
+            raise ValueError(f"{where}: {scale_label!r} has dtype {scale.dtype}, expected torch.float32")
         exp_local.codes.view(torch.uint8).copy_(codes)
         exp_local.scale.copy_(scale)
         return expected
     if name in saved:  # a float state (torch.optim, or an fp32 export): quantize it
-        value = to_local(_rows(saved[name], p, f"{where} {name}"))
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
+        if not value.is_floating_point():
             raise ValueError(f"{where}: {name!r} is not a float tensor")
         if tuple(value.shape) != tuple(exp_local.shape):
             raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
@@ -176,17 +309,21 @@ def _load_quantized(saved, name, p, exp_local: QState, expected, where, migratin
 def _load_rank1(saved, name, holder, where):
     from lowbit_tree.moments import rank1_quantize
 
-    keys = [f"{name}::codes", f"{name}::row_max", f"{name}::col_max"]
-    if all(k in saved for k in keys):
-        r = holder.record
-        new = type(r)(*[saved[k].to(t.device) for k, t in zip(keys, (r.codes, r.row_max, r.col_max))], r.shape, r.format)
-        for a, b in zip((new.codes, new.row_max, new.col_max), (r.codes, r.row_max, r.col_max)):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                raise ValueError(f"{where}: {name!r} rank-1 record does not match ({tuple(a.shape)} vs {tuple(b.shape)})")
-        holder.record = new
+    parts = _record_parts(saved, name, ("codes", "row_max", "col_max"), where)
+    r = holder.record
+    if parts is not None:
+        live = {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
+        loaded = {}
+        for k, (label, t) in parts.items():
+            t = to_local(_tensor(label, t, where))
+            if tuple(t.shape) != tuple(live[k].shape) or t.dtype != live[k].dtype:
+                raise ValueError(f"{where}: {label!r} is {_describe(t)}, this optimizer's rank-1 record has "
+                                 f"{_describe(live[k])}")
+            loaded[k] = t.detach().to(live[k].device).clone()
+        holder.record = type(r)(loaded["codes"], loaded["row_max"], loaded["col_max"], r.shape, r.format)
         return holder
     if name in saved:
-        holder.record = rank1_quantize(saved[name].float().to(holder.record.codes.device))
+        holder.record = rank1_quantize(_tensor(name, saved[name], where).float().to(r.codes.device))
         return holder
     raise ValueError(f"{where}: the state dict has no {name!r}")
 

@@ -6,7 +6,7 @@ Runs on CPU with gloo (or on GPUs with NCCL):
 
 Every rank keeps the optimizer states (codes and block scales) of its own shard of each
 weight only; ``exp_avg.full_tensor()`` gathers a whole state. ``dcp.save`` writes one
-row-sharded ``exp_avg::codes`` / ``exp_avg::scale`` pair per state, which loads at any
+row-sharded ``exp_avg.codes`` / ``exp_avg.scale`` pair per state, which loads at any
 world size (try ``--nproc_per_node 1`` or ``3`` on the second run with the same --ckpt).
 """
 from __future__ import annotations

@@ -421,7 +421,8 @@ def checkpoint_save_part(rank, world, workdir):
         if rank == 0:
             for st in full_osd["state"].values():
                 for v in st.values():
-                    assert not isinstance(v, torch.distributed.tensor.DTensor) and v.device.type == "cpu"
+                    for t in (v.values() if isinstance(v, dict) else [v]):  # quantized: {"codes", "scale"}
+                        assert not isinstance(t, torch.distributed.tensor.DTensor) and t.device.type == "cpu"
         losses = [global_batch_step(model, opt, step, rank, world) for step in range(4, 7)]
         after = full_states(opt)
         out[fmt] = {"saved": saved, "losses": losses, "after": after, "full_osd": full_osd, "full_msd": full_msd}

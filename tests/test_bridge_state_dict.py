@@ -1,6 +1,7 @@
-"""bridge state dicts: round trips, devices, migration from torch.optim, bad input."""
+"""bridge state dicts: round trips, devices, migration from torch.optim, bad input, version 1."""
 import copy
 import io
+import os
 
 import pytest
 import torch
@@ -29,11 +30,16 @@ def test_round_trip_bit_for_bit_weights_only_and_training_continues_identically(
     kw = dict(momentum=0.9) if cls is bridge.SGD8bit else {}
     m1, o1 = trained(cls, **kw)
     sd = save_load(o1.state_dict())
-    for st in sd["state"].values():
+    for i, st in sd["state"].items():
+        live = o1.state[o1.param_groups[0]["params"][i]]
+        assert sorted(st) == sorted(live)  # torch.optim's names, the live ones
         for k, v in st.items():
-            assert type(v) is torch.Tensor, (k, type(v))  # plain tensors only
-            if k.endswith("::codes"):
-                assert v.dtype == torch.uint8
+            if isinstance(live[k], QState):  # a nested dict of plain tensors, honest dtypes
+                assert sorted(v) == ["codes", "scale"]
+                assert type(v["codes"]) is torch.Tensor and v["codes"].dtype == torch.uint8
+                assert type(v["scale"]) is torch.Tensor and v["scale"].dtype == torch.float32
+            else:
+                assert type(v) is torch.Tensor, (k, type(v))
     m2 = copy.deepcopy(m1)
     o2 = cls(m2.parameters(), lr=1e-3, min_quant_size=0, **kw)
     o2.load_state_dict(sd)
@@ -76,15 +82,25 @@ def test_wrong_version_format_block_size_and_shape_are_clear_errors():
         bridge.AdamW8bit(mlp().parameters(), min_quant_size=0, block_size=64).load_state_dict(sd)
 
     bad = copy.deepcopy(sd)
-    bad["state"][0]["exp_avg::codes"] = bad["state"][0]["exp_avg::codes"][:, :-1]
+    bad["state"][0]["exp_avg"]["codes"] = bad["state"][0]["exp_avg"]["codes"][:, :-1]
     fresh = bridge.AdamW8bit(mlp().parameters(), min_quant_size=0)
     with pytest.raises(ValueError, match=r"param 0 .*'exp_avg' codes"):
         fresh.load_state_dict(bad)
     assert len(fresh.state) == 0, "a failed load must not change the optimizer"
 
     bad = copy.deepcopy(sd)
-    del bad["state"][2]["exp_avg_sq::scale"]
-    with pytest.raises(ValueError, match="exp_avg_sq::scale"):
+    del bad["state"][2]["exp_avg_sq"]["scale"]
+    with pytest.raises(ValueError, match=r"param 2 .*'exp_avg_sq' has entries \['codes'\], expected \['codes', 'scale'\]"):
+        bridge.AdamW8bit(mlp().parameters(), min_quant_size=0).load_state_dict(bad)
+
+    bad = copy.deepcopy(sd)
+    bad["state"][0]["exp_avg"]["scale"] = bad["state"][0]["exp_avg"]["scale"].double()
+    with pytest.raises(ValueError, match=r"'exp_avg.scale' has dtype torch.float64"):
+        bridge.AdamW8bit(mlp().parameters(), min_quant_size=0).load_state_dict(bad)
+
+    bad = copy.deepcopy(sd)
+    bad["state"][1]["exp_avg"] = {"codes": torch.zeros(96, dtype=torch.uint8), "scale": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"param 1 .*'exp_avg' is a dict, expected a tensor.*keeps it unquantized"):
         bridge.AdamW8bit(mlp().parameters(), min_quant_size=0).load_state_dict(bad)
 
     other = torch.nn.Linear(3, 3)
@@ -166,3 +182,140 @@ def test_cpu_state_dict_loads_into_cuda_optimizer_and_back():
         a, b = opt.state[p]["exp_avg"], back.state[q]["exp_avg"]
         if isinstance(a, QState):
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "v1_state_dict.pt")
+
+
+def _v1_fixture():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_v1_state_dict", DATA.replace("v1_state_dict.pt", "make_v1_state_dict.py"))
+    v1 = importlib.util.module_from_spec(spec)  # how the fixture was written: its shapes, groups and steps
+    spec.loader.exec_module(v1)
+    return v1, torch.load(DATA, weights_only=True)
+
+
+def _assert_loaded_exactly(opt, params, saved_state):
+    """Every live state equals the saved tensors of the same param, bit for bit."""
+    from bridge.optimizer import _Rank1Holder
+
+    for i, p in enumerate(params):
+        saved, live = saved_state[i], opt.state[p]
+        assert torch.equal(live["step"], saved["step"])
+        for name, v in live.items():
+            if name == "step":
+                continue
+            if isinstance(v, QState):
+                assert torch.equal(v.codes.view(torch.uint8), saved[f"{name}::codes"])
+                assert torch.equal(v.scale, saved[f"{name}::scale"])
+            elif isinstance(v, _Rank1Holder):
+                for part, t in v.tensors().items():
+                    assert torch.equal(t, saved[f"{name}::{part}"]) and t.dtype == saved[f"{name}::{part}"].dtype
+            else:
+                assert torch.equal(v, saved[name]) and v.dtype == saved[name].dtype
+
+
+def test_version_1_state_dict_loads_bit_for_bit_and_saves_as_version_2():
+    """tests/data/v1_state_dict.pt was written by the version-1 code (tests/data/make_v1_state_dict.py)."""
+    v1, data = _v1_fixture()
+    sd = data["optim"]
+    assert sd["param_groups"][0]["lowbit_tree_version"] == 1 and "exp_avg::codes" in sd["state"][0]
+    ps = v1.params(5)  # other values than the saved run: loading must not depend on them
+    opt = bridge.AdamW(v1.groups(ps), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    opt.load_state_dict(sd)
+    params = list(ps.values())
+    assert [opt.state[p]["exp_avg"].format for p in (params[0], params[2], params[3])] == ["dynamic8", "dynamic4", "e4m3"]
+    _assert_loaded_exactly(opt, params, sd["state"])
+    # saved again, it is version 2 with the same tensors under torch's names
+    again = save_load(opt.state_dict())
+    assert {g["lowbit_tree_version"] for g in again["param_groups"]} == {2}
+    for i, st in sd["state"].items():
+        for key, t in st.items():
+            name, _, part = key.partition("::")
+            got = again["state"][i][name][part] if part else again["state"][i][name]
+            assert torch.equal(got, t) and got.dtype == t.dtype, (i, key)
+    # a v1 load and a v2 load of the same states continue identically
+    ps2 = v1.params(5)
+    opt2 = bridge.AdamW(v1.groups(ps2), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    opt2.load_state_dict(again)
+    for ps_, opt_ in ((ps, opt), (ps2, opt2)):
+        with torch.no_grad():
+            for k, p in ps_.items():
+                p.copy_(data["params"][k])
+        v1.steps(ps_, opt_, 2, 9)
+    assert all(torch.equal(a, b) for a, b in zip(ps.values(), ps2.values()))
+
+
+def test_version_1_rank1_record_loads_bit_for_bit():
+    from lowbit_tree.alias import adamw
+
+    v1, data = _v1_fixture()
+    sd = data["rank1_optim"]
+    ps = v1.params(6)
+    opt = bridge.LowBitOptimizer(list(ps.values()), adamw, dict(learning_rate=1e-2, state_format="4bit",
+                                                              rank1_normalization=True, min_quant_size=0))
+    opt.load_state_dict(sd)
+    _assert_loaded_exactly(opt, list(ps.values()), sd["state"])
+    again = save_load(opt.state_dict())
+    assert sorted(again["state"][0]["exp_avg_sq"]) == ["codes", "col_max", "row_max"]
+    opt2 = bridge.LowBitOptimizer(list(v1.params(6).values()), adamw, dict(learning_rate=1e-2, state_format="4bit",
+                                                                         rank1_normalization=True, min_quant_size=0))
+    opt2.load_state_dict(again)
+    _assert_loaded_exactly(opt2, opt2.param_groups[0]["params"], sd["state"])
+
+
+def test_version_1_errors_still_name_the_key():
+    v1, data = _v1_fixture()
+    bad = copy.deepcopy(data["optim"])
+    del bad["state"][0]["exp_avg_sq::scale"]
+    opt = bridge.AdamW(v1.groups(v1.params(5)), lr=1e-2, min_quant_size=0)
+    with pytest.raises(ValueError, match=r"param 0 .*without 'exp_avg_sq::scale'"):
+        opt.load_state_dict(bad)
+    assert len(opt.state) == 0
+
+
+def test_version_is_inferred_when_a_flattened_round_trip_dropped_it():
+    """torch's flatten_optimizer_state_dict rebuilds groups from the live keys: no version key.
+    Nested states can only be version 2; without them the dict loads as a torch.optim one."""
+    m, opt = trained(bridge.AdamW4bit)
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        del g["lowbit_tree_version"]
+    m2 = copy.deepcopy(m)
+    o2 = bridge.AdamW4bit(m2.parameters(), lr=1e-3, min_quant_size=0)
+    o2.load_state_dict(sd)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        a, b = opt.state[p]["exp_avg"], o2.state[q]["exp_avg"]
+        assert torch.equal(a.codes, b.codes) if isinstance(a, QState) else torch.equal(a, b)
+
+
+def test_a_version_1_dcp_checkpoint_loads_through_as_version_1(tmp_path):
+    """DCP finds tensors by key: a version-1 checkpoint ('state.0.exp_avg::codes') has no
+    'state.0.exp_avg.codes'. as_version_1 re-keys the live dict the old way for dcp.load."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from bridge.state_dict import as_version_1
+
+    v1, data = _v1_fixture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        dcp.save({"optim": data["optim"]}, checkpoint_id=str(tmp_path / "v1"))  # what version 1 wrote
+    ps = v1.params(5)
+    opt = bridge.AdamW(v1.groups(ps), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    v1.steps(ps, opt, 1, 4)  # states exist (get_optimizer_state_dict would do this step itself)
+    target = as_version_1(opt.state_dict())
+    assert "exp_avg::codes" in target["state"][0] and "exp_avg" not in target["state"][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"optim": target}, checkpoint_id=str(tmp_path / "v1"))
+    opt.load_state_dict(target)
+    _assert_loaded_exactly(opt, list(ps.values()), data["optim"]["state"])
+    # the flattened layout too
+    assert opt.param_groups[0]["fused"] is None  # a key version 1 lacked keeps this optimizer's value
+    flat = {"state.0.weight.exp_avg.codes": 1, "state.0.weight.step": 2, "param_groups.0.weight.lr": 3,
+            "param_groups.0.weight.fused": None}
+    assert as_version_1(flat) == {"state.0.weight.exp_avg::codes": 1, "state.0.weight.step": 2,
+                                  "param_groups.0.weight.lr": 3}

@@ -43,7 +43,7 @@ def test_inspect_optimizer_state_dict(tmp_path, capsys, fmt, first, second, bloc
     assert lines["0/exp_avg"][1:3] == [first, block]
     assert lines["0/exp_avg_sq"][1:3] == [second, block]
     assert lines["1/exp_avg"][1] == "fp32"  # bias: never quantized
-    assert "format version: 1" in out
+    assert "format version: 2" in out
     assert f"total: 8 states, {opt.state_bytes()} bytes" in out
 
 
@@ -68,7 +68,7 @@ def test_inspect_dcp_directory(tmp_path, capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("optim/")}
     assert rows["optim/0/exp_avg"][1:3] == ["dynamic4", "128"]
     assert rows["optim/2/exp_avg_sq"][1:3] == ["linear4_unsigned", "128"]
-    assert "format version: 1" in out
+    assert "format version: 2" in out
     assert f"{opt.state_bytes()} bytes" in out
 
 
@@ -129,3 +129,57 @@ def test_bench_missing_or_passthrough(capsys):
 def test_roundtrip_still_works(capsys):
     assert main(["roundtrip", "--rows", "8", "--cols", "64"]) == 0
     assert "dynamic8" in capsys.readouterr().out
+
+
+def test_inspect_reads_a_version_1_state_dict(tmp_path, capsys):
+    """tests/data/v1_state_dict.pt: written by the version-1 code (``name::codes`` keys)."""
+    import os
+
+    data = torch.load(os.path.join(os.path.dirname(__file__), "data", "v1_state_dict.pt"), weights_only=True)
+    torch.save(data["optim"], tmp_path / "v1.pt")
+    rc, out, err = _inspect(tmp_path / "v1.pt", capsys)
+    assert rc == 0, err
+    assert "format version: 1 (this lowbit-tree reads 1, 2)" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert rows["0/exp_avg"][1:3] == ["dynamic8", "256"] and rows["1/exp_avg"][1] == "fp32"
+    assert rows["2/exp_avg_sq"][1:3] == ["linear4_unsigned", "16"] and rows["3/exp_avg"][1:3] == ["e4m3", "256"]
+    nbytes = sum(t.numel() * t.element_size() for st in data["optim"]["state"].values()
+                 for k, t in st.items() if k != "step")
+    assert f"total: 10 states, {nbytes} bytes" in out
+
+
+def test_inspect_flattened_dcp_checkpoint(tmp_path, capsys):
+    """torch's flatten_optimizer_state_dict (torchtitan's layout): 'state.<fqn>.<name>.codes' and one
+    'param_groups.<fqn>.<key>' entry per param."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    m = _model()
+    opt = bridge.AdamW(m.parameters(), state_format="fp8", block_size=32, min_quant_size=0)
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    osd = get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert "state.0.weight.exp_avg.codes" in osd and "param_groups.0.weight.state_format" in osd
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optimizer": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+    rc, out, err = _inspect(tmp_path / "ckpt", capsys)
+    assert rc == 0, err
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("optimizer/")}
+    assert rows["optimizer/0.weight/exp_avg"][1:3] == ["e4m3", "32"]
+    assert rows["optimizer/1.weight/exp_avg_sq"][1:3] == ["e4m3_sqrt", "32"]
+    assert rows["optimizer/1.bias/exp_avg"][1] == "fp32"
+    assert "format version: 2 (this lowbit-tree reads 1, 2)" in out
+    assert f"{opt.state_bytes()} bytes" in out
+
+
+def test_inspect_infers_the_version_a_flattened_load_dropped(tmp_path, capsys):
+    sd = _stepped(bridge.AdamW8bit, min_quant_size=0).state_dict()
+    for g in sd["param_groups"]:
+        del g["lowbit_tree_version"]  # what torch's unflatten (groups from the live keys) returns
+    torch.save(sd, tmp_path / "opt.pt")
+    rc, out, err = _inspect(tmp_path / "opt.pt", capsys)
+    assert rc == 0, err
+    assert "format version: 2 (inferred from the state layout" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert rows["0/exp_avg"][1:3] == ["dynamic8", "256"]
