@@ -29,9 +29,9 @@ from lowbit_tree import QTensor
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.wrappers import inject_hyperparams
 
-from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
+from .distributed import is_dtensor, to_local, wrap_like
 from .qstate import QState
-from .state_tree import STATE_NAMES, binding, is_record
+from .state_tree import binding, is_record
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 

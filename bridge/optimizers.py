@@ -9,15 +9,15 @@ torch.optim's implementation arguments are accepted, because frameworks pass the
 blindly (torchtitan puts ``fused`` and ``foreach`` in every param group), and kept in
 the param groups as torch does:
 
-- ``foreach`` / ``fused``: choose nothing. The step is always ours: the Adam(W) classes
-  step float32 params with quantized or fp32 states in one fused kernel call per group,
-  everything else (bf16 params, amsgrad, stochastic rounding, Lion, SGD) through the
-  core transformation; both give the same update (tested). As in torch,
+- ``foreach`` / ``fused``: choose nothing. The step is always ours and always fused:
+  one kernel call per group (and step count) for every class, param dtype and state
+  format (the core's transition, :func:`lowbit_tree.step_`). As in torch,
   ``fused=True`` with ``foreach=True`` is an error, and so is ``fused=True`` for a
   param on a device we have no kernels for (:data:`FUSED_DEVICES`).
 - ``capturable``: accepted; the step never reads a tensor on the host anyway.
 - ``differentiable=True``: rejected (quantized states cannot carry autograd history).
-- ``maximize``: kept in the group; ``True`` is not implemented yet and raises.
+- ``maximize``: implemented by every class, as torch.optim does it (the gradient is
+  negated before anything else, L2 decay included); it may change between steps.
 
 Every group (the constructor's defaults and each ``param_groups`` entry, also ones
 added later) is checked before anything changes: hyperparameters must be numbers or
@@ -31,11 +31,7 @@ import numbers
 import torch
 
 from lowbit_tree import alias
-from lowbit_tree.base import GradientTransformation
-from lowbit_tree.combine import chain
 from lowbit_tree.moments import STATE_FORMAT_NAMES
-from lowbit_tree.transform import add_decayed_weights, scale_by_adam, scale_by_learning_rate
-from lowbit_tree.update import stochastic_rounding
 
 from .optimizer import LowBitOptimizer
 
@@ -87,14 +83,6 @@ def _betas(owner: str, betas) -> None:
         _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
 
 
-def _reject_maximize(owner: str, maximize) -> None:
-    """Until the core's update rules take ``maximize``: the one place that refuses it."""
-    if maximize:
-        raise NotImplementedError(
-            f"{owner}: maximize=True is not implemented yet; minimize the negated objective instead (loss = -objective)"
-        )
-
-
 def _check_implementation_args(owner: str, group: dict, params: list) -> None:
     """torch.optim's foreach / fused / capturable / differentiable / maximize (module docstring)."""
     for name in ("foreach", "fused"):
@@ -116,7 +104,6 @@ def _check_implementation_args(owner: str, group: dict, params: list) -> None:
                     f"{owner}: `fused=True` requires all the params to be on supported devices: {list(FUSED_DEVICES)} "
                     f"but a param of shape {tuple(p.shape)} is on {p.device.type}; pass fused=None"
                 )
-    _reject_maximize(owner, group.get("maximize", False))
 
 
 def _check_storage_args(owner: str, group: dict) -> None:
@@ -174,49 +161,41 @@ class _TorchOptimizer(LowBitOptimizer):
         )
 
 
-def _finish(txs, stochastic_round: bool) -> GradientTransformation:
-    return chain(*txs, stochastic_rounding(0)) if stochastic_round else chain(*txs)
-
-
-def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, state_format="8bit", block_size=None,
-            min_quant_size=4096, stochastic_round=False):
+def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
+            block_size=None, min_quant_size=4096, stochastic_round=False):
     """torch.optim.Adam: L2 ``weight_decay`` added to the gradient before the moments."""
-    return _finish(
-        [
-            add_decayed_weights(weight_decay),
-            scale_by_adam(b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
-                          min_quant_size=min_quant_size),
-            scale_by_learning_rate(learning_rate),
-        ],
-        stochastic_round,
-    )
+    return alias.adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                      state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                      stochastic_round=stochastic_round)
 
 
-def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, state_format="8bit", block_size=None,
-                    min_quant_size=4096, stochastic_round=False):
+def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
+                    block_size=None, min_quant_size=4096, stochastic_round=False):
     """torch.optim.AdamW: decoupled decay, ``p - lr * (adam + wd * p)``."""
-    return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, state_format=state_format,
-                          block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round)
+    return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
+                       state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                       stochastic_round=stochastic_round)
 
 
-def lion_decoupled(learning_rate, b1, b2, weight_decay, *, state_format="8bit", block_size=None, min_quant_size=4096,
-                   stochastic_round=False):
-    return alias.lion(learning_rate, b1, b2, weight_decay, state_format=state_format, block_size=block_size,
-                         min_quant_size=min_quant_size, stochastic_round=stochastic_round)
+def lion_decoupled(learning_rate, b1, b2, weight_decay, *, maximize=False, state_format="8bit", block_size=None,
+                   min_quant_size=4096, stochastic_round=False):
+    return alias.lion(learning_rate, b1, b2, weight_decay, maximize=maximize, state_format=state_format,
+                      block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round)
 
 
-def sgd_momentum(learning_rate, momentum, weight_decay, *, has_momentum=False, nesterov=False, state_format="8bit",
-                 block_size=None, min_quant_size=4096, stochastic_round=False):
+def sgd_momentum(learning_rate, momentum, weight_decay, *, has_momentum=False, nesterov=False, maximize=False,
+                 state_format="8bit", block_size=None, min_quant_size=4096, stochastic_round=False):
     """torch.optim.SGD (dampening 0). ``has_momentum`` (static) decides whether a buffer exists."""
-    return alias.sgd(learning_rate, momentum if has_momentum else 0.0, nesterov, weight_decay,
-                        state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                        stochastic_round=stochastic_round)
+    return alias.sgd(learning_rate, momentum if has_momentum else 0.0, nesterov, weight_decay, maximize=maximize,
+                     state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                     stochastic_round=stochastic_round)
 
 
 def _adam_kwargs(group):
     b1, b2 = group["betas"]
     return dict(learning_rate=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"], state_format=group["state_format"], block_size=group["block_size"],
+                amsgrad=group["amsgrad"], maximize=bool(group.get("maximize", False)),
+                state_format=group["state_format"], block_size=group["block_size"],
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
 
 
@@ -297,6 +276,7 @@ class AdamWFp8(AdamW):
 def _lion_kwargs(group):
     b1, b2 = group["betas"]
     return dict(learning_rate=group["lr"], b1=b1, b2=b2, weight_decay=group["weight_decay"],
+                maximize=bool(group.get("maximize", False)),
                 state_format=group["state_format"], block_size=group["block_size"],
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
 
@@ -331,7 +311,8 @@ class Lion4bit(Lion):
 
 def _sgd_kwargs(group):
     return dict(learning_rate=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
-                has_momentum=group["has_momentum"], nesterov=group["nesterov"], state_format=group["state_format"],
+                has_momentum=group["has_momentum"], nesterov=group["nesterov"],
+                maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
                 block_size=group["block_size"], min_quant_size=group["min_quant_size"],
                 stochastic_round=group["bf16_stochastic_round"])
 

@@ -150,15 +150,40 @@ def test_fused_true_like_torch():
 
 
 @pytest.mark.parametrize("cls", NAMED + [bridge.AdamW, bridge.Lion, bridge.SGD])
-def test_differentiable_and_maximize_are_refused_clearly(cls):
+def test_differentiable_is_refused_clearly(cls):
     m = net()
     with pytest.raises(ValueError, match=f"{cls.__name__}: differentiable=True is not supported"):
         cls(m.parameters(), differentiable=True, **kwargs_for(cls))
-    with pytest.raises(NotImplementedError, match="maximize=True is not implemented yet"):
-        cls(m.parameters(), maximize=True, **kwargs_for(cls))
-    with pytest.raises(NotImplementedError, match="maximize=True"):  # a group's own key too
-        cls([{"params": [m[0].weight]}, {"params": [m[0].bias], "maximize": True}], **kwargs_for(cls))
     assert cls(m.parameters(), maximize=False, **kwargs_for(cls)).param_groups[0]["maximize"] is False
+
+
+@pytest.mark.parametrize("ours,theirs,kw", [
+    (bridge.AdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (bridge.Adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
+    (bridge.SGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+], ids=["AdamW", "Adam-amsgrad", "SGD-nesterov"])
+def test_maximize_matches_torch_optim_for_fp32_states(ours, theirs, kw):
+    """maximize=True (in the constructor, then switched off in a group) follows
+    torch.optim's optimizer step for step: float tolerance (our float order is
+    the kernel's, torch's its own), and it ascends: the params move the other way."""
+    torch.manual_seed(0)
+    a, b = net(), net()
+    b.load_state_dict(a.state_dict())
+    o1 = ours(a.parameters(), maximize=True, state_format="fp32", **kw)
+    o2 = theirs(b.parameters(), maximize=True, **kw)
+    x, y = torch.randn(16, 19), torch.randn(16, 5)
+    loss0 = torch.nn.functional.mse_loss(a(x), y).item()
+    for step in range(20):
+        if step == 10:
+            assert torch.nn.functional.mse_loss(a(x), y).item() > loss0  # ascended
+            for o in (o1, o2):
+                o.param_groups[0]["maximize"] = False
+        for m, o in ((a, o1), (b, o2)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6)
 
 
 def test_named_params_keep_param_names_in_the_state_dict_as_torch_does():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
