@@ -1,9 +1,11 @@
-"""A/B timing of builds of the native CPU kernel (``lowbit_tree/kernels_cpu.c``).
+"""A/B timing of builds of the native CPU kernel (``lowbit_tree/kernels/cpu.c``).
 
 Each C source given is built with the library's own flags and loaded side by
 side, and prepares its own format structs (so builds whose code tables differ
-compare fairly; the struct's fields must be this checkout's); every (build, state format, size, data) combination
-then runs the fused Adam step (``lbt_adam_jobs``) directly, out of place on
+compare fairly; the struct's fields must be this checkout's); every (build, state
+format, size, data) combination then runs one step of ``--rule`` (AdamW by
+default; param written in place with its decay and learning rate, as the bridge
+does) through ``lbt_step_jobs`` directly, out of place on
 fixed inputs (``--inplace``: on the build's own copies of param and states,
 updated in place as the bridge does), and the timed calls are interleaved in
 rounds, so a slow period of a shared machine hits all builds alike. Prints min
@@ -16,6 +18,7 @@ absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 
 Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
+       [--rule adamw|amsgrad|lion|momentum] [--dtype float32|bfloat16]
 With no source, the library's own source (one build: absolute figures only).
 """
 from __future__ import annotations
@@ -33,8 +36,16 @@ from pathlib import Path
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import kernels as K
-from lowbit_tree import kernels_cpu as KC
+from lowbit_tree.kernels import StepLeaf, StepSpec, run_step, step_hyperparams
+from lowbit_tree.kernels import native as KC
+from lowbit_tree.kernels.tables import cpu_code_table
+
+RULES = {
+    "adamw": StepSpec("adam", decay=True, lr=True),
+    "amsgrad": StepSpec("adam", amsgrad=True, decay=True, lr=True),
+    "lion": StepSpec("lion", decay=True, lr=True),
+    "momentum": StepSpec("momentum", lr=True),
+}
 
 
 def build(source: Path, outdir: Path):
@@ -46,8 +57,8 @@ def build(source: Path, outdir: Path):
     else:
         raise RuntimeError(f"could not build {source}")
     lib = ctypes.CDLL(str(so))
-    lib.lbt_adam_jobs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.lbt_adam_jobs.restype = None
+    lib.lbt_step_jobs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.lbt_step_jobs.restype = None
     lib.lbt_prepare.argtypes = [ctypes.POINTER(KC._Format)]
     lib.lbt_prepare.restype = ctypes.c_int
     lib.formats = {}
@@ -57,9 +68,9 @@ def build(source: Path, outdir: Path):
 def lib_format(lib, name: str) -> int:
     """Address of ``name``'s format struct prepared by ``lib`` itself, so that
     builds whose tables differ in content each get their own (the struct's
-    fields are this checkout's ``kernels_cpu._Format``)."""
+    fields are this checkout's ``native._Format``)."""
     if name not in lib.formats:
-        fmt, tab = lt.formats.FORMATS[name], K._cpu_code_table(name)
+        fmt, tab = lt.formats.FORMATS[name], cpu_code_table(name)
         st = KC._Format(
             fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8), float(fmt.scale_divisor), tab.last,
             tab.decode.data_ptr(), tab.encode.data_ptr(), tab.thresholds.data_ptr(), None,
@@ -70,19 +81,19 @@ def lib_format(lib, name: str) -> int:
     return ctypes.addressof(lib.formats[name])
 
 
-def make_case(state_format: str, rows: int, cols: int, data: str):
-    """Inputs after a few real steps (non-trivial moments), fixed for every call."""
-    fm, fv = lt.STATE_FORMATS[state_format]
+def make_case(spec: StepSpec, state_format: str, rows: int, cols: int, data: str, dtype: torch.dtype):
+    """Inputs after a few real steps (non-trivial states), fixed for every call."""
     gen = torch.Generator().manual_seed(0)
-    p = torch.randn(rows, cols, generator=gen)
+    p = torch.randn(rows, cols, generator=gen).to(dtype)
     g = torch.randn(rows, cols, generator=gen) * 1e-2
     if data == "narrow":
         g = (torch.rand(rows, cols, generator=gen) * 0.5 + 0.5) * g.sign() * 1e-2
-    m, v = lt.zeros(p.shape, fm), lt.zeros(p.shape, fv)
-    hyper = K.adam_hyperparams(count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+    g = g.to(dtype)
+    states = tuple(lt.zeros(p.shape, state_format, signed=s) for s in spec.signed)
+    hyper = step_hyperparams(spec, count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
     for _ in range(5):
-        K.adam_step_quantized_([(p, g, m.codes, m.scale, v.codes, v.scale, fm, fv, (m.block_size, v.block_size), hyper)])
-    return fm, fv, p, g, m, v, hyper
+        run_step(spec, hyper, [StepLeaf(p, g, states)], write=True, inplace=True, backend="native")
+    return p, g, states, hyper
 
 
 def main(argv=None) -> int:
@@ -96,9 +107,11 @@ def main(argv=None) -> int:
     ap.add_argument("--show", action="store_true", help="print every round's figure")
     ap.add_argument("--inplace", action="store_true",
                     help="update param and states in place, as the bridge does (each build on its own copies)")
+    ap.add_argument("--rule", default="adamw", choices=sorted(RULES))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     if not KC.available():
-        print("native CPU kernels unavailable (no C compiler, or LOWBIT_TREE_NATIVE=0)")
+        print("native CPU kernels unavailable (no working C compiler)")
         return 1
     sources = args.sources or [KC._SOURCE]
     torch.set_num_threads(args.threads)
@@ -109,26 +122,27 @@ def main(argv=None) -> int:
             for size in args.sizes.split(","):
                 rows, cols = (int(x) for x in size.split("x"))
                 for data in args.data.split(","):
-                    fm, fv, p, g, m, v, hyper = make_case(sf, rows, cols, data)
-                    mc, vc = m.codes.view(torch.uint8), v.codes.view(torch.uint8)
+                    spec = RULES[args.rule]
+                    p, g, states, hyper = make_case(spec, sf, rows, cols, data, getattr(torch, args.dtype))
                     for li in range(len(libs)):
-                        if args.inplace:  # out = the inputs, copies per build
-                            out = (p.clone(), mc.clone(), m.scale.clone(), vc.clone(), v.scale.clone())
-                            ins = out
-                        else:
-                            out = (torch.empty_like(p), torch.empty_like(mc), torch.empty_like(m.scale),
-                                   torch.empty_like(vc), torch.empty_like(v.scale))
-                            ins = (p, mc, m.scale, vc, v.scale)
-                        row = KC._adam_job_row(rows, cols, ins[0], g, out[0], ins[1], ins[2], ins[3], ins[4], out[1],
-                                               out[2], out[3], out[4], None, None, hyper, fm, m.block_size, fv,
-                                               v.block_size)
-                        row[16], row[17] = lib_format(libs[li], fm), lib_format(libs[li], fv)
+                        # out of place: the param is written in place always (written params are the
+                        # bridge's mode); --inplace also updates the states in place
+                        pp = p.clone()
+                        new = tuple(lt.QTensor(s.codes.clone(), s.scale.clone(), s.shape, s.block_size, s.format)
+                                    for s in states)
+                        ins = new if args.inplace else states
+                        sts = tuple(KC.NativeState(i.codes.view(torch.uint8), o.codes.view(torch.uint8), i.scale,
+                                                   o.scale, o.format, o.block_size) for i, o in zip(ins, new))
+                        row = KC.job_row(KC.NativeJob(rows, cols, pp, g, pp, spec, True, False, 0, hyper, sts))
+                        for i, s in enumerate(new):  # this build's own format structs
+                            row[12 + 6 * i + 4] = lib_format(libs[li], s.format)
+                        out = (pp,) + tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale))
                         cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out,
-                                         inputs=(p, g, m, v, hyper), n=rows * cols, ns=[]))
+                                         inputs=(p, g, states, hyper), n=rows * cols, ns=[]))
         for _ in range(args.rounds):
             for c in cfgs:
                 calls = max(1, int(2e6 // c["n"]))
-                fn, ptr = c["lib"].lbt_adam_jobs, c["table"].data_ptr()
+                fn, ptr = c["lib"].lbt_step_jobs, c["table"].data_ptr()
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn(1, ptr, args.threads)

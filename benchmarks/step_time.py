@@ -4,11 +4,18 @@ bitsandbytes, all in one process on the same parameters and gradients.
 Cases: (a) 2 x 2048x2048; (b) a GPT-like set of ~76 mixed tensors (~10M params:
 embeddings, qkv, mlp, layer norms, biases); (c) many small tensors.
 
-Implementations (each skipped with a note when unavailable):
+Implementations (each skipped with a note when unavailable); params float32 unless
+the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic rounding):
   torch-fused, torch-foreach        torch.optim.AdamW (fp32 states)
+  torch-fused-bf16                  torch.optim.AdamW(fused=True) on bfloat16 params
   bridge-fp32/8bit/4bit/fp8         bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
-  kernels-8bit/4bit/fp8             lowbit_tree.kernels.adam_step_quantized driven
-                                    directly (in place, one call per parameter)
+  bridge-8bit-bf16, ...-bf16sr      the same classes on bfloat16 params
+  bridge-8bit-amsgrad, ...          AdamW*(amsgrad=True)
+  bridge-lion-8bit, ...             bridge.Lion8bit / Lion4bit / Lion(state_format="fp8")
+  bridge-sgd-8bit, ...              bridge.SGD8bit / SGD(state_format=...), momentum 0.9
+  functional-8bit, ...              lowbit_tree.adamw: tx.update + apply_updates, eager
+  functional-lion-8bit, -sgd-8bit   lowbit_tree.lion / lowbit_tree.sgd(momentum=0.9)
+  functional-4bit-rank1             lowbit_tree.adamw(state_format="4bit", rank1_normalization=True)
   torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
   bnb-8bit                          bitsandbytes.optim.AdamW8bit
 
@@ -38,16 +45,19 @@ import warnings
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import kernels as K
+from lowbit_tree import kernels
 
-IMPLS = [
-    "torch-fused", "torch-foreach",
-    "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8",
-    "kernels-8bit", "kernels-4bit", "kernels-fp8",
-    "torchao-8bit", "torchao-4bit", "torchao-fp8",
-    "bnb-8bit",
-]
-QUICK_IMPLS = ["torch-fused", "bridge-8bit", "kernels-8bit", "kernels-4bit", "kernels-fp8", "torchao-8bit", "bnb-8bit"]
+LOW = ("8bit", "4bit", "fp8")
+IMPLS = (
+    ["torch-fused", "torch-foreach", "torch-fused-bf16", "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8"]
+    + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
+    + [f"bridge-lion-{f}" for f in LOW] + [f"bridge-sgd-{f}" for f in LOW]
+    + ["functional-fp32"] + [f"functional-{f}" for f in LOW]
+    + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-rank1"]
+    + ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bnb-8bit"]
+)
+QUICK_IMPLS = ["torch-fused", "bridge-8bit", "bridge-8bit-bf16", "bridge-lion-8bit", "functional-8bit", "torchao-8bit",
+               "bnb-8bit"]
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
@@ -71,62 +81,70 @@ def case_shapes(case: str) -> list[tuple[int, ...]]:
     raise ValueError(case)
 
 
-def make_params(shapes, device, seed=0):
+def make_params(shapes, device, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
-    params = [torch.randn(s, generator=gen).to(device) for s in shapes]
-    grads = [(torch.randn(s, generator=gen) * 1e-2).to(device) for s in shapes]
+    params = [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).to(device=device, dtype=dtype) for s in shapes]
     return params, grads
 
 
-# ----------------------------------------------------------------------------- kernel driver
+# ----------------------------------------------------------------------------- drivers
 
 
-class KernelAdamW:
-    """Minimal optimizer around ``kernels.adam_step_quantized`` (in-place param and
-    state; one hyperparameter tensor per step). Stands in for the bridge until the
-    bridge calls the fused kernels itself."""
+class FunctionalOptimizer:
+    """The functional API as a user runs it: ``updates, state = tx.update(grads, state,
+    params)`` then ``params = apply_updates(params, updates)`` (pure: new tensors each
+    step), eagerly."""
 
-    def __init__(self, params, state_format, lr, betas, eps, weight_decay):
-        self.params = list(params)
-        self.fmt_m, self.fmt_v = lt.STATE_FORMATS[state_format]
-        self.hp = dict(lr=lr, b1=betas[0], b2=betas[1], eps=eps, weight_decay=weight_decay)
-        self.count = 0
-        self.state = [(lt.zeros(p.shape, self.fmt_m, device=p.device), lt.zeros(p.shape, self.fmt_v, device=p.device)) for p in self.params]
+    def __init__(self, params, tx):
+        self.values = [p.detach() for p in params]
+        self.grads = [p.grad for p in params]
+        self.tx = tx
+        self.state = tx.init(self.values)
 
     @torch.no_grad()
     def step(self):
-        if not self.params:
-            return
-        hyper = K.adam_hyperparams(count=self.count, device=self.params[0].device, **self.hp)
-        for p, (m, v) in zip(self.params, self.state):
-            st = (m.codes, m.scale, v.codes, v.scale)
-            K.adam_step_quantized(p, p.grad, *st, fmt_m=self.fmt_m, fmt_v=self.fmt_v,
-                                  block_size=(m.block_size, v.block_size), shape=p.shape, hyper=hyper,
-                                  out=p, state_out=st)
-        self.count += 1
+        updates, self.state = self.tx.update(self.grads, self.state, self.values)
+        self.values = lt.apply_updates(self.values, updates)
 
     def state_bytes(self):
-        return sum(m.nbytes + v.nbytes for m, v in self.state)
+        return sum(r.nbytes for r in lt.state_report(self.state)[:-1] if r.format not in ("int32", "int64"))
+
+
+def param_dtype(impl: str) -> torch.dtype:
+    return torch.bfloat16 if impl.endswith(("-bf16", "-bf16sr")) else torch.float32
 
 
 def make_optimizer(impl, params):
     """-> (optimizer, note) or (None, reason)."""
     lr, betas, eps, wd = HP["lr"], HP["betas"], HP["eps"], HP["weight_decay"]
-    fam, _, kind = impl.partition("-")
+    parts = impl.split("-")
+    fam = parts[0]
     if fam == "torch":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{kind: True}), ""
-    if fam == "kernels":
-        backend = "native" if params[0].device.type == "cpu" and lt_native() else "torch-compiled"
-        return KernelAdamW(params, kind, lr, betas, eps, wd), backend
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{parts[1]: True}), ""
+    if fam == "functional":
+        rule = parts[1] if parts[1] in ("lion", "sgd") else "adamw"
+        fmt = parts[2] if rule != "adamw" else parts[1]
+        if rule == "lion":
+            tx = lt.lion(1e-4, weight_decay=wd, state_format=fmt)
+        elif rule == "sgd":
+            tx = lt.sgd(1e-2, momentum=0.9, state_format=fmt)
+        else:
+            tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=impl.endswith("rank1"))
+        return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
     if fam == "bridge":
         try:
             import bridge
         except Exception as e:  # noqa: BLE001
             return None, f"bridge not importable ({type(e).__name__})"
-        cls = {"fp32": "AdamW", "8bit": "AdamW8bit", "4bit": "AdamW4bit", "fp8": "AdamWFp8"}[kind]
-        if not hasattr(bridge, cls):
-            return None, f"bridge.{cls} missing"
-        return getattr(bridge, cls)(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
+        if parts[1] == "lion":
+            return bridge.Lion(params, lr=1e-4, weight_decay=wd, state_format=parts[2]), ""
+        if parts[1] == "sgd":
+            return bridge.SGD(params, lr=1e-2, momentum=0.9, state_format=parts[2]), ""
+        fmt, extra = parts[1], parts[2:]
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, state_format=fmt,
+                  amsgrad="amsgrad" in extra, bf16_stochastic_round="bf16sr" in extra)
+        return bridge.AdamW(params, **kw), ""
     if fam == "torchao":
         try:
             with warnings.catch_warnings():
@@ -134,7 +152,7 @@ def make_optimizer(impl, params):
                 import torchao.optim as ao
         except Exception as e:  # noqa: BLE001
             return None, f"torchao not installed ({type(e).__name__})"
-        cls = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}[kind]
+        cls = {"8bit": ao.AdamW8bit, "4bit": ao.AdamW4bit, "fp8": ao.AdamWFp8}[parts[1]]
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
     if fam == "bnb":
         try:
@@ -146,9 +164,9 @@ def make_optimizer(impl, params):
 
 
 def lt_native() -> bool:
-    from lowbit_tree import kernels_cpu
+    from lowbit_tree.kernels import native
 
-    return kernels_cpu.available()
+    return native.available()
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -208,7 +226,7 @@ def sync(device):
 def setup(impl, shapes, device):
     """Params, grads and the optimizer of one implementation, after its first
     (timed: compilation) and one warm step."""
-    params, grads = make_params(shapes, device)
+    params, grads = make_params(shapes, device, dtype=param_dtype(impl))
     for p, g in zip(params, grads):
         p.grad = g
     opt, note = make_optimizer(impl, params)
@@ -296,14 +314,14 @@ def run_case(case, device, impls, steps, out):
 def print_row(r, rows):
     ref = next((x for x in rows if x["impl"] == "torch-fused" and "median_ms" in x), None)
     if len(rows) == 1:
-        print(f"  {'impl':<15}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
+        print(f"  {'impl':<22}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
     if "skipped" in r:
-        print(f"  {r['impl']:<15}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
+        print(f"  {r['impl']:<22}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
         return
     ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
     r["ratio_to_fused"] = ratio
     peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
-    print(f"  {r['impl']:<15}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
+    print(f"  {r['impl']:<22}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
           f"{r['state_bytes_per_param']:>9.3f}{peak:>9}  {r['note']}", flush=True)
 
 
@@ -328,7 +346,7 @@ def main(argv=None) -> int:
     if "torch-fused" not in impls:
         impls = ["torch-fused"] + impls  # the reference of every ratio
     print(f"torch {torch.__version__}, lowbit_tree {lt.__version__}, native CPU kernels: {lt_native()}, "
-          f"LOWBIT_TREE_EAGER={os.environ.get('LOWBIT_TREE_EAGER', '')!r}")
+          f"LOWBIT_TREE_BACKEND={os.environ.get('LOWBIT_TREE_BACKEND', '')!r}")
     out = []
     for case in cases:
         run_case(case, device, impls, steps, out)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -50,20 +49,12 @@ def main(argv=None) -> int:
     add_arguments(demo)
     demo.set_defaults(func=_run_demo)
 
-    bench = sub.add_parser("bench", help="the step-time benchmark (benchmarks/step_time.py; arguments pass through)",
-                           add_help=False)
-    bench.set_defaults(func=_run_bench)
-
     ins = sub.add_parser("inspect", help="what precision each state of a saved optimizer state is stored in",
                          description="PATH: a torch.save'd optimizer state dict, a DCP checkpoint directory, or a "
                                      "torch.save'd lowbit_tree core state. Loaded with weights_only=True.")
     ins.add_argument("path")
     ins.set_defaults(func=_run_inspect)
-    args, rest = ap.parse_known_args(argv)
-    if args.command == "bench":
-        return _run_bench(rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = ap.parse_args(argv)
     return args.func(args)
 
 
@@ -77,34 +68,6 @@ def _run_inspect(args) -> int:
     from .inspect_state import run
 
     return run(args)
-
-
-def step_time_script() -> str:
-    """benchmarks/step_time.py of the source checkout this package was installed (editable) from."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "step_time.py")
-
-
-def _run_bench(rest) -> int:
-    """Run benchmarks/step_time.py's ``main`` with the remaining arguments."""
-    import importlib.util
-
-    path = step_time_script()
-    if not os.path.exists(path):
-        print(f"lowbit-tree bench: {path} not found; the step-time benchmark ships with the source checkout "
-              "(run from a clone installed with pip install -e .)", file=sys.stderr)
-        return 2
-    spec = importlib.util.spec_from_file_location("lowbit_tree_step_time", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "main"):
-        print(f"lowbit-tree bench: {path} has no main()", file=sys.stderr)
-        return 2
-    sys.argv = [path, *rest]  # for a main() that parses sys.argv itself
-    import inspect
-
-    takes_argv = bool(inspect.signature(module.main).parameters)
-    result = module.main(rest) if takes_argv else module.main()
-    return int(result or 0)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ def adam(
     """Adam as torch.optim.Adam: ``chain([flip_sign], [add_decayed_weights], scale_by_adam,
     scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient
     (after the sign flip of ``maximize``, as torch does)."""
+    l2 = () if _is_zero(weight_decay) else (add_decayed_weights(weight_decay),)  # no link: the old state layout
     return _finish(
-        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
+        *l2,
         scale_by_adam(
             b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
             min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,

@@ -1,4 +1,4 @@
-"""``lowbit-tree inspect`` on each input kind, and its one-line errors; ``bench`` and ``roundtrip``."""
+"""``lowbit-tree inspect`` on each input kind, and its one-line errors; and ``roundtrip``."""
 import warnings
 
 import pytest
@@ -114,16 +114,6 @@ def test_inspect_rejects_non_checkpoints(tmp_path, capsys):
     (tmp_path / "empty_dir").mkdir()
     assert "not a readable DCP checkpoint" in _error(tmp_path / "empty_dir", capsys)
     assert "no such file" in _error(tmp_path / "missing.pt", capsys)
-
-
-def test_bench_missing_or_passthrough(capsys):
-    from bridge.cli import step_time_script
-    import os
-
-    if os.path.exists(step_time_script()):
-        pytest.skip("benchmarks/step_time.py exists; its own tests cover it")
-    assert main(["bench", "--anything"]) == 2
-    assert "not found" in capsys.readouterr().err
 
 
 def test_roundtrip_still_works(capsys):

@@ -63,7 +63,7 @@ def check_quantize(x2, fmt, bs, **kw):
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_quantize_dequantize_bit_identical(name, kw):
     fmt = lt.FORMATS[name]
-    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    gen = torch.Generator().manual_seed(FORMAT_NAMES.index(name))  # stable (hash() is salted per process)
     for shape, bs in SHAPES_BS:
         bs = bs or fmt.default_block_size
         x = hard_values(shape, fmt, gen)

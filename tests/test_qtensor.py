@@ -1,6 +1,7 @@
 """The QTensor record against an independent brute-force quantizer."""
 import io
 import math
+import zlib
 
 import numpy as np
 import optree
@@ -72,7 +73,7 @@ SHAPES = [(7, 13, 3), (300,), (5, 257), (1, 1), (2, 1, 9), ()]
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("kind", ["randn", "heavy", "tiny", "huge"])
 def test_matches_brute_force_nearest_code(name, kind):
-    gen = torch.Generator().manual_seed(hash((name, kind)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{kind}".encode()))  # stable across processes
     for shape in SHAPES:
         for bs in (1, 7, 64, None):
             x = inputs_for(name, shape, gen, kind)
