@@ -933,8 +933,8 @@ static inline float bf16_value(uint16_t h) { uint32_t u = (uint32_t)h << 16; flo
 /* torch's float -> bfloat16: to nearest even, NaN -> 0x7FC0 */
 static inline uint16_t bf16_round(float x) {
     uint32_t u = (uint32_t)f2i(x);
-    if (x != x) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)(x != x ? 0x7FC0u : r); /* a select, not a branch: the loops vectorize */
 }
 
 static inline uint32_t mix32(uint32_t x) {
@@ -971,8 +971,21 @@ static void load_plain(const void *src, int64_t dt, int64_t n, float *restrict d
 static void store_plain(const float *restrict x, int64_t n, int64_t dt, void *dst, int sr, int64_t idx0, uint32_t h) {
     if (dt == LBT_BF16) {
         uint16_t *restrict d = (uint16_t *)dst;
-        if (sr) for (int64_t k = 0; k < n; k++) d[k] = bf16_stochastic(x[k], idx0 + k, h);
-        else for (int64_t k = 0; k < n; k++) d[k] = bf16_round(x[k]);
+        if (!sr) {
+            for (int64_t k = 0; k < n; k++) d[k] = bf16_round(x[k]);
+        } else if (((uint64_t)idx0 >> 32) == ((uint64_t)(idx0 + n - 1) >> 32)) {
+            /* bf16_stochastic with the high word of the index hoisted (one per run):
+             * integer ops and selects only, so the loop vectorizes */
+            const uint32_t c = mix32((uint32_t)(((uint64_t)idx0 >> 32) + h)) + h, lo0 = (uint32_t)idx0;
+            for (int64_t k = 0; k < n; k++) {
+                uint32_t u = (uint32_t)f2i(x[k]);
+                uint32_t r = mix32(mix32(lo0 + (uint32_t)k) ^ c) & 0xFFFFu;
+                uint32_t s = (u + r) >> 16, rne = bf16_round(x[k]);
+                d[k] = (uint16_t)((u & 0x7F800000u) != 0x7F800000u ? s : rne);
+            }
+        } else {
+            for (int64_t k = 0; k < n; k++) d[k] = bf16_stochastic(x[k], idx0 + k, h);
+        }
     } else if (dt == LBT_F16) {
         _Float16 *restrict d = (_Float16 *)dst;
         for (int64_t k = 0; k < n; k++) d[k] = (_Float16)x[k];
@@ -994,9 +1007,9 @@ static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
  * case (a param updated in place through 8-bit table formats), every other
  * epilogue is a second pass over the run (epilogue_pass). */
 typedef struct {
-    const uint8_t *mc, *vc;
-    const float *dm, *dv;
-    float sm, sv;
+    const uint8_t *mc, *vc, *wc;
+    const float *dm, *dv, *dw;
+    float sm, sv, sw;
 } block_codes;
 
 static inline __attribute__((always_inline)) void rule_run(
@@ -1006,8 +1019,10 @@ static inline __attribute__((always_inline)) void rule_run(
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
+    const uint8_t *restrict wc = DEC && VAR ? D->wc : NULL;
     const float *restrict dm = DEC ? D->dm : NULL, *restrict dv = DEC ? D->dv : NULL;
-    const float sm = DEC ? D->sm : 0.0f, svs = DEC ? D->sv : 0.0f;
+    const float *restrict dw = DEC && VAR ? D->dw : NULL;
+    const float sm = DEC ? D->sm : 0.0f, svs = DEC ? D->sv : 0.0f, sws = DEC && VAR ? D->sw : 0.0f;
     int32_t a0 = 0, a1 = 0, a2 = 0;
     for (int64_t k = 0; k < n; k++) {
         const float gi = g[k];
@@ -1024,7 +1039,14 @@ static inline __attribute__((always_inline)) void rule_run(
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
             if (VAR) { /* amsgrad: the running max of v */
-                float w0 = s2[k], w = (v > w0 || v != v) ? v : w0;
+                float w0;
+                if (DEC) {
+                    float t = dw[wc[k]] * sws;
+                    w0 = TR == 1 ? t * t : t;
+                } else {
+                    w0 = s2[k];
+                }
+                float w = (v > w0 || v != v) ? v : w0;
                 sr = sqrtf(w);
                 t2 = TR == 1 ? sr : (TR == 2 && w < 0.0f ? NAN : w);
                 s2[k] = t2;
@@ -1057,20 +1079,31 @@ static inline __attribute__((always_inline)) void rule_run(
 }
 
 /* The epilogue on u (float32): EPI 0 u; 1 (-lr) u; 2 (-lr) (u + wd p); 3 u + wd p;
- * then o = d, or o = p + d when writing the param (o then holds p). */
-static void epilogue_pass(const float *restrict hyper, int64_t n, const float *restrict u, const float *p, float *o,
-                          int epi, int write) {
-    const float nlr = -hyper[7], wd = hyper[8];
-#define LBT_EPI(EXPR)                                                                    \
-    if (write) for (int64_t k = 0; k < n; k++) { float pi = o[k]; o[k] = pi + (EXPR); }            \
-    else for (int64_t k = 0; k < n; k++) { float pi = p ? p[k] : 0.0f; o[k] = (EXPR); }
+ * then o = d, or o = p + d when writing the param (o then holds p). One loop per
+ * case, each over restrict pointers, so that every one is vectorized. */
+static void epi_write(const float *restrict u, float *restrict o, int64_t n, float nlr, float wd, int epi) {
     switch (epi) {
-    case 0: LBT_EPI(u[k]) break;
-    case 1: LBT_EPI(nlr * u[k]) break;
-    case 2: LBT_EPI(nlr * (u[k] + wd * pi)) break;
-    default: LBT_EPI(u[k] + wd * pi) break;
+    case 0: for (int64_t k = 0; k < n; k++) o[k] = o[k] + u[k]; break;
+    case 1: for (int64_t k = 0; k < n; k++) o[k] = o[k] + nlr * u[k]; break;
+    case 2: for (int64_t k = 0; k < n; k++) { float pi = o[k]; o[k] = pi + nlr * (u[k] + wd * pi); } break;
+    default: for (int64_t k = 0; k < n; k++) { float pi = o[k]; o[k] = pi + (u[k] + wd * pi); } break;
     }
-#undef LBT_EPI
+}
+
+static void epi_out(const float *restrict u, const float *restrict p, float *restrict o, int64_t n, float nlr,
+                    float wd, int epi) {
+    switch (epi) {
+    case 0: for (int64_t k = 0; k < n; k++) o[k] = u[k]; break;
+    case 1: for (int64_t k = 0; k < n; k++) o[k] = nlr * u[k]; break;
+    case 2: for (int64_t k = 0; k < n; k++) o[k] = nlr * (u[k] + wd * p[k]); break;
+    default: for (int64_t k = 0; k < n; k++) o[k] = u[k] + wd * p[k]; break;
+    }
+}
+
+static void epilogue_pass(const float *hyper, int64_t n, const float *u, const float *p, float *o, int epi,
+                          int write) {
+    if (write) epi_write(u, o, n, -hyper[7], hyper[8], epi);
+    else epi_out(u, p, o, n, -hyper[7], hyper[8], epi);
 }
 
 typedef struct {
@@ -1099,6 +1132,8 @@ static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const
     LBT_RUN(LBT_ADAM, 1, 0, 0, 0) LBT_RUN(LBT_ADAM, 1, 1, 0, 0) LBT_RUN(LBT_ADAM, 1, 2, 0, 0)
     LBT_RUN(LBT_ADAM, 0, 1, 1, 0) LBT_RUN(LBT_ADAM, 0, 1, 1, 1) LBT_RUN(LBT_ADAM, 0, 1, 1, 2)
     LBT_RUN(LBT_ADAM, 0, 2, 1, 0) LBT_RUN(LBT_ADAM, 0, 2, 1, 1) LBT_RUN(LBT_ADAM, 0, 2, 1, 2)
+    LBT_RUN(LBT_ADAM, 1, 1, 1, 0) LBT_RUN(LBT_ADAM, 1, 1, 1, 1) LBT_RUN(LBT_ADAM, 1, 1, 1, 2)
+    LBT_RUN(LBT_ADAM, 1, 2, 1, 0) LBT_RUN(LBT_ADAM, 1, 2, 1, 1) LBT_RUN(LBT_ADAM, 1, 2, 1, 2)
     LBT_RUN(LBT_LION, 0, 0, 0, 0)
     LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0)
 #undef LBT_RUN
@@ -1221,19 +1256,21 @@ typedef struct {
 
 static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, int64_t len, scratch *B) {
     const int64_t bs = J->st[0].bs, ns = J->nstates;
-    const lbt_format *f0 = J->st[0].f, *f1 = ns > 1 ? J->st[1].f : NULL;
+    const lbt_format *f0 = J->st[0].f, *f1 = ns > 1 ? J->st[1].f : NULL, *f2 = ns > 2 ? J->st[2].f : NULL;
     const int tr = state_tr(f1);
-    /* ADAM with two 8-bit table formats: decoded inside the rule loop, whose
+    /* ADAM's states in 8-bit table formats: decoded inside the rule loop, whose
      * vector work then overlaps the table loads */
-    const int dec = J->rule == LBT_ADAM && ns == 2 && f0->bits == 8 && !f0->e4m3_arith && f1->bits == 8 &&
-                    !f1->e4m3_arith;
+    const int dec = J->rule == LBT_ADAM && ns >= 2 && f0->bits == 8 && !f0->e4m3_arith && f1->bits == 8 &&
+                    !f1->e4m3_arith && (!f2 || (f2->bits == 8 && !f2->e4m3_arith && state_tr(f2) == tr));
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         run_io io;
         for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
         block_codes D;
         if (dec) {
-            D = (block_codes){RP->ci[0] + b0, RP->ci[1] + b0, f0->decode, f1->decode, RP->si[0][blk], RP->si[1][blk]};
+            D = (block_codes){RP->ci[0] + b0, RP->ci[1] + b0, f2 ? RP->ci[2] + b0 : NULL,
+                              f0->decode, f1->decode, f2 ? f2->decode : NULL,
+                              RP->si[0][blk], RP->si[1][blk], f2 ? RP->si[2][blk] : 0.0f};
         } else {
             for (int64_t i = 0; i < ns; i++) {
                 const lbt_format *f = J->st[i].f;
