@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..formats import Format, get_format
+from ..qtensor import QTensor, row_layout
 from . import native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
@@ -151,8 +152,6 @@ def dequantize_rows_fast(codes: torch.Tensor, scale: torch.Tensor, fmt: str | Fo
 
 def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
     """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
-    from ..qtensor import row_layout
-
     rows, r = row_layout(q.shape)
     out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
     return out.reshape(q.shape).to(dtype)
@@ -174,9 +173,7 @@ class StepLeaf(NamedTuple):
 
 
 def _is_q(s) -> bool:
-    from ..qtensor import QTensor
-
-    return isinstance(s, QTensor)
+    return type(s) is QTensor
 
 
 def _native_ok(leaf: StepLeaf, write: bool) -> bool:
@@ -194,17 +191,9 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
                for s in states)
 
 
-def _row_view(shape) -> tuple[int, int]:
-    from ..qtensor import row_layout
-
-    return row_layout(tuple(shape))
-
-
 def _native_state(s, inplace: bool):
     """(NativeState, the new leaf) for state ``s``: written in place, or into new tensors."""
-    from ..qtensor import QTensor
-
-    if _is_q(s):
+    if type(s) is QTensor:
         codes = s.codes.view(torch.uint8)
         if inplace:
             return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
@@ -281,6 +270,7 @@ def run_step(
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
     jobs = []
+    backends: dict = {}  # device -> backend, decided once per call
     for i, leaf in enumerate(leaves):
         g, p = leaf.grad, leaf.param
         if spec.needs_param or write:
@@ -295,9 +285,11 @@ def run_step(
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             news[i] = tuple(leaf.states) if inplace else tuple(_clone_leaf(s) for s in leaf.states)
             continue
-        which = backend_for(g.device, backend)
+        which = backends.get(g.device)
+        if which is None:
+            which = backends[g.device] = backend_for(g.device, backend)
         if which == "native" and _native_ok(leaf, write):
-            rows, r = _row_view(g.shape)
+            rows, r = row_layout(g.shape)
             pairs = [_native_state(s, inplace) for s in leaf.states]
             out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
             sr_hash = 0

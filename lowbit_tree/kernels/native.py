@@ -259,29 +259,28 @@ def _flags(job: NativeJob) -> int:
             | (_STOCHASTIC if job.stochastic else 0))
 
 
-def job_row(job: NativeJob) -> list[int]:
+def _addr(t: torch.Tensor, dtypes: tuple, numel: int, what: str, rows: int, r: int) -> int:
+    """``t``'s address after the checks the C code relies on: a contiguous CPU tensor
+    of one of ``dtypes`` with ``numel`` elements (else a ValueError naming it)."""
+    if t.dtype not in dtypes or not t.is_cpu or not t.is_contiguous():
+        _check(t, dtypes[0] if t.dtype not in dtypes else t.dtype, what)
+    if t.numel() != numel:
+        raise ValueError(f"native CPU kernel: {what} has {t.numel()} elements, expected {numel} (rows={rows}, R={r})")
+    return t.data_ptr()
+
+
+_F32, _U8 = (torch.float32,), (torch.uint8,)
+_DTS = tuple(DTYPE_IDS)
+
+
+def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
     """Checks one job's tensors and returns its ``lbt_job`` row (31 int64). The C
     code trusts these sizes: they are checked here, so it never reads or writes out
-    of bounds. A tensor passed twice (in place) is checked once."""
+    of bounds. A tensor passed twice (in place) is checked once; ``hyper_ptr``: the
+    address of a hyperparameter vector the caller checked already."""
     rows, r = job.rows, job.r
     n = rows * r
-    seen: dict = {}
-
-    def ptr(t, dtype, numel, what):
-        if t is None:
-            return 0
-        p = seen.get(id(t))
-        if p is None:
-            if t.dtype not in ((dtype,) if isinstance(dtype, torch.dtype) else dtype):
-                _check(t, dtype if isinstance(dtype, torch.dtype) else dtype[0], what)
-            if not t.is_cpu or not t.is_contiguous():
-                _check(t, t.dtype, what)
-            if t.numel() != numel:
-                raise ValueError(f"native CPU kernel: {what} has {t.numel()} elements, expected {numel} (rows={rows}, R={r})")
-            p = seen[id(t)] = t.data_ptr()
-        return p
-
-    dts = tuple(DTYPE_IDS)
+    spec = job.spec
     if job.write:
         if job.param is None or job.out is not job.param:
             raise ValueError("native CPU kernel: writing the param needs out to be the param itself")
@@ -289,39 +288,38 @@ def job_row(job: NativeJob) -> list[int]:
             raise ValueError("native CPU kernel: stochastic rounding is for bfloat16 params")
     elif job.out.dtype is not torch.float32:
         raise ValueError("native CPU kernel: the update is float32")
-    if job.spec.needs_param and job.param is None:
-        raise ValueError(f"native CPU kernel: {job.spec} needs the param")
-    if len(job.states) != job.spec.nstates:
-        raise ValueError(f"native CPU kernel: {job.spec.rule} takes {job.spec.nstates} states, got {len(job.states)}")
-    p = ptr(job.param, dts, n, "param")
-    g = ptr(job.grad, dts, n, "grad")
-    o = ptr(job.out, dts if job.write else torch.float32, n, "out")
-    h = ptr(job.hyper, torch.float32, NHYPER, "hyper")
-    row = [rows, r, p, g, o, RULE_IDS[job.spec.rule], _flags(job),
+    if spec.needs_param and job.param is None:
+        raise ValueError(f"native CPU kernel: {spec} needs the param")
+    if len(job.states) != spec.nstates:
+        raise ValueError(f"native CPU kernel: {spec.rule} takes {spec.nstates} states, got {len(job.states)}")
+    p = 0 if job.param is None else _addr(job.param, _DTS, n, "param", rows, r)
+    g = _addr(job.grad, _DTS, n, "grad", rows, r)
+    o = p if job.write else _addr(job.out, _F32, n, "out", rows, r)
+    h = hyper_ptr if hyper_ptr is not None else _addr(job.hyper, _F32, NHYPER, "hyper", 1, NHYPER)
+    row = [rows, r, p, g, o, RULE_IDS[spec.rule], _flags(job),
            DTYPE_IDS[job.param.dtype] if job.param is not None else 0, DTYPE_IDS[job.grad.dtype], h,
            job.sr_hash & 0xFFFFFFFF, len(job.states)]
-    quantized = None
+    kinds = {st.format is None for st in job.states}
+    if len(kinds) > 1:
+        raise ValueError("native CPU kernel: a leaf's states are all quantized or all plain")
     for i, st in enumerate(job.states):
         what = f"state {i}"
         if st.format is None:
-            if quantized:
-                raise ValueError("native CPU kernel: a leaf's states are all quantized or all plain")
-            quantized = False
             dt = st.src.dtype
             if dt not in _PLAIN_STATE_DTYPES or st.dst.dtype is not dt:
                 raise ValueError(f"native CPU kernel: plain {what} must be float32 or bfloat16, got {dt}")
-            row += [ptr(st.src, dt, n, what), ptr(st.dst, dt, n, what + " out"), 0, 0, 0, DTYPE_IDS[dt]]
+            src = _addr(st.src, (dt,), n, what, rows, r)
+            dst = src if st.dst is st.src else _addr(st.dst, (dt,), n, what + " out", rows, r)
+            row += [src, dst, 0, 0, 0, DTYPE_IDS[dt]]
         else:
-            if quantized is False:
-                raise ValueError("native CPU kernel: a leaf's states are all quantized or all plain")
-            quantized = True
-            cols = (r + 1) // 2 if _FORMATS[st.format].bits == 4 else r
+            fmt = _FORMATS[st.format]
+            cols = (r + 1) // 2 if fmt.bits == 4 else r
             nb = rows * -(-r // st.block_size)
-            row += [ptr(st.src, torch.uint8, rows * cols, what + " codes"),
-                    ptr(st.dst, torch.uint8, rows * cols, what + " codes out"),
-                    ptr(st.scale_src, torch.float32, nb, what + " scale"),
-                    ptr(st.scale_dst, torch.float32, nb, what + " scale out"),
-                    ctypes.addressof(_format_struct(st.format)), int(st.block_size)]
+            src = _addr(st.src, _U8, rows * cols, what + " codes", rows, r)
+            dst = src if st.dst is st.src else _addr(st.dst, _U8, rows * cols, what + " codes out", rows, r)
+            ssrc = _addr(st.scale_src, _F32, nb, what + " scale", rows, r)
+            sdst = ssrc if st.scale_dst is st.scale_src else _addr(st.scale_dst, _F32, nb, what + " scale out", rows, r)
+            row += [src, dst, ssrc, sdst, ctypes.addressof(_format_struct(st.format)), int(st.block_size)]
     row += [0] * (6 * (3 - len(job.states)))
     return row
 
@@ -334,7 +332,11 @@ def run_jobs(jobs: list) -> None:
         return
     flat = array.array("q")  # int64 rows; building a tensor from a list costs ~20 us per 100 jobs
     total = 0
+    hypers: dict = {}  # id -> checked address (jobs of a call usually share one vector)
     for job in jobs:
-        flat.extend(job_row(job))
+        h = hypers.get(id(job.hyper))
+        if h is None:
+            h = hypers[id(job.hyper)] = _addr(job.hyper, _F32, NHYPER, "hyper", 1, NHYPER)
+        flat.extend(job_row(job, h))
         total += job.rows * job.r
     library().lbt_step_jobs(len(jobs), flat.buffer_info()[0], _threads(total))
