@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from lowbit_tree import QTensor
-from lowbit_tree.moments import Rank1QTensor
+from lowbit_tree.moments import is_record
 
 __all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names"]
 
@@ -29,11 +28,6 @@ STATE_NAMES = {
     "trace": "momentum_buffer",
 }
 """Core state field -> torch.optim state name."""
-
-
-def is_record(x) -> bool:
-    """A quantized record: a leaf of the state tree as far as the bridge is concerned."""
-    return isinstance(x, (QTensor, Rank1QTensor))
 
 
 class Slot(NamedTuple):

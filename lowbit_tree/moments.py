@@ -19,17 +19,17 @@ import math
 from typing import Any, NamedTuple, Sequence
 
 import optree
-import optree.registry
 import torch
-import torch.utils._pytree as torch_pytree
 
-from .formats import get_format
-from .qtensor import QTensor, dequantize, quantize, row_layout
+from .qtensor import QTensor, dequantize, quantize
 from .qtensor import zeros as qzeros
+from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
 from .tree_utils import path_string
 
 __all__ = [
     "STATE_FORMAT_NAMES",
+    "RANK1_FORMAT",
+    "is_record",
     "Rank1QTensor",
     "should_quantize",
     "init_moment",
@@ -43,7 +43,12 @@ __all__ = [
 ]
 
 STATE_FORMAT_NAMES = ("fp32", "bf16", "8bit", "4bit", "fp8", "8bit_bnb")
-RANK1_FORMAT = "linear4_unsigned"
+
+
+def is_record(x: Any) -> bool:
+    """A quantized state record (:class:`~lowbit_tree.QTensor` or :class:`Rank1QTensor`):
+    one leaf as far as states are concerned, though optree sees its tensors."""
+    return isinstance(x, (QTensor, Rank1QTensor))
 
 
 def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
@@ -60,107 +65,6 @@ def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
 def check_state_format(state_format: str) -> None:
     if state_format not in STATE_FORMAT_NAMES:
         raise ValueError(f"state_format must be one of {STATE_FORMAT_NAMES}, got {state_format!r}")
-
-
-# ----------------------------------------------------------------------------
-# Rank-1 normalized 4-bit record
-# ----------------------------------------------------------------------------
-class Rank1QTensor:
-    """An immutable rank-1 normalized 4-bit record of a non-negative tensor.
-
-    Children: ``codes`` (uint8, ``(rows, ceil(R/2))``, two codes a byte as in
-    QTensor), ``row_max`` (float32 ``(rows,)``), ``col_max`` (float32 ``(R,)``).
-    Static metadata: ``shape`` and ``format`` (``"linear4_unsigned"``).
-    Element ``(i, j)`` dequantizes to ``map[code] * min(row_max[i], col_max[j])``.
-    """
-
-    __slots__ = ("codes", "row_max", "col_max", "shape", "format")
-
-    def __init__(self, codes, row_max, col_max, shape: Sequence[int], format: str = RANK1_FORMAT):
-        object.__setattr__(self, "codes", codes)
-        object.__setattr__(self, "row_max", row_max)
-        object.__setattr__(self, "col_max", col_max)
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
-        object.__setattr__(self, "format", str(format))
-
-    def __setattr__(self, name, value):
-        raise AttributeError("Rank1QTensor is immutable")
-
-    def __reduce__(self):
-        return (Rank1QTensor, (self.codes, self.row_max, self.col_max, self.shape, self.format))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.row_max, self.col_max))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return rank1_dequantize(self, dtype)
-
-    def __repr__(self) -> str:
-        return f"Rank1QTensor(format={self.format!r}, shape={self.shape})"
-
-
-optree.register_pytree_node(
-    Rank1QTensor,
-    lambda q: ((q.codes, q.row_max, q.col_max), (q.shape, q.format), ("codes", "row_max", "col_max")),
-    lambda meta, children: Rank1QTensor(*children, *meta),
-    path_entry_type=optree.GetAttrEntry,
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
-)
-torch_pytree.register_pytree_node(
-    Rank1QTensor,
-    lambda q: ([q.codes, q.row_max, q.col_max], (q.shape, q.format)),
-    lambda children, meta: Rank1QTensor(*children, *meta),
-    serialized_type_name="lowbit_tree.Rank1QTensor",
-)
-torch.serialization.add_safe_globals([Rank1QTensor])
-
-
-def rank1_quantize(x: torch.Tensor) -> Rank1QTensor:
-    """Quantize a non-negative tensor with rank-1 normalization (a new record).
-
-    A negative or NaN entry poisons its row and column maxima (NaN), so it
-    dequantizes to NaN rather than to finite garbage.
-    """
-    fmt = get_format(RANK1_FORMAT)
-    shape = tuple(x.shape)
-    rows, r = row_layout(shape)
-    x2 = x.detach().float().reshape(rows, r)
-    x2 = torch.where(x2 < 0, torch.full_like(x2, float("nan")), x2)
-    row_max = x2.amax(dim=1) if r > 0 else x2.new_zeros(rows)
-    col_max = x2.amax(dim=0) if rows > 0 else x2.new_zeros(r)
-    norm = torch.minimum(row_max[:, None], col_max[None, :])
-    safe = torch.where(norm > 0, norm, torch.ones_like(norm))
-    idx = torch.bucketize((x2 / safe).double(), fmt.midpoints.to(x2.device), right=True)
-    idx = idx.clamp_(0, fmt.values.numel() - 1).to(torch.uint8)
-    if r % 2:
-        idx = torch.nn.functional.pad(idx, (0, 1))
-    pairs = idx.reshape(rows, idx.shape[1] // 2, 2)
-    codes = pairs[..., 0] | (pairs[..., 1] << 4)
-    return Rank1QTensor(codes, row_max, col_max, shape, RANK1_FORMAT)
-
-
-def rank1_dequantize(q: Rank1QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    rows, r = row_layout(q.shape)
-    table = get_format(q.format).values.to(q.codes.device)
-    idx = torch.stack([q.codes & 0x0F, q.codes >> 4], dim=-1).reshape(rows, 2 * q.codes.shape[1])[:, :r]
-    norm = torch.minimum(q.row_max[:, None], q.col_max[None, :])
-    return (table[idx.long()] * norm).reshape(q.shape).to(dtype)
-
-
-def rank1_zeros(shape: Sequence[int], device=None) -> Rank1QTensor:
-    rows, r = row_layout(shape)
-    return Rank1QTensor(
-        torch.zeros(rows, -(-r // 2), dtype=torch.uint8, device=device),
-        torch.zeros(rows, dtype=torch.float32, device=device),
-        torch.zeros(r, dtype=torch.float32, device=device),
-        shape,
-        RANK1_FORMAT,
-    )
 
 
 # ----------------------------------------------------------------------------
@@ -234,7 +138,6 @@ def state_report(state: Any) -> list[ReportRow]:
     or the dtype (``"float32"``, ``"bfloat16"``, ``"int32"``) of a plain tensor;
     ``shape`` is the logical shape.
     """
-    is_record = lambda x: isinstance(x, (QTensor, Rank1QTensor))
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=is_record)
     rows = []
     for acc, leaf in zip(accessors, leaves):
@@ -256,3 +159,7 @@ def format_state_report(rows: list[ReportRow]) -> str:
     for r in rows:
         lines.append(f"{r.path:<{width}}  {r.format:<24} {str(r.shape):<20} {r.nbytes:>12}")
     return "\n".join(lines)
+
+
+# States saved before Rank1QTensor moved to lowbit_tree.rank1 name it by its old path.
+torch.serialization.add_safe_globals([(Rank1QTensor, "lowbit_tree.moments.Rank1QTensor")])
