@@ -8,10 +8,12 @@ Results that the test compares across runs are written by rank 0 with ``torch.sa
 from __future__ import annotations
 
 import copy
+import faulthandler
 import math
 import os
 import sys
 import tempfile
+import traceback
 from datetime import timedelta
 
 import torch
@@ -27,38 +29,49 @@ PG_TIMEOUT_S = 60
 # launching
 # ----------------------------------------------------------------------------
 def _entry(rank, fn, world, store_file, args):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=PG_TIMEOUT_S),
-    )
+    """One rank: run ``fn``, then leave with ``os._exit`` (never through interpreter shutdown).
+
+    pytorch issue 190489: during ``Py_FinalizeEx`` gloo's worker thread can free a finished
+    Work whose tensors own Python objects; taking the GIL there ends the thread with
+    ``pthread_exit`` on CPython 3.11, the forced unwind crosses a noexcept destructor and the
+    process aborts (SIGABRT / SIGSEGV) after the test's work was done. So a rank tears the
+    process group down, flushes its output and exits at once: 0 after success, 1 after
+    printing the traceback of a failure (the launcher then fails the test)."""
+    faulthandler.enable(all_threads=True)  # a real crash still prints every thread's stack
+    code = 0
     try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=PG_TIMEOUT_S),
+        )
         fn(rank, world, *args)
         dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported, then a non-zero exit fails the launch
+        traceback.print_exc()
+        code = 1
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = code or 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def launch(fn, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; raise if any fails.
 
-    The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``). The rendezvous is a
-    fresh FileStore, not a TCP port: no race with other jobs for a "free" port."""
-    # KNOWN ISSUE (design.md, "Open issue"): about one launch in three, one rank dies by
-    # SIGSEGV / SIGABRT ("malloc(): unaligned tcache chunk detected") inside torch with gloo,
-    # with and without our fast paths; the cause is not found. A launch whose rank died by a
-    # signal (never one that raised or failed an assertion) is retried, loudly, up to twice.
-    for attempt in range(3):
-        try:
-            with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as tmp:
-                store_file = os.path.join(tmp, "store")
-                mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
-            return
-        except mp.ProcessExitedException as e:
-            if e.signal_name is None or attempt == 2:
-                raise
-            print(f"WARNING: {fn.__name__} at world {world}: rank died by {e.signal_name}; retrying "
-                  f"(known intermittent crash, see design.md)", file=sys.stderr)
+    A rank that raises exits with status 1 after printing its traceback; a rank killed by a
+    signal fails the launch too (``ProcessExitedException`` names the signal). Nothing is
+    retried. The children inherit ``os.environ`` (e.g. ``TORCHINDUCTOR_CACHE_DIR``). The
+    rendezvous is a fresh FileStore, not a TCP port: no race with other jobs for a "free" port."""
+    with tempfile.TemporaryDirectory(prefix="lowbit_fsdp_") as tmp:
+        store_file = os.path.join(tmp, "store")
+        mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
 
 
 # ----------------------------------------------------------------------------
