@@ -8,11 +8,23 @@ Every rank keeps the optimizer states (codes and block scales) of its own shard 
 weight only; ``exp_avg.full_tensor()`` gathers a whole state. ``dcp.save`` writes one
 row-sharded ``exp_avg::codes`` / ``exp_avg::scale`` pair per state, which loads at any
 world size (try ``--nproc_per_node 1`` or ``3`` on the second run with the same --ckpt).
+
+Checkpoints are switched atomically: step N is written to ``CKPT/step-N.tmp``, renamed to
+``CKPT/step-N`` once every rank has written it, and only then does ``CKPT/latest`` (a one-line
+pointer file, replaced with ``os.replace``) name it. A run killed in the middle of a save leaves
+a ``.tmp`` directory that nothing reads; the next run resumes from the previous checkpoint.
+
+The process ends with ``os._exit`` after ``destroy_process_group()`` (pytorch issue 190489:
+gloo's worker thread can abort an exiting interpreter; see design.md).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import shutil
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -60,10 +72,61 @@ class LM(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
+LATEST = "latest"
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (the one ``root/latest`` names), or None."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(root, name)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{pointer} names {name!r}, which is not a complete DCP checkpoint under {root}")
+    return path
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(state: dict, root: str, step: int, writer=dcp.FileSystemWriter, keep: int = 2) -> str:
+    """``dcp.save(state)`` to ``root/step-{step}.tmp``, then (rank 0, after every rank wrote)
+    rename it to ``root/step-{step}``, point ``root/latest`` at it, and delete all but the
+    newest ``keep`` complete checkpoints. Collective: every rank calls it."""
+    rank = dist.get_rank()
+    final = os.path.join(root, f"step-{step}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+    dist.barrier()
+    dcp.save(state, storage_writer=writer(tmp))
+    dist.barrier()  # every rank's shards and rank 0's .metadata are on disk
+    if rank == 0:
+        if os.path.exists(final):  # the same step saved again (a rerun): the new one wins
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_atomically(os.path.join(root, LATEST), os.path.basename(final) + "\n")
+        done = sorted((int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()))
+        for old in done[:-keep]:
+            shutil.rmtree(os.path.join(root, f"step-{old}"), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ckpt", default=None, help="DCP directory: resumed from if it exists, written at the end")
+    ap.add_argument("--ckpt", default=None,
+                    help="checkpoint root: resumed from its latest complete checkpoint if any, a new one written at the end")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (params and states on the CPU)")
     args = ap.parse_args()
 
@@ -86,14 +149,15 @@ def main():
     opt = AdamW8bit(model.parameters(), lr=3e-3, min_quant_size=1024)
 
     start = 0
-    if args.ckpt and os.path.exists(os.path.join(args.ckpt, ".metadata")):
+    resume = latest_checkpoint(args.ckpt) if args.ckpt else None
+    if resume:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": 0}
-        dcp.load(state, checkpoint_id=args.ckpt)
+        dcp.load(state, checkpoint_id=resume)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
         start = int(state["step"])
         if rank == 0:
-            print(f"resumed from {args.ckpt} at step {start} (world size {world})")
+            print(f"resumed from {resume} at step {start} (world size {world})")
 
     for step in range(start, start + args.steps):
         g = torch.Generator().manual_seed(step)
@@ -114,11 +178,33 @@ def main():
     if args.ckpt:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
                  "step": start + args.steps}
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(args.ckpt, overwrite=True))
+        path = save_checkpoint(state, args.ckpt, start + args.steps)
         if rank == 0:
-            print(f"saved {args.ckpt}")
-    dist.destroy_process_group()
+            print(f"saved {path}")
+
+
+def run_and_exit() -> None:
+    """``main()``, then ``os._exit``: 0 after success, 1 after printing the traceback."""
+    faulthandler.enable(all_threads=True)
+    code = 0
+    try:
+        main()
+    except SystemExit as e:  # argparse --help / usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:  # noqa: BLE001 - printed, and the exit status fails the run
+        traceback.print_exc()
+        code = 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = code or 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit()
