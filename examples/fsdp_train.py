@@ -171,10 +171,11 @@ def main():
 
     exp_avg = opt.state[model.head.weight]["exp_avg"]
     full = exp_avg.full_tensor()  # all-gathers codes and scales: a QState of the full shape
+    report = opt.format_state_report()  # a collective under FSDP2: every rank calls it
     if rank == 0:
         print(f"head.weight exp_avg: local {type(exp_avg.to_local()).__name__} {tuple(exp_avg.to_local().shape)}, "
               f"full {tuple(full.shape)} {full.format}, |mean| {full.dequantize().abs().mean():.3e}")
-        print(opt.format_state_report().splitlines()[-1])
+        print(report.splitlines()[-1])
     if args.ckpt:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
                  "step": start + args.steps}

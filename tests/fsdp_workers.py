@@ -340,8 +340,40 @@ def errors_worker(rank, world):
     dist.barrier()  # every rank got here: nobody hangs
 
 
+def report_worker(rank, world):
+    """format_state_report under FSDP2: per-rank lines equal each rank's own state_bytes(), and
+    the whole-model total equals the unsharded optimizer's bytes (row-aligned blocks: the
+    shards' codes and scales add up exactly), gathered from every rank."""
+    import re
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    shard(model, world)
+    for fmt in FORMATS:
+        opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
+        set_global_grads(model, 0)
+        set_global_grads(ref, 0)
+        opt.step()
+        ref_opt.step()
+        text = opt.format_state_report()
+        mine = torch.tensor([opt.state_bytes()])
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        per_rank = {int(m[1]): (int(m[2]), int(m[3]))
+                    for m in re.finditer(r"^rank (\d+): (\d+) bytes for (\d+) param elements", text, re.M)}
+        assert sorted(per_rank) == list(range(world)), text
+        assert [per_rank[r][0] for r in range(world)] == [int(t) for t in every], (text, every)
+        total = re.search(rf"^total \({world} ranks, whole model\): (\d+) bytes for (\d+) param elements", text, re.M)
+        assert total, text
+        n_global = sum(p.numel() for p in ref.parameters())
+        assert (int(total[1]), int(total[2])) == (ref_opt.state_bytes(), n_global), (text, ref_opt.state_bytes(), n_global)
+        assert sum(n for _, n in per_rank.values()) == n_global
+        assert ref_opt.format_state_report().splitlines()[-1].startswith(f"total {ref_opt.state_bytes()} bytes")
+
+
 def parity_all_worker(rank, world):
     parity_worker(rank, world)
+    report_worker(rank, world)
     bf16_worker(rank, world)
     errors_worker(rank, world)
 

@@ -30,7 +30,9 @@ def test_fsdp_parity_offload_bf16_and_errors():
     - every state the global rule quantizes is quantized on every (uneven) shard;
     - CPUOffloadPolicy(pin_memory=False): same, states on the params' device;
     - bf16 params with stochastic rounding;
-    - an unsupported op and rank-1 normalization raise on every rank."""
+    - an unsupported op and rank-1 normalization raise on every rank;
+    - format_state_report: one line per rank (each rank's own bytes) and a whole-model total
+      equal to the unsharded optimizer's state bytes and param count."""
     W.launch(W.parity_all_worker, 2)
 
 
