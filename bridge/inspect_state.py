@@ -235,7 +235,7 @@ def inspect_dcp(path: str) -> Report:
 
 
 def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:

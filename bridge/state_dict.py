@@ -102,7 +102,7 @@ def load_into(opt, state_dict: dict) -> None:
                     raise ValueError(f"{where}: the state dict has no 'step'")
                 step = saved["step"]
                 step = step.to_local() if is_dtensor(step) else step
-                st["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().to(exp_local.device).reshape(())
+                st["step"] = torch.as_tensor(step, dtype=torch.float32, device=exp_local.device).detach().clone().reshape(())
                 continue
             if isinstance(exp_local, QState):
                 st[name] = _load_quantized(saved, name, p, exp_local, expected, where, migrating)
