@@ -16,6 +16,11 @@ import textwrap
 import pytest
 import torch
 
+# imported here, with the CPU as default device: lowbit_tree.kernels builds its code tables at
+# import on the default device (see test_import_with_another_default_device)
+import bridge  # noqa: F401
+import lowbit_tree as lt  # noqa: F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTICE = "the native CPU kernel is unavailable"
 
@@ -146,3 +151,166 @@ def test_demo_without_a_compiler(tmp_path):
     assert done.returncode == 0, text[-4000:]
     assert text.count(NOTICE) == 1, text[-4000:]
     assert "8bit" in done.stdout and (tmp_path / "out" / "results.json").exists()
+
+
+# ----------------------------------------------------------------------------
+# device discipline: nothing allocates on the default device
+# ----------------------------------------------------------------------------
+@pytest.mark.xfail(strict=False, reason="lowbit_tree/kernels.py:140-143 (_build_code_table: torch.arange / torch.zeros "
+                   "without device=) builds the native kernel's code tables on the default device at import; "
+                   "the C kernel then reads a meta (or CUDA) pointer. Owned by the step-path rewrite.")
+def test_import_with_another_default_device():
+    """Importing the package while the default device is not the CPU, then training on CPU
+    tensors: module-level tables must still be CPU tensors. In a subprocess: on failure the
+    native kernel may crash the process instead of raising."""
+    done = _python("""
+        import torch
+        torch.set_default_device("meta")
+        import bridge
+        torch.set_default_device("cpu")
+        m = torch.nn.Linear(64, 48)
+        opt = bridge.AdamW8bit(m.parameters(), min_quant_size=1)
+        m(torch.randn(3, 64)).sum().backward()
+        opt.step()
+        assert torch.isfinite(m.weight).all()
+        print("OK")
+    """, {})
+    assert done.returncode == 0 and "OK" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.fixture
+def meta_default_device():
+    """``torch.set_default_device("meta")`` for the test, restored after: inputs are placed on
+    the CPU explicitly, so any allocation that forgets ``device=`` lands on ``meta`` and the
+    next op mixing it with CPU tensors fails, as a CPU allocation next to CUDA tensors would."""
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        yield
+    finally:
+        torch.set_default_device(before)
+    assert torch.get_default_device() == before
+
+
+CPU = torch.device("cpu")
+
+
+def _cpu_randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), device=CPU)
+
+
+def _assert_on_cpu(q):
+    assert q.codes.device == CPU and q.scale.device == CPU, (q.codes.device, q.scale.device)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "dynamic8_sqrt", "dynamic4", "linear4_unsigned", "e4m3", "e4m3_sqrt"])
+def test_reference_quantize_dequantize_keep_the_input_device(meta_default_device, fmt):
+    signed = lt.get_format(fmt).signed
+    for shape, bs in (((13, 37), 8), ((5,), 3), ((0, 7), 4), ((3, 0), 4), ((2, 3, 11), 5)):
+        x = _cpu_randn(*shape, seed=sum(shape) + bs)
+        x = x if signed else x.abs()
+        q = lt.quantize(x, fmt, bs)
+        _assert_on_cpu(q)
+        y = lt.dequantize(q)
+        assert y.device == CPU and y.shape == x.shape
+        z = lt.zeros(shape, fmt, bs, device=CPU)
+        _assert_on_cpu(z)
+        assert torch.equal(lt.dequantize(z), torch.zeros(shape, device=CPU))
+    # the reference against an independent round trip: every value within its block's half gap
+    torch.set_default_device("cpu")  # the comparison itself (not the code under test)
+    ref = lt.dequantize(lt.quantize(x, fmt, bs))
+    torch.set_default_device("meta")
+    assert torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "dynamic4", "e4m3"])
+def test_qstate_gather_ops_on_uneven_and_empty_shards(meta_default_device, fmt):
+    """What ``full_tensor()`` does to uneven shards (pad the short ones, all-gather = cat, slice
+    the padding off), on rows 5+5+3 and 2+1+0 (an empty shard), with CPU inputs."""
+    from bridge import QState
+
+    aten = torch.ops.aten
+    for rows, split in ((13, [5, 5, 3]), (3, [2, 1, 0])):
+        x = _cpu_randn(rows, 11, seed=rows)
+        whole = QState.from_float(x, fmt, 4)
+        shards = torch.split(whole, split)
+        assert [s.shape[0] for s in shards] == split
+        width = max(split)
+        padded = [aten.constant_pad_nd.default(s, [0, 0, 0, width - s.shape[0]]) for s in shards]
+        for p in padded:
+            _assert_on_cpu(p)
+            assert p.shape == (width, 11)
+        gathered = torch.cat(padded)
+        _assert_on_cpu(gathered)
+        back = torch.cat([gathered[i * width: i * width + n] for i, n in enumerate(split)])
+        assert torch.equal(back.codes.view(torch.uint8), whole.codes.view(torch.uint8))
+        assert torch.equal(back.scale, whole.scale)
+        assert torch.equal(back.dequantize(), whole.dequantize())
+        empty = whole.new_zeros((0, 11))
+        _assert_on_cpu(empty)
+        for like in (torch.zeros_like(whole), torch.empty_like(whole), whole.clone(), whole.detach(), whole.to(CPU)):
+            _assert_on_cpu(like)
+        z = torch.zeros_like(whole)
+        z.copy_(x)  # a float32 tensor quantized into a QState
+        assert torch.equal(z.scale, whole.scale)
+
+
+@pytest.mark.parametrize("fmt", ["dynamic8", "dynamic4", "e4m3"])
+def test_qstate_ops_allocate_on_the_state_device(fmt):
+    """The same ops on states whose codes and scales live on ``meta`` (default device: CPU).
+    Inside ``__torch_dispatch__`` the default-device mode does not apply, so this is the check
+    that reaches a bare ``torch.zeros(...)`` there: it would be a CPU tensor next to meta ones."""
+    from bridge import QState
+
+    aten = torch.ops.aten
+    meta = torch.device("meta")
+    for rows, split in ((13, [5, 5, 3]), (3, [2, 1, 0])):
+        whole = QState.zeros((rows, 11), fmt, 4, device=meta)
+        shards = torch.split(whole, split)
+        width = max(split)
+        padded = [aten.constant_pad_nd.default(s, [0, 0, 0, width - s.shape[0]]) for s in shards]
+        gathered = torch.cat(padded)
+        back = torch.cat([gathered[i * width: i * width + n] for i, n in enumerate(split)])
+        outs = padded + [gathered, back, whole.new_zeros((0, 11)), torch.zeros_like(whole), whole.clone()]
+        for q in outs:
+            assert q.codes.device == meta and q.scale.device == meta, (q.codes.device, q.scale.device)
+        assert back.shape == whole.shape and back.codes.shape == whole.codes.shape
+
+
+def test_optimizer_state_dict_round_trip_keeps_the_device(meta_default_device):
+    """A bridge optimizer's state_dict / torch.save / torch.load / load_state_dict with the
+    default device on meta: every loaded state is on the CPU and equal to the saved one."""
+    import io
+
+    torch.set_default_device("cpu")  # build and step outside the code under test
+    model = torch.nn.Sequential(torch.nn.Linear(19, 33), torch.nn.Linear(33, 7))
+    opt = bridge.AdamW8bit(model.parameters(), lr=1e-2, min_quant_size=64, block_size=16)
+    for step in range(3):
+        model(_cpu_randn(5, 19, seed=step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    fresh = bridge.AdamW8bit(model.parameters(), lr=1e-2, min_quant_size=64, block_size=16)
+    torch.set_default_device("meta")
+
+    sd = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    fresh.load_state_dict(loaded)
+    for p in model.parameters():
+        for name, v in opt.state[p].items():
+            w = fresh.state[p][name]
+            a = v.codes.view(torch.uint8) if hasattr(v, "codes") else v
+            b = w.codes.view(torch.uint8) if hasattr(w, "codes") else w
+            assert b.device == CPU, (name, b.device)
+            assert torch.equal(a, b), name
+            if hasattr(v, "scale"):
+                assert w.scale.device == CPU and torch.equal(v.scale, w.scale), name
+    torch.set_default_device("cpu")
+    export = opt.torch_state_dict()
+    torch.set_default_device("meta")
+    again = fresh.torch_state_dict()
+    for i, st in export["state"].items():
+        for k, v in st.items():
+            assert again["state"][i][k].device == CPU and torch.equal(again["state"][i][k], v), (i, k)
