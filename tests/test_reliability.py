@@ -216,7 +216,7 @@ def test_reference_quantize_dequantize_keep_the_input_device(meta_default_device
         z = lt.zeros(shape, fmt, bs, device=CPU)
         _assert_on_cpu(z)
         assert torch.equal(lt.dequantize(z), torch.zeros(shape, device=CPU))
-    # the reference against an independent round trip: every value within its block's half gap
+    # the same bits as with the CPU as default device
     torch.set_default_device("cpu")  # the comparison itself (not the code under test)
     ref = lt.dequantize(lt.quantize(x, fmt, bs))
     torch.set_default_device("meta")
@@ -314,3 +314,153 @@ def test_optimizer_state_dict_round_trip_keeps_the_device(meta_default_device):
     for i, st in export["state"].items():
         for k, v in st.items():
             assert again["state"][i][k].device == CPU and torch.equal(again["state"][i][k], v), (i, k)
+
+
+# ----------------------------------------------------------------------------
+# corrupted and mismatched checkpoints: a clear error, and nothing changed
+# ----------------------------------------------------------------------------
+def _trained(cls=None, shapes=((37, 29), (29, 11)), steps=3, seed=0, **kw):
+    cls = cls or bridge.AdamW8bit
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(a, b) for a, b in shapes]
+    model = torch.nn.Sequential(*layers)
+    opt = cls(model.parameters(), lr=1e-2, min_quant_size=64, **kw)
+    for step in range(steps):
+        model(_cpu_randn(4, shapes[0][0], seed=100 + step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _snapshot(opt) -> dict:
+    """Every state tensor (codes as uint8, scales, fp32 states, steps) and every group option."""
+    out = {}
+    for gi, g in enumerate(opt.param_groups):
+        for k, v in g.items():
+            if k != "params":
+                out[f"group{gi}/{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+        for pi, p in enumerate(g["params"]):
+            for name, v in opt.state[p].items():
+                if isinstance(v, bridge.QState):
+                    out[f"{gi}/{pi}/{name}::codes"] = v.codes.view(torch.uint8).clone()
+                    out[f"{gi}/{pi}/{name}::scale"] = v.scale.clone()
+                    out[f"{gi}/{pi}/{name}::meta"] = (v.format, v.block_size, tuple(v.shape))
+                else:
+                    out[f"{gi}/{pi}/{name}"] = v.clone()
+    return out
+
+
+def _assert_same_snapshot(a: dict, b: dict):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k  # NaN-free states here
+        else:
+            assert a[k] == b[k], k
+
+
+def _corrupt_scale(sd):
+    sd["state"][0]["exp_avg_sq::scale"].view(-1)[3] *= -1  # what a flipped sign bit on disk gives
+
+
+def _drop_codes(sd):
+    del sd["state"][0]["exp_avg::codes"]
+
+
+def _float_codes(sd):
+    sd["state"][0]["exp_avg::codes"] = sd["state"][0]["exp_avg::codes"].float()
+
+
+def _nan_step(sd):
+    sd["state"][1]["step"] = torch.tensor(float("nan"))
+
+
+def _other_version(sd):
+    sd["param_groups"][0]["lowbit_tree_version"] = 99
+
+
+CORRUPTIONS = {
+    "negative scale": (_corrupt_scale, "invalid block scales"),
+    "codes missing": (_drop_codes, "has no 'exp_avg'"),
+    "float codes": (_float_codes, "expected torch.uint8"),
+    "NaN step": (_nan_step, "'step' is nan"),
+    "other version": (_other_version, "format version 99"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupted_state_dict_raises_and_changes_nothing(case):
+    _, src = _trained(seed=1)
+    _, opt = _trained(seed=2)  # other values than src: a partial load would show
+    corrupt, message = CORRUPTIONS[case]
+    sd = src.state_dict()
+    corrupt(sd)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        opt.load_state_dict(sd)
+    _assert_same_snapshot(before, _snapshot(opt))
+
+
+def test_codes_key_without_scale_is_named():
+    _, src = _trained(seed=1)
+    _, opt = _trained(seed=2)
+    sd = src.state_dict()
+    del sd["state"][0]["exp_avg::scale"]
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match="'exp_avg::codes' without 'exp_avg::scale'"):
+        opt.load_state_dict(sd)
+    _assert_same_snapshot(before, _snapshot(opt))
+
+
+MISMATCHES = {
+    # (what the checkpoint was written by, substring of the error)
+    "another model (same param count, other shapes)": (lambda: _trained(shapes=((29, 37), (37, 11)), seed=3)[1],
+                                                       "do not match"),
+    "another model (other param count)": (lambda: _trained(shapes=((37, 29), (29, 11), (11, 5)), seed=3)[1],
+                                          "parameter groups|params"),
+    "4-bit into 8-bit": (lambda: _trained(bridge.AdamW4bit, seed=3)[1], "state_format='4bit'"),
+    "fp8 into 8-bit": (lambda: _trained(bridge.AdamWFp8, seed=3)[1], "state_format='fp8'"),
+    "another block size": (lambda: _trained(seed=3, block_size=16)[1], "block_size=16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHES))
+def test_state_dict_of_another_model_or_format_raises_and_changes_nothing(case):
+    make, message = MISMATCHES[case]
+    sd = make().state_dict()
+    _, opt = _trained(seed=2)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd)
+    _assert_same_snapshot(before, _snapshot(opt))
+
+
+def test_truncated_and_bit_flipped_files(tmp_path):
+    """A truncated file fails to read with an error naming it; a file whose scale bytes were
+    flipped (sign bit) reads, and load_state_dict rejects it; the optimizer is unchanged."""
+    from bridge.state_dict import read_state_dict
+
+    _, src = _trained(seed=1)
+    _, opt = _trained(seed=2)
+    path = tmp_path / "opt.pt"
+    torch.save(src.state_dict(), path)
+    data = path.read_bytes()
+    before = _snapshot(opt)
+    for cut in (len(data) // 3, len(data) - 100, 10):
+        bad = tmp_path / f"cut{cut}.pt"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"{bad}.*truncated or corrupted"):
+            read_state_dict(str(bad))
+    scale = src.state_dict()["state"][0]["exp_avg::scale"]
+    at = data.find(scale.numpy().tobytes())
+    assert at > 0
+    flipped = bytearray(data)
+    flipped[at + 4 * 5 + 3] ^= 0x80  # sign bit of the 6th scale (little-endian float32)
+    bad = tmp_path / "flipped.pt"
+    bad.write_bytes(bytes(flipped))
+    sd = read_state_dict(str(bad))
+    with pytest.raises(ValueError, match="exp_avg::scale.*invalid block scales"):
+        opt.load_state_dict(sd)
+    _assert_same_snapshot(before, _snapshot(opt))
+    opt.load_state_dict(read_state_dict(str(path)))  # the intact file loads: the test can fail
+    _assert_same_snapshot(_snapshot(src), _snapshot(opt))
