@@ -464,3 +464,99 @@ def test_truncated_and_bit_flipped_files(tmp_path):
     _assert_same_snapshot(before, _snapshot(opt))
     opt.load_state_dict(read_state_dict(str(path)))  # the intact file loads: the test can fail
     _assert_same_snapshot(_snapshot(src), _snapshot(opt))
+
+
+# ----------------------------------------------------------------------------
+# non-finite gradient storms
+# ----------------------------------------------------------------------------
+STORM_SHAPES = ((23, 71), (71,), (13, 9), (5, 300))
+
+
+def _storm_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g, device=CPU)) for s in STORM_SHAPES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(9000 + step)
+    return [torch.randn(s, generator=g, device=CPU) * 10.0 ** torch.randint(-4, 2, (), generator=g).item()
+            for s in STORM_SHAPES]
+
+
+def _all_states(opt) -> list[torch.Tensor]:
+    out = []
+    for p in opt.param_groups[0]["params"]:
+        for name, v in sorted(opt.state[p].items()):
+            if isinstance(v, bridge.QState):
+                out += [v.codes.view(torch.uint8), v.scale]
+            else:
+                out.append(v)
+    return out
+
+
+@pytest.mark.slow  # ~20 s each: 1,000 steps x 2 runs
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_nonfinite_storm_is_skipped_bit_for_bit(cls):
+    """1,000 steps; every 7th step ALL gradients are NaN or +-inf. With skip_nonfinite=True the
+    params and every state tensor equal, bit for bit, a run that never saw those steps."""
+    make = getattr(bridge, cls)
+    kw = dict(lr=3e-3, weight_decay=0.1, min_quant_size=64, block_size=32, skip_nonfinite=True)
+    stormy, clean = _storm_params(), _storm_params()
+    opt_s, opt_c = make(stormy, **kw), make(clean, **kw)
+    sched_s = torch.optim.lr_scheduler.CosineAnnealingLR(opt_s, 1000)
+    clean_step = 0
+    poison = [float("nan"), float("inf"), float("-inf")]
+    skipped = 0
+    for step in range(1000):
+        if step % 7 == 6:
+            bad = poison[step % 3]
+            for p, g in zip(stormy, _grads(clean_step)):
+                p.grad = torch.full_like(g, bad)
+            opt_s.step()
+            skipped += 1
+            continue
+        grads = _grads(clean_step)
+        for p, q, g in zip(stormy, clean, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_s.step()
+        opt_c.step()
+        sched_s.step()  # the schedule follows taken steps only: same lr in both runs
+        for gs, gc in zip(opt_s.param_groups, opt_c.param_groups):
+            gc["lr"] = gs["lr"]
+        clean_step += 1
+    assert skipped == 142 and clean_step == 858
+    for a, b in zip(stormy, clean):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    sa, sb = _all_states(opt_s), _all_states(opt_c)
+    assert len(sa) == len(sb) > 0
+    for a, b in zip(sa, sb):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert any(isinstance(v, bridge.QState) for st in opt_s.state.values() for v in st.values())
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_nan_without_skip_poisons_only_its_block(cls):
+    """skip_nonfinite=False: one NaN in one element of one param's gradient. The other params
+    equal a clean run bit for bit; in the hit param exactly the elements of the NaN's block are
+    NaN after the step, the rest equal the clean run."""
+    make = getattr(bridge, cls)
+    kw = dict(lr=3e-3, weight_decay=0.1, min_quant_size=64, block_size=32)
+    hit, clean = _storm_params(), _storm_params()
+    opt_h, opt_c = make(hit, **kw), make(clean, **kw)
+    row, col = 3, 250  # param 3, shape (5, 300): block 250 // 32 = 7 of row 3
+    for step in range(5):
+        grads = _grads(step)
+        for p, q, g in zip(hit, clean, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 2:
+            hit[3].grad[row, col] = float("nan")
+        opt_h.step()
+        opt_c.step()
+    for i in range(3):
+        assert torch.equal(hit[i], clean[i]), i
+    nan = torch.isnan(hit[3].detach())
+    block = torch.zeros_like(nan)
+    block[row, 7 * 32: 8 * 32] = True
+    assert torch.equal(nan, block), nan.nonzero()
+    assert torch.equal(hit[3][~block], clean[3][~block])
+    assert torch.isfinite(clean[3]).all()
