@@ -529,3 +529,82 @@ def by_index(full_osd: dict, model: nn.Module) -> dict:
     index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     groups = [dict(g, params=[index[n] for n in g["params"]]) for g in full_osd["param_groups"]]
     return {"state": {index[n]: st for n, st in full_osd["state"].items()}, "param_groups": groups}
+
+
+# ----------------------------------------------------------------------------
+# a rank killed in the middle of dcp.save (tests/test_reliability.py)
+# ----------------------------------------------------------------------------
+def _example_module():
+    """examples/fsdp_train.py as a module: its save_checkpoint / latest_checkpoint are under test."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "fsdp_train.py")
+    spec = importlib.util.spec_from_file_location("fsdp_train_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _killing_writer(marker: str):
+    """A FileSystemWriter whose rank 1 writes its shard files, then dies by SIGKILL (no cleanup,
+    no exception: what an OOM kill or a lost node does) before the save completes."""
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    class KillingWriter(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            fut = super().write_data(plan, planner)
+            if dist.get_rank() == 1:
+                fut.wait()
+                with open(marker, "w") as f:
+                    f.write("killed\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return fut
+
+    return KillingWriter
+
+
+def _ckpt_state(model, opt, step):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": step}
+
+
+def kill_during_save_worker(rank, world, root, phase):
+    """phase "save": 3 steps, checkpoint step 3 (example's atomic save), 3 more steps (their
+    losses and final states kept as the reference), then a save of step 6 during which rank 1
+    is SIGKILLed. phase "resume": a fresh model loads the latest complete checkpoint: states
+    equal the step-3 ones bit for bit and the next 3 steps repeat the reference losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    ex = _example_module()
+    ref_path = os.path.join(os.path.dirname(root), "reference.pt")
+    if phase == "save":
+        model = shard(make_model(), world)
+        opt = make_opt(model.parameters(), "8bit")
+        for step in range(3):
+            global_batch_step(model, opt, step, rank, world)
+        saved = ex.save_checkpoint(_ckpt_state(model, opt, 3), root, 3)
+        assert saved == os.path.join(root, "step-3")
+        states = full_states(opt)
+        losses = [global_batch_step(model, opt, step, rank, world) for step in range(3, 6)]
+        after = full_states(opt)  # a collective: on every rank
+        if rank == 0:
+            torch.save({"states": states, "losses": losses, "after": after}, ref_path)
+        dist.barrier()
+        ex.save_checkpoint(_ckpt_state(model, opt, 6), root, 6, writer=_killing_writer(os.path.join(os.path.dirname(root), "killed")))
+        raise AssertionError("the save with a killed rank returned")
+    ref = torch.load(ref_path, weights_only=False)
+    path = ex.latest_checkpoint(root)
+    assert path == os.path.join(root, "step-3"), path
+    model, opt = _fresh(world, "8bit")
+    state = _ckpt_state(model, opt, 0)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    assert state["step"] == 3
+    assert_states_equal(full_states(opt), ref["states"], what="resumed from step-3")
+    assert [global_batch_step(model, opt, step, rank, world) for step in range(3, 6)] == ref["losses"]
+    assert_states_equal(full_states(opt), ref["after"], what="continued after resume")

@@ -560,3 +560,28 @@ def test_nan_without_skip_poisons_only_its_block(cls):
     assert torch.equal(nan, block), nan.nonzero()
     assert torch.equal(hit[3][~block], clean[3][~block])
     assert torch.isfinite(clean[3]).all()
+
+
+# ----------------------------------------------------------------------------
+# a rank killed in the middle of a distributed checkpoint save
+# ----------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_rank_killed_during_dcp_save_keeps_the_previous_checkpoint(tmp_path):
+    """examples/fsdp_train.py's save_checkpoint at 2 ranks: step 3 saved, then rank 1 is
+    SIGKILLed inside dcp.save of step 6. The launch fails (the death is not hidden); `latest`
+    still names step-3, step-6 exists only as step-6.tmp; a new 2-rank run loads step-3 bit for
+    bit and repeats the uninterrupted run's next 3 losses exactly."""
+    import torch.multiprocessing as mp
+
+    import fsdp_workers as W
+
+    root = tmp_path / "ckpt"
+    with pytest.raises(mp.ProcessExitedException):
+        W.launch(W.kill_during_save_worker, 2, str(root), "save")
+    assert (tmp_path / "killed").exists(), "rank 1 did not reach the kill"
+    assert (root / "latest").read_text().strip() == "step-3"
+    assert (root / "step-3" / ".metadata").exists()
+    assert (root / "step-6.tmp").exists() and not (root / "step-6").exists()
+    W.launch(W.kill_during_save_worker, 2, str(root), "resume")
