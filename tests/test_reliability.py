@@ -585,3 +585,24 @@ def test_rank_killed_during_dcp_save_keeps_the_previous_checkpoint(tmp_path):
     assert (root / "step-3" / ".metadata").exists()
     assert (root / "step-6.tmp").exists() and not (root / "step-6").exists()
     W.launch(W.kill_during_save_worker, 2, str(root), "resume")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
+    """`torchrun -m bridge demo --fsdp` at 2 ranks: every rank leaves through os._exit, with
+    status 0 after a run (table printed, files written) and non-zero after a failure."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MPLCONFIGDIR=str(tmp_path / "mpl"))
+
+    def torchrun(*args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bridge",
+               "demo", "--fsdp", "--tiny", "--steps", "3", "--no-progress", "--out", str(tmp_path / "out"), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+
+    ok = torchrun("--formats", "fp32,8bit")
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-4000:]
+    assert "FSDP2 x 2" in ok.stdout and "8bit" in ok.stdout and (tmp_path / "out" / "results.json").exists()
+    bad = torchrun("--formats", "8bit,nonsense")
+    assert bad.returncode != 0 and "unknown format 'nonsense'" in bad.stderr, (bad.stdout + bad.stderr)[-4000:]
