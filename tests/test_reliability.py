@@ -606,3 +606,27 @@ def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
     assert "FSDP2 x 2" in ok.stdout and "8bit" in ok.stdout and (tmp_path / "out" / "results.json").exists()
     bad = torchrun("--formats", "8bit,nonsense")
     assert bad.returncode != 0 and "unknown format 'nonsense'" in bad.stderr, (bad.stdout + bad.stderr)[-4000:]
+
+
+# ----------------------------------------------------------------------------
+# inspect: the header's block size is the one the rows show
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("cls, block_size", [("AdamW8bit", None), ("AdamW4bit", None), ("AdamWFp8", 48)])
+def test_inspect_header_block_size_matches_rows(tmp_path, cls, block_size):
+    import re
+
+    from bridge.inspect_state import inspect_path
+
+    kw = {} if block_size is None else {"block_size": block_size}
+    _, opt = _trained(getattr(bridge, cls), **kw)
+    path = tmp_path / "opt.pt"
+    torch.save(opt.state_dict(), path)
+    text = inspect_path(str(path)).render()
+    header = text.splitlines()[0]
+    assert "block_size=None" not in header, header
+    shown = re.search(r"block_size=(\d+)", header)
+    assert shown, header
+    row_blocks = {line.split()[2] for line in text.splitlines()[3:] if re.match(r"^\d+/exp_avg", line)
+                  and not line.split()[1] == "fp32"}
+    expected = {block_size or lt.get_format(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].format).default_block_size}
+    assert row_blocks == {str(b) for b in expected} == {shown[1]}, (header, row_blocks)
