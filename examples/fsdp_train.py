@@ -10,8 +10,8 @@ row-sharded ``exp_avg::codes`` / ``exp_avg::scale`` pair per state, which loads 
 world size (try ``--nproc_per_node 1`` or ``3`` on the second run with the same --ckpt).
 
 Checkpoints are switched atomically: step N is written to ``CKPT/step-N.tmp``, renamed to
-``CKPT/step-N`` once every rank has written it, and only then does ``CKPT/latest`` (a one-line
-pointer file, replaced with ``os.replace``) name it. A run killed in the middle of a save leaves
+``CKPT/step-N`` (``step-N.K`` if step N was saved before) once every rank has written it, and
+only then does ``CKPT/latest`` (a one-line pointer file, replaced with ``os.replace``) name it. A run killed in the middle of a save leaves
 a ``.tmp`` directory that nothing reads; the next run resumes from the previous checkpoint.
 
 The process ends with ``os._exit`` after ``destroy_process_group()`` (pytorch issue 190489:
@@ -97,29 +97,43 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _checkpoint_dirs(root: str) -> list[tuple[int, int, str]]:
+    """(step, rerun, name) of the complete checkpoints under ``root``, oldest first: ``step-N``
+    and, when step N was saved again, ``step-N.K``."""
+    out = []
+    for name in os.listdir(root):
+        head, _, rerun = name.partition(".")
+        if head.startswith("step-") and head[5:].isdigit() and (rerun == "" or rerun.isdigit()):
+            out.append((int(head[5:]), int(rerun or 0), name))
+    return sorted(out)
+
+
 def save_checkpoint(state: dict, root: str, step: int, writer=dcp.FileSystemWriter, keep: int = 2) -> str:
-    """``dcp.save(state)`` to ``root/step-{step}.tmp``, then (rank 0, after every rank wrote)
-    rename it to ``root/step-{step}``, point ``root/latest`` at it, and delete all but the
-    newest ``keep`` complete checkpoints. Collective: every rank calls it."""
+    """``dcp.save(state)`` to ``root/step-{step}.tmp``; once every rank has written, rank 0 renames
+    it to a new name (``step-{step}``, or ``step-{step}.K`` if that step was saved before, so the
+    checkpoint ``latest`` names is never touched), replaces ``root/latest`` atomically, and deletes
+    all but the newest ``keep`` complete checkpoints. Collective: every rank calls it."""
     rank = dist.get_rank()
-    final = os.path.join(root, f"step-{step}")
-    tmp = final + ".tmp"
+    tmp = os.path.join(root, f"step-{step}.tmp")
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     dist.barrier()
     dcp.save(state, storage_writer=writer(tmp))
     dist.barrier()  # every rank's shards and rank 0's .metadata are on disk
+    name = f"step-{step}"
     if rank == 0:
-        if os.path.exists(final):  # the same step saved again (a rerun): the new one wins
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_atomically(os.path.join(root, LATEST), os.path.basename(final) + "\n")
-        done = sorted((int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit()))
-        for old in done[:-keep]:
-            shutil.rmtree(os.path.join(root, f"step-{old}"), ignore_errors=True)
-    dist.barrier()
-    return final
+        reruns = [k for s, k, _ in _checkpoint_dirs(root) if s == step]
+        if reruns:
+            name = f"step-{step}.{max(reruns) + 1}"
+        os.rename(tmp, os.path.join(root, name))
+        _write_atomically(os.path.join(root, LATEST), name + "\n")
+        for _, _, old in _checkpoint_dirs(root)[:-keep]:
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    names = [name]
+    dist.broadcast_object_list(names, src=0)  # the name rank 0 chose
+    return os.path.join(root, names[0])
 
 
 def main():
