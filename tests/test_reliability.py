@@ -630,3 +630,29 @@ def test_inspect_header_block_size_matches_rows(tmp_path, cls, block_size):
                   and not line.split()[1] == "fp32"}
     expected = {block_size or lt.get_format(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].format).default_block_size}
     assert row_blocks == {str(b) for b in expected} == {shown[1]}, (header, row_blocks)
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "AdamWFp8", "Lion8bit", "SGD8bit", "AdamW"])
+def test_optimizer_step_keeps_the_device(meta_default_device, cls):
+    """Steps with the default device on meta: params, grads and states are CPU tensors, so any
+    step-path allocation without device= fails here; the result equals a step taken with the
+    CPU as default device."""
+    torch.set_default_device("cpu")
+    models = [torch.nn.Sequential(torch.nn.Linear(37, 29), torch.nn.Linear(29, 5)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [getattr(bridge, cls)(m.parameters(), lr=1e-2, **({} if cls == "AdamW" else {"min_quant_size": 64}))
+            for m in models]
+    for step in range(3):
+        x = _cpu_randn(4, 37, seed=step)
+        for i, (m, o) in enumerate(zip(models, opts)):
+            torch.set_default_device("cpu")
+            m(x).square().mean().backward()
+            torch.set_default_device("meta" if i == 0 else "cpu")
+            o.step()
+            o.zero_grad()
+    torch.set_default_device("meta")
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert p.device == CPU and torch.equal(p, q)
+    for st in opts[0].state.values():
+        for v in st.values():
+            assert (v.codes.device if isinstance(v, bridge.QState) else v.device) == CPU
