@@ -134,6 +134,7 @@ def test_no_compiler_reports_it_once(tmp_path):
     assert len(warns) == 1 and NOTICE in warns[0], warns
 
 
+@pytest.mark.slow  # a demo run in a fresh interpreter (~50 s when the machine is busy)
 def test_demo_without_a_compiler(tmp_path):
     """``python -m bridge demo --tiny`` with PATH = only the interpreter and no CC: it runs to the
     end on the fallback backend and prints exactly one notice that the native kernel is missing."""
