@@ -180,10 +180,22 @@ def _layout(entries: dict) -> int | None:
     return None
 
 
+def _block_size_text(group: dict) -> str:
+    """The block size the group's states use: its ``block_size``, or (when that is None) each
+    format's default, as the rows show it; ``-`` for unquantized formats."""
+    if group.get("block_size") is not None:
+        return str(group["block_size"])
+    names = STATE_FORMATS.get(group.get("state_format"))
+    if not names:
+        return "-"
+    sizes = sorted({get_format(n).default_block_size for n in names})
+    return "/".join(map(str, sizes)) + " (format default)"
+
+
 def _group_summary(groups: list[dict]) -> str:
     parts = []
     for i, g in enumerate(groups):
-        parts.append(f"group {i}: state_format={g.get('state_format', '?')!s} block_size={g.get('block_size')!s}"
+        parts.append(f"group {i}: state_format={g.get('state_format', '?')!s} block_size={_block_size_text(g)}"
                      f" min_quant_size={g.get('min_quant_size', '?')!s}")
     return "; ".join(parts)
 
@@ -260,7 +272,7 @@ def _flat_group_key(key: str) -> bool:
 
 
 def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:

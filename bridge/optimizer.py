@@ -18,7 +18,6 @@ them at any time.
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 from typing import Any, Callable, Iterable
 
@@ -29,8 +28,10 @@ from lowbit_tree import QTensor
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.wrappers import inject_hyperparams
 
+from . import report
 from .distributed import is_dtensor, to_local, wrap_like
 from .qstate import QState
+from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_tree import binding, is_record
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
@@ -45,19 +46,6 @@ VERSION_KEY = "lowbit_tree_version"
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
 
 
-class StateReportRow(tuple):
-    """(param_index, state_name, format, shape, nbytes)."""
-
-    __slots__ = ()
-
-    def __new__(cls, index, name, format, shape, nbytes):
-        return super().__new__(cls, (index, name, format, tuple(shape), nbytes))
-
-    index = property(lambda s: s[0])
-    name = property(lambda s: s[1])
-    format = property(lambda s: s[2])
-    shape = property(lambda s: s[3])
-    nbytes = property(lambda s: s[4])
 
 
 def _float_tensor(value, device) -> torch.Tensor:
@@ -291,38 +279,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:
-        """Each param's states: (param index, name, format, local shape, bytes). Nothing is hidden:
-        unquantized states show as ``fp32`` / ``bf16``."""
-        rows = []
-        i = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                for name, v in self.state.get(p, {}).items():
-                    if name == "step":
-                        continue
-                    v = to_local(v)
-                    if isinstance(v, QState):
-                        rows.append(StateReportRow(i, name, v.format, tuple(v.shape), v.state_nbytes))
-                    elif isinstance(v, _Rank1Holder):
-                        rows.append(StateReportRow(i, name, "linear4_rank1", v.record.shape, v.nbytes))
-                    elif isinstance(v, torch.Tensor):
-                        fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype))
-                        rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
-                i += 1
-        return rows
+        """Each param's states (local shapes and bytes): :func:`bridge.report.state_report`."""
+        return report.state_report(self)
 
     def state_bytes(self) -> int:
-        return sum(r.nbytes for r in self.state_report())
+        """Bytes of this process's states: :func:`bridge.report.state_bytes`."""
+        return report.state_bytes(self)
 
     def format_state_report(self) -> str:
-        rows = self.state_report()
-        lines = [f"{'param':>5s} {'state':16s} {'format':16s} {'shape':>18s} {'bytes':>12s}"]
-        for r in rows:
-            lines.append(f"{r.index:5d} {r.name:16s} {r.format:16s} {str(r.shape):>18s} {r.nbytes:12d}")
-        nparams = sum(math.prod(to_local(p).shape) for g in self.param_groups for p in g["params"])
-        total = sum(r.nbytes for r in rows)
-        lines.append(f"total {total} bytes for {nparams} param elements ({total / max(nparams, 1):.3f} bytes/param)")
-        return "\n".join(lines)
+        """Table and totals (per rank and whole model under FSDP2, a collective there):
+        :func:`bridge.report.format_state_report`."""
+        return report.format_state_report(self)
 
     # -- state dict -----------------------------------------------------------------
     def state_dict(self) -> dict:

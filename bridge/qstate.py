@@ -251,8 +251,10 @@ def _(func, types, args, kwargs):
     if any(full[:-1]) or full[-1] < 0:
         raise NotImplementedError(f"QState.constant_pad_nd pad={pad}")
     p = full[-1]
-    c = torch.cat([x.codes, torch.zeros((p, x.codes.shape[1]), dtype=x.codes.dtype)])
-    s = torch.cat([x.scale, torch.zeros((p, x.scale.shape[1]), dtype=x.scale.dtype)])
+    # new_zeros: the pad lives where the state lives (a bare torch.zeros would be a CPU tensor
+    # next to CUDA codes, and the default-device mode does not reach into __torch_dispatch__)
+    c = torch.cat([x.codes, x.codes.new_zeros((p, x.codes.shape[1]))])
+    s = torch.cat([x.scale, x.scale.new_zeros((p, x.scale.shape[1]))])
     return x._with(c, s, rows=x.shape[0] + p)
 
 

@@ -18,6 +18,7 @@ same tensors as ``name::codes`` / ``name::scale``; it still loads.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -195,7 +196,8 @@ def load_into(opt, state_dict: dict) -> None:
                     raise ValueError(f"{where}: the state dict has no 'step'")
                 step = saved["step"]
                 step = step.to_local() if is_dtensor(step) else step
-                st["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().to(exp_local.device).reshape(())
+                st["step"] = torch.as_tensor(step, dtype=torch.float32, device=exp_local.device).detach().clone().reshape(())
+                _check_step(st["step"], where)
                 continue
             if isinstance(exp_local, QState):
                 st[name] = _load_quantized(saved, name, p, exp_local, expected, where, migrating)
@@ -273,6 +275,39 @@ def _describe(t) -> str:
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
+def _check_scales(scale: torch.Tensor, what: str) -> None:
+    """A block scale is absmax / divisor: >= 0 and finite, or NaN for a poisoned block. Anything
+    else (negative, infinite) can only come from a corrupted file."""
+    bad = ~(torch.isnan(scale) | (torch.isfinite(scale) & (scale >= 0)))
+    if bool(bad.any()):
+        first = scale[bad][0].item()
+        raise ValueError(f"{what} holds {int(bad.sum())} invalid block scales (e.g. {first}); scales are >= 0, "
+                         "or NaN for a non-finite block: the checkpoint is corrupted")
+
+
+def _check_step(step: torch.Tensor, where: str) -> None:
+    v = step.item()
+    if not (v >= 0 and v == int(v) and v < 2**24):  # NaN fails every comparison
+        raise ValueError(f"{where}: 'step' is {v}, expected a whole number of steps >= 0: the checkpoint is corrupted")
+
+
+def read_state_dict(path: str, map_location=None) -> dict:
+    """``torch.load(path, weights_only=True)`` of a saved optimizer state dict, with a clear error
+    naming the file when it is truncated, corrupted or not a state dict (torch's own errors
+    range from "negative seek value" to unpickling messages)."""
+    try:
+        sd = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named, cause chained
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise ValueError(f"{path} ({size} bytes) is not a readable torch.save file: it is truncated or corrupted "
+                         f"({type(e).__name__}: {e})") from e
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError(f"{path} holds a {type(sd).__name__}, not an optimizer state dict ('state', 'param_groups')")
+    return sd
+
+
 def _load_quantized(saved, name, p, exp_local: QState, expected, where, migrating):
     parts = _record_parts(saved, name, ("codes", "scale"), where)
     if parts is not None:
@@ -291,6 +326,7 @@ def _load_quantized(saved, name, p, exp_local: QState, expected, where, migratin
             )
         if scale.dtype != torch.float32:
             raise ValueError(f"{where}: {scale_label!r} has dtype {scale.dtype}, expected torch.float32")
+        _check_scales(scale, f"{where}: {scale_label!r}")
         exp_local.codes.view(torch.uint8).copy_(codes)
         exp_local.scale.copy_(scale)
         return expected

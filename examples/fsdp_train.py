@@ -8,11 +8,23 @@ Every rank keeps the optimizer states (codes and block scales) of its own shard 
 weight only; ``exp_avg.full_tensor()`` gathers a whole state. ``dcp.save`` writes one
 row-sharded ``exp_avg.codes`` / ``exp_avg.scale`` pair per state, which loads at any
 world size (try ``--nproc_per_node 1`` or ``3`` on the second run with the same --ckpt).
+
+Checkpoints are switched atomically: step N is written to ``CKPT/step-N.tmp``, renamed to
+``CKPT/step-N`` (``step-N.K`` if step N was saved before) once every rank has written it, and
+only then does ``CKPT/latest`` (a one-line pointer file, replaced with ``os.replace``) name it. A run killed in the middle of a save leaves
+a ``.tmp`` directory that nothing reads; the next run resumes from the previous checkpoint.
+
+The process ends with ``os._exit`` after ``destroy_process_group()`` (pytorch issue 190489:
+gloo's worker thread can abort an exiting interpreter; see design.md).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import shutil
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -60,10 +72,75 @@ class LM(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
+LATEST = "latest"
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under ``root`` (the one ``root/latest`` names), or None."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    path = os.path.join(root, name)
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{pointer} names {name!r}, which is not a complete DCP checkpoint under {root}")
+    return path
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _checkpoint_dirs(root: str) -> list[tuple[int, int, str]]:
+    """(step, rerun, name) of the complete checkpoints under ``root``, oldest first: ``step-N``
+    and, when step N was saved again, ``step-N.K``."""
+    out = []
+    for name in os.listdir(root):
+        head, _, rerun = name.partition(".")
+        if head.startswith("step-") and head[5:].isdigit() and (rerun == "" or rerun.isdigit()):
+            out.append((int(head[5:]), int(rerun or 0), name))
+    return sorted(out)
+
+
+def save_checkpoint(state: dict, root: str, step: int, writer=dcp.FileSystemWriter, keep: int = 2) -> str:
+    """``dcp.save(state)`` to ``root/step-{step}.tmp``; once every rank has written, rank 0 renames
+    it to a new name (``step-{step}``, or ``step-{step}.K`` if that step was saved before, so the
+    checkpoint ``latest`` names is never touched), replaces ``root/latest`` atomically, and deletes
+    all but the newest ``keep`` complete checkpoints. Collective: every rank calls it."""
+    rank = dist.get_rank()
+    tmp = os.path.join(root, f"step-{step}.tmp")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
+    dist.barrier()
+    dcp.save(state, storage_writer=writer(tmp))
+    dist.barrier()  # every rank's shards and rank 0's .metadata are on disk
+    name = f"step-{step}"
+    if rank == 0:
+        reruns = [k for s, k, _ in _checkpoint_dirs(root) if s == step]
+        if reruns:
+            name = f"step-{step}.{max(reruns) + 1}"
+        os.rename(tmp, os.path.join(root, name))
+        _write_atomically(os.path.join(root, LATEST), name + "\n")
+        for _, _, old in _checkpoint_dirs(root)[:-keep]:
+            if old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    names = [name]
+    dist.broadcast_object_list(names, src=0)  # the name rank 0 chose
+    return os.path.join(root, names[0])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--ckpt", default=None, help="DCP directory: resumed from if it exists, written at the end")
+    ap.add_argument("--ckpt", default=None,
+                    help="checkpoint root: resumed from its latest complete checkpoint if any, a new one written at the end")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (params and states on the CPU)")
     args = ap.parse_args()
 
@@ -86,14 +163,15 @@ def main():
     opt = AdamW8bit(model.parameters(), lr=3e-3, min_quant_size=1024)
 
     start = 0
-    if args.ckpt and os.path.exists(os.path.join(args.ckpt, ".metadata")):
+    resume = latest_checkpoint(args.ckpt) if args.ckpt else None
+    if resume:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": 0}
-        dcp.load(state, checkpoint_id=args.ckpt)
+        dcp.load(state, checkpoint_id=resume)
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
         start = int(state["step"])
         if rank == 0:
-            print(f"resumed from {args.ckpt} at step {start} (world size {world})")
+            print(f"resumed from {resume} at step {start} (world size {world})")
 
     for step in range(start, start + args.steps):
         g = torch.Generator().manual_seed(step)
@@ -107,18 +185,41 @@ def main():
 
     exp_avg = opt.state[model.head.weight]["exp_avg"]
     full = exp_avg.full_tensor()  # all-gathers codes and scales: a QState of the full shape
+    report = opt.format_state_report()  # a collective under FSDP2: every rank calls it
     if rank == 0:
         print(f"head.weight exp_avg: local {type(exp_avg.to_local()).__name__} {tuple(exp_avg.to_local().shape)}, "
               f"full {tuple(full.shape)} {full.format}, |mean| {full.dequantize().abs().mean():.3e}")
-        print(opt.format_state_report().splitlines()[-1])
+        print(report.splitlines()[-1])
     if args.ckpt:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
                  "step": start + args.steps}
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(args.ckpt, overwrite=True))
+        path = save_checkpoint(state, args.ckpt, start + args.steps)
         if rank == 0:
-            print(f"saved {args.ckpt}")
-    dist.destroy_process_group()
+            print(f"saved {path}")
+
+
+def run_and_exit() -> None:
+    """``main()``, then ``os._exit``: 0 after success, 1 after printing the traceback."""
+    faulthandler.enable(all_threads=True)
+    code = 0
+    try:
+        main()
+    except SystemExit as e:  # argparse --help / usage errors
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    except BaseException:  # noqa: BLE001 - printed, and the exit status fails the run
+        traceback.print_exc()
+        code = 1
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = code or 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit()

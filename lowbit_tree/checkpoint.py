@@ -35,11 +35,11 @@ def _is_record(x: Any) -> bool:
 def _record_meta(path: str, q: Any) -> dict[str, torch.Tensor]:
     fmt = q.format if isinstance(q, QTensor) else "rank1:" + q.format
     meta = {
-        f"{path}/__format__": torch.tensor(list(fmt.encode()), dtype=torch.uint8),
-        f"{path}/__shape__": torch.tensor(q.shape, dtype=torch.int64),
+        f"{path}/__format__": torch.tensor(list(fmt.encode()), dtype=torch.uint8, device="cpu"),
+        f"{path}/__shape__": torch.tensor(q.shape, dtype=torch.int64, device="cpu"),
     }
     if isinstance(q, QTensor):
-        meta[f"{path}/__block_size__"] = torch.tensor(q.block_size, dtype=torch.int64)
+        meta[f"{path}/__block_size__"] = torch.tensor(q.block_size, dtype=torch.int64, device="cpu")
     return meta
 
 
@@ -65,7 +65,7 @@ def _entries(state: Any) -> tuple[dict[str, torch.Tensor], set[str]]:
 
 def state_to_dict(state: Any) -> dict[str, torch.Tensor]:
     """A flat ``{path: tensor}`` view of ``state`` (tensors shared, not copied)."""
-    return {VERSION_KEY: torch.tensor(STATE_DICT_VERSION, dtype=torch.int64), **_entries(state)[0]}
+    return {VERSION_KEY: torch.tensor(STATE_DICT_VERSION, dtype=torch.int64, device="cpu"), **_entries(state)[0]}
 
 
 def _meta_text(key: str, t: torch.Tensor) -> str:

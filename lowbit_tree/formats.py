@@ -16,6 +16,10 @@ import dataclasses
 
 import torch
 
+# the code tables are module constants on the CPU whatever the default device (kernels move
+# them to the data's device)
+_CPU = torch.device("cpu")
+
 __all__ = [
     "Format",
     "FORMATS",
@@ -43,14 +47,14 @@ def dynamic_map(signed: bool, max_exponent_bits: int, total_bits: int) -> torch.
     for i in range(max_exponent_bits):
         extra = 0 if signed else 1
         n = 2 ** (i + non_sign_bits - max_exponent_bits + extra) + 1
-        edges = torch.linspace(0.1, 1, n, dtype=torch.float32)
+        edges = torch.linspace(0.1, 1, n, dtype=torch.float32, device=_CPU)
         centres = (edges[:-1] + edges[1:]) / 2.0
         decade = 10 ** (-(max_exponent_bits - 1) + i)
         values += (decade * centres).tolist()
         if signed:
             values += (-decade * centres).tolist()
     if leftover > 0:
-        edges = torch.linspace(0.1, 1, leftover + 1, dtype=torch.float32)
+        edges = torch.linspace(0.1, 1, leftover + 1, dtype=torch.float32, device=_CPU)
         centres = (edges[:-1] + edges[1:]) / 2.0
         values += (decade * centres).tolist()
         if signed:
@@ -58,7 +62,7 @@ def dynamic_map(signed: bool, max_exponent_bits: int, total_bits: int) -> torch.
     values += [0.0, 1.0]
     if len(values) != 2**total_bits:
         raise ValueError(f"dynamic map has {len(values)} values, expected {2**total_bits}")
-    return torch.tensor(sorted(values), dtype=torch.float32)
+    return torch.tensor(sorted(values), dtype=torch.float32, device=_CPU)
 
 
 def float8_e4m3_values(signed: bool) -> torch.Tensor:
@@ -66,7 +70,7 @@ def float8_e4m3_values(signed: bool) -> torch.Tensor:
 
     Unsigned: the strictly positive values only (zero-free).
     """
-    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bits = torch.arange(256, dtype=torch.int32, device=_CPU).to(torch.uint8)
     vals = bits.view(torch.float8_e4m3fn).float()
     vals = vals[torch.isfinite(vals)]
     vals = torch.unique(vals)  # sorted; merges +0 and -0
@@ -133,7 +137,7 @@ def _build_table(name: str) -> torch.Tensor:
     if name == "dynamic4_signed":
         return dynamic_map(signed=True, max_exponent_bits=3, total_bits=4)
     if name == "linear4_unsigned_zero_free":
-        return torch.arange(1, 17, dtype=torch.float32) / 16
+        return torch.arange(1, 17, dtype=torch.float32, device=_CPU) / 16
     if name == "e4m3_signed":
         return float8_e4m3_values(signed=True)
     if name == "e4m3_unsigned_zero_free":

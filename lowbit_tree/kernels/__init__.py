@@ -20,9 +20,7 @@ bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
 """
 from __future__ import annotations
 
-import functools
 import os
-import warnings
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -59,19 +57,6 @@ def _requested() -> str:
     return value
 
 
-@functools.lru_cache(maxsize=1)
-def _warn_no_native() -> None:
-    why = getattr(native, "build_error", lambda: None)()
-    warnings.warn(
-        "lowbit_tree: the native CPU kernel is not available"
-        + (f" ({why})" if why else "")
-        + "; CPU steps run on the eager torch backend (LOWBIT_TREE_BACKEND=eager), correct but slower. "
-        "Install a C compiler (gcc or clang, or set CC) for the fast kernel.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
     """The backend that runs steps on ``device``: ``backend`` if given, else
     ``LOWBIT_TREE_BACKEND``, else auto (see the module docstring)."""
@@ -88,11 +73,8 @@ def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
                 "LOWBIT_TREE_BACKEND=native, but the native CPU kernel could not be built (no working C compiler?)"
             )
         return "native"
-    if want == "auto":
-        if native.available():
-            return "native"
-        _warn_no_native()
-        return "eager"
+    if want == "auto":  # native.library() warns once when it cannot be built
+        return "native" if native.available() else "eager"
     return want
 
 

@@ -10,7 +10,9 @@ The library is cached under ``$LOWBIT_TREE_CACHE`` (default
 ``~/.cache/lowbit_tree``), keyed by the source, the flags and the CPU's feature
 flags. ``LOWBIT_TREE_BACKEND=eager`` or ``compiled`` runs the torch backend
 instead (see :mod:`lowbit_tree.kernels`); ``LOWBIT_TREE_CFLAGS`` adds compiler
-flags. :func:`available` says whether it can be used.
+flags, ``CC`` chooses the compiler. :func:`available` says whether it can be used,
+:func:`build_error` why not; the first time it is unavailable (other than by
+choice) a ``RuntimeWarning`` says so, naming the switch and what to do.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -32,7 +35,7 @@ from ..formats import FORMATS as _FORMATS
 from .spec import NHYPER, StepSpec
 from .tables import cpu_code_table
 
-__all__ = ["available", "library", "quantize", "dequantize", "NativeState", "NativeJob", "run_jobs", "RULE_IDS"]
+__all__ = ["available", "build_error", "library", "quantize", "dequantize", "NativeState", "NativeJob", "run_jobs", "RULE_IDS"]
 
 _SOURCE = Path(__file__).with_name("cpu.c")
 # -ffp-contract=off: no FMA contraction (GCC's default for GNU C is "fast"), so
@@ -86,27 +89,115 @@ class _Format(ctypes.Structure):
 
 def _cpu_flags() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
     except OSError:
         pass
     return platform.processor()
 
 
+class BuildError(RuntimeError):
+    """Why the native library cannot be built or loaded (see :func:`build_error`)."""
+
+
 def _compiler() -> Optional[str]:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
+    """The C compiler to build with: ``$CC`` if set (it must name one executable, as a path or a
+    name on ``PATH``; a ``CC`` that does not is an error, never skipped), else the first of
+    ``cc``, ``gcc``, ``clang`` on ``PATH``; ``None`` if there is none."""
+    cc = os.environ.get("CC")
+    if cc is not None and cc.strip():
+        found = shutil.which(cc.strip())
+        if found is None:
+            raise BuildError(f"CC={cc!r} does not name an executable (not found on PATH, or not executable)")
+        return found
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
     return None
 
 
+def _compile(cc: str, flags: list[str], out: str) -> None:
+    """Build ``cpu.c`` into ``out``; :class:`BuildError` with the compiler's message if it fails."""
+    where = "CC" if os.environ.get("CC", "").strip() else "found on PATH"
+    try:
+        done = subprocess.run([cc, *flags, str(_SOURCE), "-o", out, "-lm"], capture_output=True, text=True)
+    except OSError as e:  # exists but cannot be run (not an executable format, no permission)
+        raise BuildError(f"the C compiler {cc!r} ({where}) could not be run: {e}") from e
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise BuildError(f"the C compiler {cc!r} ({where}) failed with exit status {done.returncode}"
+                         + (": " + " | ".join(tail) if tail else ""))
+
+
+def _build(cc: str, flags: list[str], so: Path) -> None:
+    """Compile to a temporary file next to ``so``, make it readable by everyone (0o755; mkstemp
+    creates 0o600), then rename it into place: concurrent processes never load a partial
+    file, and a failed build leaves no file behind."""
+    so.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=so.stem + ".", suffix=".tmp.so", dir=so.parent)
+    os.close(fd)
+    try:
+        try:
+            _compile(cc, flags, tmp)
+        except BuildError:
+            if not (_is_amd() and any(f in flags for f in _AMD_FLAGS)):
+                raise
+            # the AMD tuning option is GCC-only: retry without it
+            _compile(cc, [f for f in flags if f not in _AMD_FLAGS], tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_FALLBACK_NOTICE = (
+    "lowbit_tree: the native CPU kernel is unavailable ({why}). The CPU path falls back to the "
+    "eager torch backend (LOWBIT_TREE_BACKEND=eager; set it to choose that explicitly and silence "
+    "this notice), which is slower. For the fast kernel install gcc or clang, or set CC to a "
+    "working C compiler."
+)
+
+
 @functools.lru_cache(maxsize=1)
+def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """(library, None), or (None, why it is unavailable). The first time it is unavailable for a
+    reason other than an explicit choice (``LOWBIT_TREE_BACKEND=eager`` or ``compiled``), one
+    ``RuntimeWarning`` says so and what to do."""
+    chosen = os.environ.get("LOWBIT_TREE_BACKEND", "").strip().lower()
+    if chosen in ("eager", "compiled"):
+        return None, f"not used: LOWBIT_TREE_BACKEND={chosen}"
+    try:
+        lib = _build_and_load()
+    except BuildError as e:
+        why = str(e)
+    except OSError as e:  # the cache is not writable, or the built file does not load
+        why = f"{type(e).__name__}: {e}"
+    else:
+        return lib, None
+    warnings.warn(_FALLBACK_NOTICE.format(why=why), RuntimeWarning, stacklevel=3)
+    return None, why
+
+
 def library():
-    """The loaded ctypes library, or ``None`` when it cannot be built or is disabled."""
+    """The loaded ctypes library, or ``None`` when it cannot be built or is disabled
+    (:func:`build_error` says why)."""
+    return _load()[0]
+
+
+def build_error() -> Optional[str]:
+    """Why the native library is unavailable (no compiler, a broken ``CC``, the compiler's
+    error, ``LOWBIT_TREE_NATIVE=0``), or ``None`` when it is available."""
+    return _load()[1]
+
+
+def _build_and_load() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
-        return None
+        raise BuildError("no C compiler: none of cc, gcc, clang is on PATH and CC is not set")
     src = _SOURCE.read_bytes()
     # LOWBIT_TREE_CFLAGS: extra compiler flags (e.g. "-mno-avx2" to build and test
     # the plain-C paths that CPUs without AVX2 run)
@@ -114,23 +205,9 @@ def library():
     key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_flags().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree"))
     so = cache / f"kernels_cpu_{key}.so"
-    try:
-        if not so.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-            os.close(fd)
-            try:
-                subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
-            except subprocess.CalledProcessError:
-                if not _is_amd():
-                    raise
-                # the AMD tuning option is GCC-only: retry without it
-                retry = [f for f in flags if f not in _AMD_FLAGS]
-                subprocess.run([cc, *retry, str(_SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
-            os.replace(tmp, so)  # atomic: concurrent processes never load a partial file
-        lib = ctypes.CDLL(str(so))
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    if not so.exists():
+        _build(cc, flags, so)
+    lib = ctypes.CDLL(str(so))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     fptr = ctypes.POINTER(_Format)
     lib.lbt_quantize.argtypes = [i64, i64, ptr, ptr, ptr, fptr, i64, i32]

@@ -109,7 +109,7 @@ def step_hyperparams(
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
         vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, float(eps), float(lr), float(weight_decay), float(l2)]
-        return torch.tensor(vals, dtype=torch.float32, device=device)
+        return torch.tensor(vals, dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
     def f64(v):

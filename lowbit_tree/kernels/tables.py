@@ -99,10 +99,10 @@ def _build_code_table(fmt: Format) -> CodeTable:
 
     if fmt.float8:
         encode = torch.from_numpy(values.copy()).to(torch.float8_e4m3fn).view(torch.uint8)
-        decode = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        decode = torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8).view(torch.float8_e4m3fn).float()
     else:
-        encode = torch.arange(len(values), dtype=torch.int32).to(torch.uint8)
-        decode = torch.zeros(256, dtype=torch.float32)
+        encode = torch.arange(len(values), dtype=torch.int32, device="cpu").to(torch.uint8)
+        decode = torch.zeros(256, dtype=torch.float32, device="cpu")
         decode[: len(values)] = torch.from_numpy(values.copy())
     return CodeTable(
         shift=shift,
