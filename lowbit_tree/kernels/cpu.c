@@ -1002,10 +1002,11 @@ static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
  * second-moment states), with their absmax bits in amax. DEC: ADAM's two states
  * decoded from 8-bit table codes in the loop (D) instead of read from s0, s1.
  * EPW 0: u goes to o; 1: o (the param, in place) += (-lr) * u; 2: o += (-lr) *
- * (u + wd * o). Flags are literals in the callers, so each combination is
- * compiled (and vectorized) on its own; the fused EPW 1, 2 serve the hottest
- * case (a param updated in place through 8-bit table formats), every other
- * epilogue is a second pass over the run (epilogue_pass). */
+ * (u + wd * o); 3: o = (-lr) * u; 4: o = (-lr) * (u + wd * p) (the functional
+ * API's update). Flags are literals in the callers, so each combination is
+ * compiled (and vectorized) on its own; the combinations without an
+ * instantiation in rule_dispatch run EPW 0 and a second pass over the run
+ * (epilogue_pass). */
 typedef struct {
     const uint8_t *mc, *vc, *wc;
     const float *dm, *dv, *dw;
@@ -1013,9 +1014,9 @@ typedef struct {
 } block_codes;
 
 static inline __attribute__((always_inline)) void rule_run(
-    const float *restrict hyper, int64_t n, const float *restrict g, float *restrict o, float *restrict s0,
-    float *restrict s1, float *restrict s2, const int RULE, const int VAR, const int TR, const int DEC,
-    const int EPW, const block_codes *D, int32_t *amax) {
+    const float *restrict hyper, int64_t n, const float *restrict g, const float *restrict p, float *restrict o,
+    float *restrict s0, float *restrict s1, float *restrict s2, const int RULE, const int VAR, const int TR,
+    const int DEC, const int EPW, const block_codes *D, int32_t *amax) {
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
@@ -1069,7 +1070,9 @@ static inline __attribute__((always_inline)) void rule_run(
         }
         if (EPW == 0) o[k] = u;
         else if (EPW == 1) o[k] = o[k] + nlr * u;
-        else o[k] = o[k] + nlr * (u + wd * o[k]);
+        else if (EPW == 2) o[k] = o[k] + nlr * (u + wd * o[k]);
+        else if (EPW == 3) o[k] = nlr * u;
+        else o[k] = nlr * (u + wd * p[k]);
         int32_t c0 = f2i(t0) & 0x7FFFFFFF, c1 = f2i(t1) & 0x7FFFFFFF, c2 = f2i(t2) & 0x7FFFFFFF;
         a0 = c0 > a0 ? c0 : a0;
         a1 = c1 > a1 ? c1 : a1;
@@ -1112,34 +1115,48 @@ typedef struct {
     int32_t amax[3];
 } run_io;
 
-/* rule_run with the job's flags as literals, then the epilogue. */
-static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D) {
+/* rule_run with literal flags, if this combination is instantiated: 1 if it ran. */
+static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D, int epw,
+                        float *uo) {
     const int rule = (int)J->rule, flags = (int)J->flags;
     const int var = rule == LBT_ADAM ? !!(flags & LBT_AMSGRAD) : !!(flags & LBT_NESTEROV);
-    const int epi = (flags & LBT_LR) ? ((flags & LBT_DECAY) ? 2 : 1) : ((flags & LBT_DECAY) ? 3 : 0);
-    const int write = !!(flags & LBT_WRITE_PARAM);
-    const int epw = D && write && (epi == 1 || epi == 2) ? epi : 0;
-    float *uo = epw ? io->o : ((write || epi) ? io->u : io->o); /* where the rule loop writes */
-    const float *h = J->hyper, *g = io->g;
+    const float *h = J->hyper, *g = io->g, *p = io->p;
     float *s0 = io->s[0], *s1 = io->s[1], *s2 = io->s[2];
     int32_t *am = io->amax;
 #define LBT_RUN(R, V, T, DC, E)                                                        \
     if (rule == R && var == V && tr == T && !!D == DC && epw == E) {                   \
-        rule_run(h, n, g, uo, s0, s1, s2, R, V, T, DC, E, D, am);                      \
-        goto done;                                                                     \
+        rule_run(h, n, g, p, uo, s0, s1, s2, R, V, T, DC, E, D, am);                   \
+        return 1;                                                                      \
     }
-    LBT_RUN(LBT_ADAM, 0, 0, 0, 0) LBT_RUN(LBT_ADAM, 0, 1, 0, 0) LBT_RUN(LBT_ADAM, 0, 2, 0, 0)
-    LBT_RUN(LBT_ADAM, 1, 0, 0, 0) LBT_RUN(LBT_ADAM, 1, 1, 0, 0) LBT_RUN(LBT_ADAM, 1, 2, 0, 0)
-    LBT_RUN(LBT_ADAM, 0, 1, 1, 0) LBT_RUN(LBT_ADAM, 0, 1, 1, 1) LBT_RUN(LBT_ADAM, 0, 1, 1, 2)
-    LBT_RUN(LBT_ADAM, 0, 2, 1, 0) LBT_RUN(LBT_ADAM, 0, 2, 1, 1) LBT_RUN(LBT_ADAM, 0, 2, 1, 2)
-    LBT_RUN(LBT_ADAM, 1, 1, 1, 0) LBT_RUN(LBT_ADAM, 1, 1, 1, 1) LBT_RUN(LBT_ADAM, 1, 1, 1, 2)
-    LBT_RUN(LBT_ADAM, 1, 2, 1, 0) LBT_RUN(LBT_ADAM, 1, 2, 1, 1) LBT_RUN(LBT_ADAM, 1, 2, 1, 2)
-    LBT_RUN(LBT_LION, 0, 0, 0, 0)
-    LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0)
+#define LBT_RUN5(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2) \
+    LBT_RUN(R, V, T, DC, 3) LBT_RUN(R, V, T, DC, 4)
+#define LBT_RUN3(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2)
+    LBT_RUN5(LBT_ADAM, 0, 0, 0) LBT_RUN5(LBT_ADAM, 0, 1, 0) LBT_RUN5(LBT_ADAM, 0, 2, 0)
+    LBT_RUN5(LBT_ADAM, 0, 1, 1) LBT_RUN5(LBT_ADAM, 0, 2, 1)
+    LBT_RUN3(LBT_ADAM, 1, 0, 0) LBT_RUN3(LBT_ADAM, 1, 1, 0) LBT_RUN3(LBT_ADAM, 1, 2, 0)
+    LBT_RUN3(LBT_ADAM, 1, 1, 1) LBT_RUN3(LBT_ADAM, 1, 2, 1)
+    LBT_RUN5(LBT_LION, 0, 0, 0)
+    LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3)
+    LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3)
+#undef LBT_RUN3
+#undef LBT_RUN5
 #undef LBT_RUN
-    abort(); /* unreachable: the Python side checks rule, flags and formats */
-done:
-    if (!epw && (write || epi)) epilogue_pass(h, n, io->u, io->p, io->o, epi, write);
+    return 0;
+}
+
+/* The rule with its epilogue fused where an instantiation exists, else the rule
+ * (EPW 0, into a scratch run) and epilogue_pass. */
+static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D) {
+    const int flags = (int)J->flags;
+    const int epi = (flags & LBT_LR) ? ((flags & LBT_DECAY) ? 2 : 1) : ((flags & LBT_DECAY) ? 3 : 0);
+    const int write = !!(flags & LBT_WRITE_PARAM);
+    if ((epi == 1 || epi == 2) && rule_variant(J, n, io, tr, D, write ? epi : epi + 2, io->o)) return;
+    if (!epi && !write) { /* no epilogue: u is the output */
+        if (rule_variant(J, n, io, tr, D, 0, io->o)) return;
+        abort(); /* unreachable: every rule has its EPW 0 */
+    }
+    if (!rule_variant(J, n, io, tr, D, 0, io->u)) abort();
+    epilogue_pass(J->hyper, n, io->u, io->p, io->o, epi, write);
 }
 
 /* Per-thread scratch, sized for the largest tile of the call. */
