@@ -93,6 +93,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._group_to_kwargs = group_to_kwargs or self._default_group_to_kwargs
         self._transforms: dict = {}
         self._bindings: dict = {}
+        self._param_templates: dict = {}
         defaults = dict(defaults)
         defaults.setdefault("skip_nonfinite", False)
         super().__init__(params, defaults)
@@ -166,9 +167,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p, group) -> dict:
         """A new param's state, torch.optim's names, zeros in the formats the core chose."""
-        params = group["params"]
-        i = next(k for k, q in enumerate(params) if q is p)
-        tmpl = self._binding(group, params, (i,)).state_leaves(i)
+        tx, key, _ = self._transform(group)
+        cache_key = (key, tuple(p.shape), p.dtype)
+        tmpl = self._param_templates.get(cache_key)
+        if tmpl is None:  # tx.init of this one param (its global shape): formats, block sizes
+            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+            tmpl = self._param_templates[cache_key] = binding(tx.init([meta])).state_leaves(0)
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name, leaf in tmpl.items():
