@@ -32,20 +32,11 @@ from . import report
 from .distributed import is_dtensor, to_local, wrap_like
 from .qstate import QState
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
+from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
+from .state_tree import Rank1Holder as _Rank1Holder  # noqa: F401  (the name state dicts and tests use)
 from .state_tree import binding, is_record
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
-
-STATE_DICT_VERSION = 2
-"""Version of the layout ``state_dict()`` writes (2: nested ``{"codes", "scale"}`` under torch's
-state names; 1: ``name::codes`` keys); ``load_state_dict`` reads both."""
-
-VERSION_KEY = "lowbit_tree_version"
-
-# group keys that shape the state: fixed per param, compared on load
-STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
-
-
 
 
 def _float_tensor(value, device) -> torch.Tensor:
@@ -299,8 +290,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim's layout and state names; a quantized state is a nested dict of plain
         tensors ``{"codes": uint8, "scale": float32}`` (see ``bridge/state_dict.py``)."""
-        from .state_dict import save_state_dict
-
         return save_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -308,34 +297,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         plain ``torch.optim.Adam/AdamW/SGD`` one (its fp32 states are quantized into this
         optimizer's formats). A state dict of another version, state format or block size
         is rejected with an error naming what differs."""
-        from .state_dict import load_into
-
         load_into(self, state_dict)
 
     def torch_state_dict(self) -> dict:
         """This optimizer's state as a plain torch.optim state dict with dequantized float32
         moments (e.g. to resume with ``torch.optim.AdamW``)."""
-        from .state_dict import export_torch
-
         return export_torch(self)
-
-
-class _Rank1Holder:
-    """Holds a (non-sharded) rank-1 normalized record in ``state[p]``.
-
-    The record has no row-sharded layout (its column maxima span all rows), so it
-    is kept as a plain record rather than a QState.
-    """
-
-    def __init__(self, module, template, local):
-        from lowbit_tree.moments import rank1_zeros
-
-        self.record = rank1_zeros(tuple(local.shape), device=local.device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def tensors(self) -> dict:
-        r = self.record
-        return {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}

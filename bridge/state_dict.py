@@ -27,6 +27,15 @@ import lowbit_tree as lt
 
 from .distributed import is_dtensor, local_row_range, row_dtensor, to_local, wrap_like
 from .qstate import QState
+from .state_tree import Rank1Holder as _Rank1Holder
+
+STATE_DICT_VERSION = 2
+"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
+
+VERSION_KEY = "lowbit_tree_version"
+
+# group keys that shape the state: fixed per param, compared on load
+STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2)
@@ -38,7 +47,6 @@ def save_state_dict(opt) -> dict:
     nested dict of plain tensors (see the module docstring), row-sharded DTensors under
     FSDP2 (views of the live storage, so ``dcp.load`` writes in place). Groups carry the
     format version."""
-    from .optimizer import STATE_DICT_VERSION, VERSION_KEY, _Rank1Holder
 
     sd = torch.optim.Optimizer.state_dict(opt)
     for group in sd["param_groups"]:
@@ -101,7 +109,6 @@ def _saved_version(saved_group: dict, state_dict: dict):
     """The group's format version. torch's ``flatten_optimizer_state_dict`` rebuilds
     param groups from the live groups' keys and so drops ours; nested state dicts are
     written by version 2 only, ``::`` keys by version 1 only."""
-    from .optimizer import VERSION_KEY
 
     if VERSION_KEY in saved_group:
         return saved_group[VERSION_KEY]
@@ -127,7 +134,6 @@ def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> None:
-    from .optimizer import STATE_DICT_VERSION, STATIC_KEYS
 
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
@@ -158,7 +164,6 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
 
 
 def _is_ours(state_dict: dict) -> bool:
-    from .optimizer import VERSION_KEY
 
     if any(VERSION_KEY in g for g in state_dict.get("param_groups", [])):
         return True
@@ -168,7 +173,6 @@ def _is_ours(state_dict: dict) -> bool:
 
 
 def load_into(opt, state_dict: dict) -> None:
-    from .optimizer import VERSION_KEY, _Rank1Holder
 
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
@@ -266,7 +270,6 @@ def _tensor(label: str, value, where: str) -> torch.Tensor:
 
 
 def _describe(t) -> str:
-    from .optimizer import _Rank1Holder
 
     if isinstance(t, QState):
         return f"a {t.format!r} state with block size {t.block_size}"
@@ -365,7 +368,6 @@ def _load_rank1(saved, name, holder, where):
 
 
 def export_torch(opt) -> dict:
-    from .optimizer import STATIC_KEYS, _Rank1Holder
 
     sd = torch.optim.Optimizer.state_dict(opt)
     state = {}

@@ -18,8 +18,9 @@ import optree
 import torch
 
 from lowbit_tree.moments import is_record
+from lowbit_tree.rank1 import rank1_zeros
 
-__all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names"]
+__all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names", "Rank1Holder"]
 
 STATE_NAMES = {
     "mu": "exp_avg",
@@ -103,3 +104,22 @@ def binding(template: Any) -> Binding:
 
 def state_names(b: Binding) -> set:
     return {s.name for s in b.slots if s.kind == "state"}
+
+
+class Rank1Holder:
+    """Holds a (non-sharded) rank-1 normalized record in ``state[p]``.
+
+    The record has no row-sharded layout (its column maxima span all rows), so it
+    is kept as a plain record rather than a QState.
+    """
+
+    def __init__(self, module, template, local):
+        self.record = rank1_zeros(tuple(local.shape), device=local.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def tensors(self) -> dict:
+        r = self.record
+        return {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
