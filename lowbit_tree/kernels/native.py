@@ -190,7 +190,7 @@ def library():
 
 def build_error() -> Optional[str]:
     """Why the native library is unavailable (no compiler, a broken ``CC``, the compiler's
-    error, ``LOWBIT_TREE_NATIVE=0``), or ``None`` when it is available."""
+    error, ``LOWBIT_TREE_BACKEND=eager|compiled``), or ``None`` when it is available."""
     return _load()[1]
 
 
