@@ -165,12 +165,17 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
         return False
     if write and not p.is_contiguous():
         return False
-    states = leaf.states
-    if all(_is_q(s) for s in states):
-        return all(s.scale.dtype is torch.float32 and s.codes.is_contiguous() and s.scale.is_contiguous()
-                   for s in states)
-    return all(isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous()
-               for s in states)
+    quantized = plain = 0
+    for s in leaf.states:
+        if type(s) is QTensor:
+            if s.scale.dtype is not torch.float32 or not s.codes.is_contiguous() or not s.scale.is_contiguous():
+                return False
+            quantized += 1
+        elif isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous():
+            plain += 1
+        else:
+            return False
+    return not (quantized and plain)
 
 
 def _native_state(s, inplace: bool):

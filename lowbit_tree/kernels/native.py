@@ -329,11 +329,20 @@ class NativeJob(NamedTuple):
     states: tuple
 
 
-def _flags(job: NativeJob) -> int:
-    s = job.spec
+@functools.lru_cache(maxsize=256)
+def _spec_flags(s: StepSpec, write: bool, stochastic: bool) -> int:
     return ((_MAXIMIZE if s.maximize else 0) | (_L2 if s.l2 else 0) | (_DECAY if s.decay else 0) | (_LR if s.lr else 0)
-            | (_AMSGRAD if s.amsgrad else 0) | (_NESTEROV if s.nesterov else 0) | (_WRITE if job.write else 0)
-            | (_STOCHASTIC if job.stochastic else 0))
+            | (_AMSGRAD if s.amsgrad else 0) | (_NESTEROV if s.nesterov else 0) | (_WRITE if write else 0)
+            | (_STOCHASTIC if stochastic else 0))
+
+
+def _flags(job: NativeJob) -> int:
+    return _spec_flags(job.spec, job.write, job.stochastic)
+
+
+@functools.lru_cache(maxsize=None)
+def _format_address(name: str) -> int:
+    return ctypes.addressof(_format_struct(name))
 
 
 def _addr(t: torch.Tensor, dtypes: tuple, numel: int, what: str, rows: int, r: int) -> int:
@@ -396,7 +405,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             dst = src if st.dst is st.src else _addr(st.dst, _U8, rows * cols, what + " codes out", rows, r)
             ssrc = _addr(st.scale_src, _F32, nb, what + " scale", rows, r)
             sdst = ssrc if st.scale_dst is st.scale_src else _addr(st.scale_dst, _F32, nb, what + " scale out", rows, r)
-            row += [src, dst, ssrc, sdst, ctypes.addressof(_format_struct(st.format)), int(st.block_size)]
+            row += [src, dst, ssrc, sdst, _format_address(st.format), int(st.block_size)]
     row += [0] * (6 * (3 - len(job.states)))
     return row
 
