@@ -404,45 +404,13 @@ def plot(results: list[RunResult], path: str, title: str) -> None:
 
 
 def run(args) -> int:
-    """The demo; under ``--fsdp`` the process ends here with ``os._exit`` (see :func:`_run_and_exit`)."""
+    """The demo; under ``--fsdp`` the process ends here with ``os._exit``
+    (:func:`bridge.distributed.run_and_exit`, pytorch issue 190489)."""
     if args.fsdp:
-        _run_and_exit(args)
+        from .distributed import run_and_exit
+
+        run_and_exit(lambda: _run(args))
     return _run(args)
-
-
-def _run_and_exit(args) -> None:
-    """``_run(args)`` on one torchrun rank, then ``destroy_process_group()``, flushed output and
-    ``os._exit`` with its status (1 after printing the traceback of an exception).
-
-    pytorch issue 190489: during interpreter shutdown gloo's worker thread can free a finished
-    Work whose tensors own Python objects; taking the GIL in ``Py_FinalizeEx`` ends the thread
-    with ``pthread_exit`` (CPython 3.11), the forced unwind crosses a noexcept destructor and the
-    process aborts after its work is done. Not going through interpreter shutdown avoids it."""
-    import faulthandler
-    import traceback
-
-    import torch.distributed as dist
-
-    faulthandler.enable(all_threads=True)
-    code = 1
-    try:
-        code = _run(args)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - printed, and the exit status fails the run
-        traceback.print_exc()
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-                code = code or 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def _run(args) -> int:

@@ -11,7 +11,10 @@ the state's name) with global shapes ``(S0, C)`` and ``(S0, nblocks)``.
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+import sys
+import traceback
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -21,6 +24,7 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment]
 
 __all__ = [
+    "run_and_exit",
     "is_dtensor",
     "to_local",
     "wrap_like",
@@ -71,3 +75,42 @@ def local_row_range(p: torch.Tensor) -> tuple[int, int]:
 
 def global_numel(p: torch.Tensor) -> int:
     return math.prod(p.shape)
+
+
+def run_and_exit(fn: Callable[[], Any]) -> NoReturn:
+    """Run ``fn()`` on one rank, then ``destroy_process_group()``, flush the output and end the
+    process with ``os._exit``: status ``fn()``'s int (0 for ``None``), a ``SystemExit``'s code,
+    or 1 after printing the traceback of any other exception or of a failed teardown.
+
+    Why (pytorch issue 190489): during interpreter shutdown gloo's worker thread can free a
+    finished Work whose tensors own Python objects; taking the GIL in ``Py_FinalizeEx`` ends
+    the thread with ``pthread_exit`` (CPython 3.11), the forced unwind crosses a noexcept
+    destructor and the process aborts after its work is done. Not going through interpreter
+    shutdown avoids it; ``faulthandler`` still prints every thread's stack on a real crash.
+    """
+    import faulthandler
+
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    code = 1
+    try:
+        result = fn()
+        code = result if isinstance(result, int) else 0
+    except SystemExit as e:  # argparse --help / usage errors, sys.exit(...)
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed, and the exit status fails the run
+        traceback.print_exc()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = code or 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

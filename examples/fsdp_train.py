@@ -20,11 +20,8 @@ gloo's worker thread can abort an exiting interpreter; see design.md).
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import os
 import shutil
-import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -41,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from bridge import AdamW8bit
+from bridge.distributed import run_and_exit
 
 
 class Block(nn.Module):
@@ -198,28 +196,7 @@ def main():
             print(f"saved {path}")
 
 
-def run_and_exit() -> None:
-    """``main()``, then ``os._exit``: 0 after success, 1 after printing the traceback."""
-    faulthandler.enable(all_threads=True)
-    code = 0
-    try:
-        main()
-    except SystemExit as e:  # argparse --help / usage errors
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    except BaseException:  # noqa: BLE001 - printed, and the exit status fails the run
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-                code = code or 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 if __name__ == "__main__":
-    run_and_exit()
+    # destroy_process_group, flushed output, os._exit with main's status: gloo can abort a
+    # process during interpreter shutdown (pytorch issue 190489)
+    run_and_exit(main)

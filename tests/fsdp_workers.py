@@ -8,12 +8,8 @@ Results that the test compares across runs are written by rank 0 with ``torch.sa
 from __future__ import annotations
 
 import copy
-import faulthandler
-import math
 import os
-import sys
 import tempfile
-import traceback
 from datetime import timedelta
 
 import torch
@@ -29,17 +25,12 @@ PG_TIMEOUT_S = 60
 # launching
 # ----------------------------------------------------------------------------
 def _entry(rank, fn, world, store_file, args):
-    """One rank: run ``fn``, then leave with ``os._exit`` (never through interpreter shutdown).
-
-    pytorch issue 190489: during ``Py_FinalizeEx`` gloo's worker thread can free a finished
-    Work whose tensors own Python objects; taking the GIL there ends the thread with
-    ``pthread_exit`` on CPython 3.11, the forced unwind crosses a noexcept destructor and the
-    process aborts (SIGABRT / SIGSEGV) after the test's work was done. So a rank tears the
-    process group down, flushes its output and exits at once: 0 after success, 1 after
+    """One rank: run ``fn``, then leave with ``os._exit`` (never through interpreter shutdown,
+    pytorch issue 190489; :func:`bridge.distributed.run_and_exit`): 0 after success, 1 after
     printing the traceback of a failure (the launcher then fails the test)."""
-    faulthandler.enable(all_threads=True)  # a real crash still prints every thread's stack
-    code = 0
-    try:
+    from bridge.distributed import run_and_exit
+
+    def body():
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
@@ -47,19 +38,8 @@ def _entry(rank, fn, world, store_file, args):
         )
         fn(rank, world, *args)
         dist.barrier()
-    except BaseException:  # noqa: BLE001 - reported, then a non-zero exit fails the launch
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-                code = code or 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    run_and_exit(body)
 
 
 def launch(fn, world: int, *args) -> None:
