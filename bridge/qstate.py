@@ -8,9 +8,12 @@ checkpointing. The math never sees it: the optimizer unwraps ``.record`` and run
 the core's pure functions on plain tensors.
 
 Each aten / c10d op it supports is a small function in a dispatch table
-(``@QState.implements(op)``). Shape ops act on dim 0 only: because blocks never
+(``@QState.implements(op)``). Shape ops act on dim 0: because blocks never
 straddle a row, rows ``[a, b)`` of the state are rows ``[a, b)`` of codes and
-scale. Any other op raises ``NotImplementedError`` naming the op.
+scale. On dim 1 of a 2-D state (tensor parallel's ``Shard(1)``) they cut only on
+block boundaries (and even columns for 4-bit), where columns ``[a, b)`` are codes
+columns ``[a, b)`` (4-bit: ``[a/2, b/2)``) and scale columns ``[a/bs, b/bs)``; a cut
+inside a block raises. Any other op raises ``NotImplementedError`` naming the op.
 """
 from __future__ import annotations
 
@@ -84,8 +87,8 @@ class QState(torch.Tensor):
         self.scale.copy_(record.scale)
         return self
 
-    def _with(self, codes, scale, rows=None):
-        shape = tuple(self.shape)
+    def _with(self, codes, scale, rows=None, shape=None):
+        shape = tuple(self.shape) if shape is None else tuple(shape)
         if rows is not None:
             shape = (rows,) + shape[1:]
         return QState(QTensor(codes, scale, shape, self.block_size, self.format))
@@ -178,9 +181,10 @@ def _(func, types, args, kwargs):
 
 @QState.implements(aten.new_zeros.default)
 def _(func, types, args, kwargs):
-    # used by fill_empty_tensor_to_shards (empty shards when world > dim0)
+    # used by fill_empty_tensor_to_shards (empty shards when the mesh dim is larger than the
+    # sharded dim): other rows, or (2-D, tensor parallel) other columns
     x, size = args[0], list(args[1])
-    if list(size[1:]) != list(x.shape[1:]):
+    if len(size) != x.ndim or (list(size[1:]) != list(x.shape[1:]) and x.ndim != 2):
         raise NotImplementedError(f"QState.new_zeros with size {size}")
     return QState.zeros(tuple(size), x.format, x.block_size, device=x.device)
 
@@ -202,7 +206,7 @@ def _(func, types, args, kwargs):
     return dst
 
 
-# ---- shape ops (dim 0 only; other dims only as no-ops) ----
+# ---- shape ops (dim 0; dim 1 of 2-D states on block boundaries, for tensor parallel) ----
 @QState.implements(aten.view.default)
 def _(func, types, args, kwargs):
     x, shape = args[0], list(args[1])
@@ -228,6 +232,8 @@ def _(func, types, args, kwargs):
     if dim != 0:
         if start == 0 and end == n:  # full-range slice on inner dim = alias
             return x._with(x.codes.view(x.codes.shape), x.scale.view(x.scale.shape))
+        if dim in (1, -1) and x.ndim == 2:
+            return _column_range(x, start, end)
         raise NotImplementedError(f"QState.slice on dim {dim} ({start}:{end} of {n})")
     return x._with(x.codes[start:end], x.scale[start:end], rows=max(0, end - start))
 
@@ -236,10 +242,44 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     x, sizes = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if dim in (1, -1) and x.ndim == 2:  # tensor parallel: columns, on block boundaries
+        n = x.shape[1]
+        if isinstance(sizes, int):
+            sizes = [min(sizes, n - a) for a in range(0, n, sizes)] if n else [0]
+        out, a = [], 0
+        for k in sizes:
+            out.append(_column_range(x, a, a + k))
+            a += k
+        return out
     if dim != 0:
         raise NotImplementedError(f"QState.split on dim {dim}")
     cs, ss = func(x.codes, sizes, 0), func(x.scale, sizes, 0)
     return [x._with(c, s, rows=c.shape[0]) for c, s in zip(cs, ss)]
+
+
+def _column_cut(x, j: int, what: str) -> None:
+    """Columns can be cut at ``j`` only where no block (and, 4-bit, no byte) straddles it."""
+    n = x.shape[1]
+    if j in (0, n):
+        return
+    if j % x.block_size or (lt.get_format(x.format).bits == 4 and j % 2):
+        raise NotImplementedError(
+            f"QState.{what}: column {j} of a ({x.shape[0]}, {n}) {x.format!r} state with block size "
+            f"{x.block_size} cuts a block; tensor-parallel shards must hold whole blocks (see design.md)"
+        )
+
+
+def _column_range(x, a: int, b: int):
+    """Columns ``[a, b)`` of a 2-D state (codes and scales of whole blocks: a view)."""
+    n = x.shape[1]
+    a, b = max(0, min(a, n)), max(0, min(b, n))
+    b = max(a, b)
+    _column_cut(x, a, "slice")
+    _column_cut(x, b, "slice")
+    half = lt.get_format(x.format).bits == 4
+    c0, c1 = (a // 2, -(-b // 2)) if half else (a, b)
+    s0, s1 = a // x.block_size, -(-b // x.block_size)
+    return x._with(x.codes[:, c0:c1], x.scale[:, s0:s1], shape=(x.shape[0], b - a))
 
 
 @QState.implements(aten.constant_pad_nd.default)
@@ -248,6 +288,8 @@ def _(func, types, args, kwargs):
     # pad is [last_lo, last_hi, ..., dim0_lo, dim0_hi]; only dim0_hi allowed
     nd = x.ndim
     full = pad + [0] * (2 * nd - len(pad))
+    if nd == 2 and full[1] > 0 and not full[0] and not any(full[2:]):  # columns (tensor parallel)
+        return _pad_columns(x, full[1])
     if any(full[:-1]) or full[-1] < 0:
         raise NotImplementedError(f"QState.constant_pad_nd pad={pad}")
     p = full[-1]
@@ -258,12 +300,46 @@ def _(func, types, args, kwargs):
     return x._with(c, s, rows=x.shape[0] + p)
 
 
+def _pad_columns(x, p: int):
+    """``p`` zero columns after the last one of a 2-D state (whole new blocks: the last
+    block must be full, as tensor-parallel shards are)."""
+    _column_cut(x, x.shape[1], "pad")
+    if x.shape[1] % x.block_size:
+        raise NotImplementedError(
+            f"QState.pad: the last block of a ({x.shape[0]}, {x.shape[1]}) state with block size "
+            f"{x.block_size} is partial; padding it would change its scale"
+        )
+    z = QState.zeros((x.shape[0], p), x.format, x.block_size, device=x.device)
+    return _cat_columns([x, z])
+
+
+def _cat_columns(xs):
+    """2-D states side by side: every part but the last must end on a block (and byte)
+    boundary, so the codes and scales of the result are the parts' side by side."""
+    x0 = xs[0]
+    for t in xs:
+        if t.ndim != 2 or t.shape[0] != x0.shape[0] or (t.format, t.block_size) != (x0.format, x0.block_size):
+            raise NotImplementedError(f"QState.cat along dim 1 of {t!r} and {x0!r}")
+    for t in xs[:-1]:
+        if t.shape[1] % t.block_size or (lt.get_format(t.format).bits == 4 and t.shape[1] % 2):
+            raise NotImplementedError(
+                f"QState.cat along dim 1: a part of {t.shape[1]} columns ends inside a block of "
+                f"{t.block_size}; tensor-parallel shards must hold whole blocks (see design.md)"
+            )
+    return x0._with(torch.cat([t.codes for t in xs], dim=1), torch.cat([t.scale for t in xs], dim=1),
+                    shape=(x0.shape[0], sum(t.shape[1] for t in xs)))
+
+
 @QState.implements(aten.cat.default)
 def _(func, types, args, kwargs):
     xs = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if dim != 0 or not all(_is_q(t) for t in xs):
-        raise NotImplementedError("QState.cat only along dim 0 of QStates")
+    if not all(_is_q(t) for t in xs):
+        raise NotImplementedError("QState.cat of QStates only")
+    if dim in (1, -1) and xs[0].ndim == 2:
+        return _cat_columns(list(xs))
+    if dim != 0:
+        raise NotImplementedError(f"QState.cat along dim {dim} (dims 0, and 1 of 2-D states, only)")
     x0 = xs[0]
     return x0._with(torch.cat([t.codes for t in xs]), torch.cat([t.scale for t in xs]),
                     rows=sum(t.shape[0] for t in xs))
