@@ -7,6 +7,12 @@ param's global shape and placement. Because blocks never straddle a row, the
 codes and scales of a shard are rows of the global codes and scales: in a state
 dict we expose them as two plain row-sharded DTensors (``{"codes", "scale"}`` nested under
 the state's name) with global shapes ``(S0, C)`` and ``(S0, nblocks)``.
+
+Tensor parallel also shards dim 1 of 2-D weights (``RowwiseParallel``: ``Shard(1)``;
+under FSDP2 + TP on a 2-D mesh ``(Shard(0), Shard(1))``). Then the block size is chosen
+when the state is created so that every rank's columns are whole blocks
+(:func:`shard_block_size`); the shards' codes and scales are then columns of the global
+ones too, and the same DTensor layout (placed like the param) holds them.
 """
 from __future__ import annotations
 
@@ -27,9 +33,13 @@ __all__ = [
     "run_and_exit",
     "is_dtensor",
     "to_local",
+    "local_grad",
     "wrap_like",
     "row_dtensor",
     "local_row_range",
+    "local_col_range",
+    "column_extents",
+    "shard_block_size",
 ]
 
 
@@ -42,6 +52,17 @@ def to_local(x: torch.Tensor) -> torch.Tensor:
     return x.to_local() if is_dtensor(x) else x
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p.grad``, laid out like ``p``'s local shard. A DTensor gradient
+    placed otherwise than its param (a ``Partial`` sum left by a tensor-parallel plan, a
+    ``Replicate`` one for a sharded param) is redistributed to the param's placements first
+    (a collective): stepping on a partial sum or on the wrong slice would be wrong."""
+    g = p.grad
+    if is_dtensor(g) and is_dtensor(p) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return to_local(g)
+
+
 def wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Wrap a local state like param ``p`` (a DTensor): same mesh, placements, global shape."""
     if not is_dtensor(p):
@@ -52,13 +73,84 @@ def wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def row_dtensor(local: torch.Tensor, p: torch.Tensor, ncols: int) -> torch.Tensor:
-    """A plain ``(rows, ncols)`` local tensor as a DTensor of global shape ``(p.shape[0], ncols)``."""
+    """A plain ``(rows, C)`` local tensor (codes or scales) as a DTensor of global shape
+    ``(p.shape[0], ncols)`` placed like ``p``: rows as ``p``'s rows, and, for a 2-D param
+    sharded along dim 1, columns as its columns (whole blocks: see :func:`shard_block_size`)."""
     if not is_dtensor(p):
         return local
     rows = p.shape[0] if p.ndim >= 1 else 1
     return DTensor.from_local(
         local, device_mesh=p.device_mesh, placements=p.placements, run_check=False, shape=(rows, ncols), stride=(ncols, 1)
     )
+
+
+def _chunks(n: int, k: int) -> list[int]:
+    """The sizes of ``torch.chunk(range(n), k)`` padded with empty chunks to ``k`` (how
+    DTensor's ``Shard`` splits a dim, unevenly and possibly with empty shards)."""
+    c = -(-n // k) if n else 0
+    return [max(0, min(c, n - i * c)) for i in range(k)]
+
+
+def column_extents(p: torch.Tensor) -> list[int] | None:
+    """Every rank's number of columns (dim 1) of a 2-D param sharded along dim 1 (tensor
+    parallel's ``Shard(1)``, on any mesh dims, in mesh order), or ``None`` when no mesh dim
+    shards a dim other than 0. A quantized state's blocks run along rows, so sharding dim 0
+    (FSDP2, ``ColwiseParallel``, ``_StridedShard(0)``) never cuts one; other placements of
+    dims >= 1 are refused with an error naming them."""
+    if not is_dtensor(p) or p.ndim < 2:
+        return None
+    sizes, cut = [p.shape[1]], False
+    for mdim, pl in enumerate(p.placements):
+        if not pl.is_shard():
+            continue  # Replicate, Partial
+        d = pl.dim % p.ndim
+        if d == 0:
+            continue
+        if d != 1 or p.ndim != 2 or type(pl).__name__ != "Shard":
+            raise NotImplementedError(
+                f"a quantized state of a param of shape {tuple(p.shape)} placed {tuple(p.placements)}: only dim 0 "
+                "of any param, and dim 1 of a 2-D param (Shard(1)), can be sharded; keep this param's states "
+                "unquantized (a larger min_quant_size, or a param group with state_format='fp32')"
+            )
+        sizes = [s for e in sizes for s in _chunks(e, p.device_mesh.size(mdim))]
+        cut = True
+    return sizes if cut else None
+
+
+def shard_block_size(p: torch.Tensor, block_size: int, bits: int) -> int:
+    """The block size of ``p``'s quantized states: ``block_size``, unless tensor parallel cuts
+    ``p``'s columns into extents it does not divide; then the largest power of two below it
+    that divides every non-empty extent (so no block straddles a shard and the shards'
+    records side by side are the whole param's record). Chosen when the state is created and
+    kept with it."""
+    ext = column_extents(p)
+    if ext is None:
+        return block_size
+    ext = [e for e in ext if e]
+    if all(e % block_size == 0 for e in ext):
+        return block_size
+    b = 1 << (block_size.bit_length() - 1)
+    while b > 1 and any(e % b for e in ext):
+        b //= 2
+    if bits == 4 and b < 2:
+        raise ValueError(
+            f"4-bit states of the param of shape {tuple(p.shape)} placed {tuple(p.placements)}: its column shards "
+            f"{ext} have an odd size, and a 4-bit byte holds two columns; use an even tensor-parallel split, "
+            "or 8-bit states for this param"
+        )
+    return b
+
+
+def local_col_range(p: torch.Tensor) -> tuple[int, int]:
+    """Columns ``[a, b)`` (dim 1) of the global 2-D param held by this rank (all of them if
+    not sharded along dim 1)."""
+    n = p.shape[1] if p.ndim >= 2 else 1
+    if not is_dtensor(p) or p.ndim < 2:
+        return 0, n
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[1], offset[1] + shape[1]
 
 
 def local_row_range(p: torch.Tensor) -> tuple[int, int]:

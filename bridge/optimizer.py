@@ -29,7 +29,7 @@ from lowbit_tree.moments import check_state_format
 from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
-from .distributed import is_dtensor, to_local, wrap_like
+from .distributed import is_dtensor, local_grad, shard_block_size, to_local, wrap_like
 from .qstate import QState
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
@@ -168,7 +168,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name, leaf in tmpl.items():
             if isinstance(leaf, QTensor):
-                q = QState(lt.zeros(tuple(local.shape), leaf.format, leaf.block_size, device=local.device))
+                bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
+                q = QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device))
                 st[name] = wrap_like(q, p)
             elif is_record(leaf):
                 if is_dtensor(p):
@@ -208,7 +209,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    g = to_local(p.grad)
+                    g = local_grad(p)
                     device = g.device
                     flags.append(torch.isfinite(g).all() if g.numel() else torch.ones((), dtype=torch.bool, device=g.device))
         if not flags:
@@ -243,6 +244,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         keeps one per param), each batch one in-place core transition."""
         tx, _, numeric = self._transform(group)
         batches: dict = {}
+        local_grads: dict = {}
         for i, p in enumerate(params):
             if p.grad is None:
                 continue
@@ -251,9 +253,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} does not support sparse gradients (param of shape "
                     f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
                 )
-            local, grad = to_local(p), to_local(p.grad)
+            local, grad = to_local(p), local_grad(p)
             if grad.shape != local.shape:
                 raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match param shape {tuple(local.shape)}")
+            local_grads[i] = grad
             st = self.state[p]
             if len(st) == 0:
                 st.update(self._init_state(p, group))
@@ -266,7 +269,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for i in present:
                 p = params[i]
                 live[i] = self._live(self.state[p])
-                locals_[i], grads[i] = to_local(p), to_local(p.grad)
+                locals_[i], grads[i] = to_local(p), local_grads[i]
             hyper = {k: _float_tensor(v, "cpu") for k, v in numeric.items()}
             state = b.tree(live, int(count), hyper, int(group.get("seed", 0)))
             lt.step_(tx, grads, state, locals_, _leaf_offset=offset)

@@ -18,14 +18,17 @@ same tensors as ``name::codes`` / ``name::scale``; it still loads.
 """
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from typing import Any
 
 import torch
 
 import lowbit_tree as lt
+from lowbit_tree import QTensor
 
-from .distributed import is_dtensor, local_row_range, row_dtensor, to_local, wrap_like
+from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
 from .qstate import QState
 from .state_tree import Rank1Holder as _Rank1Holder
 
@@ -60,8 +63,8 @@ def save_state_dict(opt) -> dict:
             local = to_local(v)
             if isinstance(local, QState):
                 codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
-                out[name] = {"codes": row_dtensor(codes, p, codes.shape[1]),
-                             "scale": row_dtensor(local.scale, p, local.scale.shape[1])}
+                ccols, scols = _global_cols(p, local)
+                out[name] = {"codes": row_dtensor(codes, p, ccols), "scale": row_dtensor(local.scale, p, scols)}
             elif isinstance(local, _Rank1Holder):
                 out[name] = dict(local.tensors())
             else:
@@ -69,6 +72,12 @@ def save_state_dict(opt) -> dict:
         new_state[idx] = out
     sd["state"] = new_state
     return sd
+
+
+def _global_cols(p: torch.Tensor, q: QState) -> tuple[int, int]:
+    """Columns of the whole param's codes and scales (a tensor-parallel shard holds some of them)."""
+    r = math.prod(p.shape[1:]) if p.ndim >= 2 else q.codes.shape[1]
+    return (-(-r // 2) if lt.get_format(q.format).bits == 4 else r), -(-r // q.block_size)
 
 
 def as_version_1(state_dict: dict) -> dict:
@@ -121,15 +130,20 @@ def _saved_version(saved_group: dict, state_dict: dict):
 
 
 def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
-    """This rank's rows of a saved tensor: the local shard of a DTensor, or rows
-    ``[a, b)`` of a full (unsharded) tensor for a sharded param."""
+    """This rank's part of a saved tensor: the local shard of a DTensor, or, for a sharded
+    param, the part of a full (unsharded) tensor that the param's placements give this rank
+    (``distribute_tensor`` without communication: every rank holds the full tensor). Codes
+    and scales are placed like their param: their rows are its rows and, under tensor
+    parallel, their columns are whole blocks of its columns (see ``shard_block_size``)."""
     if is_dtensor(t):
         return t.to_local()
     if is_dtensor(p):
-        a, b = local_row_range(p)
-        if t.shape[0] != p.shape[0]:
-            raise ValueError(f"{what}: a full tensor with {t.shape[0]} rows cannot be sharded like a param with {p.shape[0]} rows")
-        return t[a:b]
+        if t.ndim == 0 or t.shape[0] != p.shape[0]:
+            raise ValueError(f"{what}: a full tensor of shape {tuple(t.shape)} cannot be sharded like a param with "
+                             f"{p.shape[0]} rows")
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None).to_local()
     return t
 
 
@@ -315,8 +329,14 @@ def _load_quantized(saved, name, p, exp_local: QState, expected, where, migratin
     parts = _record_parts(saved, name, ("codes", "scale"), where)
     if parts is not None:
         (codes_label, codes), (scale_label, scale) = parts["codes"], parts["scale"]
-        codes = to_local(_rows(_tensor(codes_label, codes, where), p, f"{where} {codes_label}"))
-        scale = to_local(_rows(_tensor(scale_label, scale, where), p, f"{where} {scale_label}"))
+        codes, scale = _tensor(codes_label, codes, where), _tensor(scale_label, scale, where)
+        if not is_dtensor(codes) and not is_dtensor(scale):
+            regridded = _regrid(codes, scale, name, p, exp_local, where)
+            if regridded is not None:
+                exp_local.set_(regridded)
+                return expected
+        codes = to_local(_rows(codes, p, f"{where} {codes_label}"))
+        scale = to_local(_rows(scale, p, f"{where} {scale_label}"))
         want_codes = exp_local.codes.view(torch.uint8) if exp_local.is_float8 else exp_local.codes
         if codes.dtype != torch.uint8:
             raise ValueError(f"{where}: {codes_label!r} has dtype {codes.dtype}, expected torch.uint8")
@@ -343,6 +363,44 @@ def _load_quantized(saved, name, p, exp_local: QState, expected, where, migratin
         exp_local.set_(q)
         return expected
     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
+
+
+def _regrid(codes, scale, name, p, exp_local: QState, where):
+    """A full (unsharded) quantized state saved on another block grid than this optimizer's
+    (tensor parallel chose another block size, see ``shard_block_size``): this rank's part,
+    dequantized and quantized again on the live grid, with a warning that names the param
+    and the sizes and says how much the values moved. ``None`` when the grids agree."""
+    if p.ndim < 2 or codes.ndim != 2 or scale.ndim != 2:
+        return None
+    r = math.prod(p.shape[1:])
+    fmt = lt.get_format(exp_local.format)
+    live_nb = -(-r // exp_local.block_size)
+    nb = scale.shape[1]
+    if nb == live_nb or codes.shape != ((p.shape[0], -(-r // 2) if fmt.bits == 4 else r)) or nb == 0:
+        return None  # same grid, or not this format / shape: the checks below name the mismatch
+    if r % nb:
+        raise ValueError(
+            f"{where}: {name!r} has {nb} blocks per row of {r}: neither this optimizer's block size "
+            f"{exp_local.block_size} nor a tensor-parallel block size (one that divides the row) gives that"
+        )
+    saved_bs = r // nb
+    if scale.dtype != torch.float32 or codes.dtype != torch.uint8:
+        raise ValueError(f"{where}: {name!r} codes {codes.dtype} / scale {scale.dtype}, expected uint8 / float32")
+    _check_scales(scale, f"{where}: {name!r} scale")
+    dev = exp_local.codes.device
+    c = codes.to(dev).view(torch.float8_e4m3fn) if exp_local.is_float8 else codes.to(dev)
+    whole = lt.dequantize(QTensor(c, scale.to(dev), tuple(p.shape), saved_bs, exp_local.format))
+    local = _rows(whole, p, f"{where} {name}")
+    q = lt.quantize(local, exp_local.format, exp_local.block_size)
+    moved = (lt.dequantize(q) - local).abs().max().item() if local.numel() else 0.0
+    peak = local.abs().max().item() if local.numel() else 0.0
+    warnings.warn(
+        f"{where}: {name!r} was saved on blocks of {saved_bs} and this optimizer's layout has blocks of "
+        f"{exp_local.block_size} (tensor parallel cuts its columns otherwise): requantized on the new blocks; "
+        f"values moved by at most {moved:.3g} (state absmax {peak:.3g})",
+        stacklevel=4,
+    )
+    return q
 
 
 def _load_rank1(saved, name, holder, where):
