@@ -3,8 +3,8 @@
 Functions of a :class:`bridge.LowBitOptimizer` (its ``state_report``, ``state_bytes`` and
 ``format_state_report`` methods delegate here). Rows describe *this process's* tensors: under
 FSDP2 that is the local shard of each state. :func:`format_state_report` adds the totals of
-every rank and of the whole model; under FSDP2 it is therefore a collective (every rank of the
-params' mesh must call it), like ``full_tensor()``.
+every rank and of the whole model; with DTensor params it is therefore a collective (every
+process calls it), like ``full_tensor()``.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+import lowbit_tree as lt
 from lowbit_tree.moments import Rank1QTensor
 
 from .distributed import is_dtensor, to_local
@@ -37,10 +38,14 @@ class StateReportRow(tuple):
 
 
 class RankTotals(NamedTuple):
-    """State bytes and param elements held by each rank (index = rank in the params' mesh)."""
+    """State bytes and param elements held by each rank (index = global rank), and the whole
+    model's, computed from the global shapes (each param once: its replicas, such as the
+    params tensor parallel leaves whole on a 2-D mesh, are not added again)."""
 
     state_bytes: list[int]
     param_elements: list[int]
+    model_state_bytes: int = 0
+    model_param_elements: int = 0
 
 
 def state_report(opt) -> list[StateReportRow]:
@@ -74,35 +79,52 @@ def _local_param_elements(opt) -> int:
     return sum(math.prod(to_local(p).shape) for g in opt.param_groups for p in g["params"])
 
 
-def _shard_group(opt):
-    """The process group over which the params are sharded, or None (not sharded, no process
-    group, or a mesh with more than one sharded dimension, whose totals this does not sum)."""
+def _distributed(opt) -> bool:
+    """Whether the params are DTensors in an initialised process group (then totals gather)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return None
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if is_dtensor(p):
-                dims = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
-                if len(dims) != 1:
-                    return None
-                return p.device_mesh.get_group(dims[0])
-    return None
+        return False
+    return any(is_dtensor(p) for g in opt.param_groups for p in g["params"])
+
+
+def _whole_state_bytes(p, v) -> int:
+    """Bytes of state ``v`` (this rank's part) for the whole param ``p``: from the global shape,
+    so a param replicated over ranks (on a mesh dim, or on another sub-mesh: TP's plain params
+    under FSDP2 on a 2-D mesh) counts once."""
+    v = to_local(v)
+    shape = tuple(p.shape)
+    if isinstance(v, QState):
+        rows, r = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+        ncols = -(-r // 2) if lt.get_format(v.format).bits == 4 else r
+        return rows * ncols * v.codes.element_size() + rows * -(-r // v.block_size) * v.scale.element_size()
+    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(to_local(p).shape):
+        return math.prod(shape) * v.element_size()
+    return _local_nbytes(v)
+
+
+def _local_nbytes(v) -> int:
+    rec = getattr(v, "record", None)
+    if isinstance(rec, Rank1QTensor):
+        return v.nbytes
+    return v.numel() * v.element_size()
 
 
 def rank_totals(opt) -> Optional[RankTotals]:
-    """Per rank of the params' sharding group, (state bytes, param elements); None when the
-    params are not sharded DTensors or no process group is initialised. A collective."""
-    group = _shard_group(opt)
-    if group is None:
+    """Per rank of the world, (state bytes, param elements), and the whole model's (from the
+    global shapes: each param once); None when the params are not DTensors or no process group
+    is initialised. A collective (every rank)."""
+    if not _distributed(opt):
         return None
     dist = torch.distributed
-    device = next(to_local(p).device for g in opt.param_groups for p in g["params"])
-    if device.type != "cpu" and dist.get_backend(group) == "gloo":
+    params = [p for g in opt.param_groups for p in g["params"]]
+    model_bytes = sum(_whole_state_bytes(p, v) for p in params for k, v in opt.state.get(p, {}).items() if k != "step")
+    model_elements = sum(p.numel() for p in params)
+    device = next(to_local(p).device for p in params)
+    if device.type != "cpu" and dist.get_backend() == "gloo":
         device = torch.device("cpu")
     mine = torch.tensor([state_bytes(opt), _local_param_elements(opt)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    return RankTotals([int(t[0]) for t in every], [int(t[1]) for t in every])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return RankTotals([int(t[0]) for t in every], [int(t[1]) for t in every], model_bytes, model_elements)
 
 
 def _total_line(label: str, nbytes: int, elements: int) -> str:
@@ -122,10 +144,9 @@ def format_state_report(opt) -> str:
         lines.append(_total_line("total", sum(r.nbytes for r in rows), _local_param_elements(opt)))
         return "\n".join(lines)
     world = len(totals.state_bytes)
-    me = torch.distributed.get_rank(_shard_group(opt))
-    lines[0] += f"   (rank {me}'s shards)"
+    lines[0] += f"   (rank {torch.distributed.get_rank()}'s shards)"
     for rank, (b, n) in enumerate(zip(totals.state_bytes, totals.param_elements)):
         lines.append(_total_line(f"rank {rank}:", b, n))
-    lines.append(_total_line(f"total ({world} ranks, whole model):", sum(totals.state_bytes),
-                             sum(totals.param_elements)))
+    lines.append(_total_line(f"total ({world} ranks, whole model):", totals.model_state_bytes,
+                             totals.model_param_elements))
     return "\n".join(lines)
