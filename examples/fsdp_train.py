@@ -4,6 +4,16 @@ Runs on CPU with gloo (or on GPUs with NCCL):
 
     torchrun --nproc_per_node 2 examples/fsdp_train.py --steps 10 --ckpt /tmp/lowbit_ckpt
 
+With ``--tp N`` the mesh is 2-D, ``(world / N, N)``: each block's MLP is tensor parallel
+(``ColwiseParallel`` then ``RowwiseParallel``) over the second dim, FSDP2 shards over the
+first. Trained on a 2x2 mesh, the checkpoint resumes on 1x2 (exactly: the same column cuts)
+and on 4x1 (the row-parallel weights' states were saved on blocks of 128 columns and are
+requantized on blocks of 256, with a warning; ``bridge.dcp.load_optimizer``):
+
+    torchrun --nproc_per_node 4 examples/fsdp_train.py --tp 2 --steps 6 --ckpt /tmp/lowbit_tp
+    torchrun --nproc_per_node 2 examples/fsdp_train.py --tp 2 --steps 3 --ckpt /tmp/lowbit_tp
+    torchrun --nproc_per_node 4 examples/fsdp_train.py --tp 1 --steps 3 --ckpt /tmp/lowbit_tp
+
 Every rank keeps the optimizer states (codes and block scales) of its own shard of each
 weight only; ``exp_avg.full_tensor()`` gathers a whole state. ``dcp.save`` writes one
 row-sharded ``exp_avg.codes`` / ``exp_avg.scale`` pair per state, which loads at any
@@ -38,6 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from bridge import AdamW8bit
+from bridge.dcp import load_optimizer
 from bridge.distributed import run_and_exit
 
 
@@ -140,6 +151,8 @@ def main():
     ap.add_argument("--ckpt", default=None,
                     help="checkpoint root: resumed from its latest complete checkpoint if any, a new one written at the end")
     ap.add_argument("--offload", action="store_true", help="CPUOffloadPolicy (params and states on the CPU)")
+    ap.add_argument("--tp", type=int, default=0,
+                    help="tensor-parallel degree: a (world / tp, tp) mesh, the MLPs tensor parallel (0: FSDP2 only)")
     args = ap.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -148,10 +161,21 @@ def main():
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, (world,))
+    if args.tp:
+        if world % args.tp:
+            raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
+        mesh2 = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = mesh2["dp"]
+    else:
+        mesh = init_device_mesh(device.type, (world,))
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = LM().to(device)
+    if args.tp:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for blk in model.blocks:
+            parallelize_module(blk.mlp, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     # pin_memory=True (the default) needs an accelerator
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=use_cuda)} if args.offload else {}
     for blk in model.blocks:
@@ -163,17 +187,20 @@ def main():
     start = 0
     resume = latest_checkpoint(args.ckpt) if args.ckpt else None
     if resume:
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": 0}
+        state = {"model": get_model_state_dict(model), "step": 0}
         dcp.load(state, checkpoint_id=resume)
         set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
+        # = dcp.load + set_optimizer_state_dict when the block sizes agree; states saved on other
+        # blocks (another TP degree) are requantized, with a warning
+        load_optimizer(model, opt, resume, key="optim")
         start = int(state["step"])
         if rank == 0:
             print(f"resumed from {resume} at step {start} (world size {world})")
 
     for step in range(start, start + args.steps):
         g = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, 97, (8 * world, 32), generator=g).chunk(world)[rank].to(device)
+        dp, dp_rank = (world // args.tp, rank // args.tp) if args.tp else (world, rank)  # TP ranks share a batch
+        tokens = torch.randint(0, 97, (8 * dp, 32), generator=g).chunk(dp)[dp_rank].to(device)
         loss = model(tokens)
         loss.backward()
         opt.step()
@@ -181,12 +208,15 @@ def main():
         if rank == 0:
             print(f"step {step} loss {loss.item():.4f}")
 
-    exp_avg = opt.state[model.head.weight]["exp_avg"]
+    name, weight = ("blocks.0.mlp.2.weight", model.blocks[0].mlp[2].weight) if args.tp else ("head.weight", model.head.weight)
+    exp_avg = opt.state[weight]["exp_avg"]
     full = exp_avg.full_tensor()  # all-gathers codes and scales: a QState of the full shape
     report = opt.format_state_report()  # a collective under FSDP2: every rank calls it
     if rank == 0:
-        print(f"head.weight exp_avg: local {type(exp_avg.to_local()).__name__} {tuple(exp_avg.to_local().shape)}, "
-              f"full {tuple(full.shape)} {full.format}, |mean| {full.dequantize().abs().mean():.3e}")
+        local = exp_avg.to_local()
+        print(f"{name} {tuple(weight.placements)} exp_avg: local {type(local).__name__} {tuple(local.shape)} "
+              f"blocks of {local.block_size}, full {tuple(full.shape)} {full.format}, "
+              f"|mean| {full.dequantize().abs().mean():.3e}")
         print(report.splitlines()[-1])
     if args.ckpt:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
