@@ -86,6 +86,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._bindings: dict = {}
         self._param_templates: dict = {}
         defaults = dict(defaults)
+        if "learning_rate" in defaults and "lr" not in defaults and self._takes_learning_rate():
+            defaults["lr"] = defaults.pop("learning_rate")  # the name LR schedulers read
         defaults.setdefault("skip_nonfinite", False)
         super().__init__(params, defaults)
 
@@ -113,9 +115,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
             raise ValueError(f"block_size must be a positive int or None, got {bs!r}")
 
-    def _default_group_to_kwargs(self, group: dict) -> dict:
+    def _takes_learning_rate(self) -> bool:
         accepted = inspect.signature(self._factory).parameters
-        return {k: v for k, v in group.items() if k in accepted}
+        return "learning_rate" in accepted and "lr" not in accepted
+
+    def _default_group_to_kwargs(self, group: dict) -> dict:
+        """The group entries the factory accepts. A group's ``lr`` (torch.optim's name, which LR
+        schedulers read and write) reaches a factory that names it ``learning_rate`` (the core's
+        aliases) under that name."""
+        accepted = inspect.signature(self._factory).parameters
+        out = {k: v for k, v in group.items() if k in accepted}
+        if "lr" in group and self._takes_learning_rate():
+            out["learning_rate"] = group["lr"]
+        return out
 
     def _split(self, group: dict) -> tuple[dict, dict]:
         """(static kwargs, numeric kwargs) for a group's factory call."""

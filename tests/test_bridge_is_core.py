@@ -127,3 +127,30 @@ def test_skip_nonfinite_skips_the_whole_step():
             live = opt.state[p][k]
             if hasattr(live, "record"):
                 assert torch.equal(live.record.codes, v[0]) and torch.equal(live.record.scale, v[1])
+
+
+def test_optimizer_over_a_core_alias_takes_lr_and_schedulers():
+    """``LowBitOptimizer(params, lt.adamw, {"learning_rate": ...})``: the group calls it ``lr`` (the
+    name torch's LR schedulers read), the alias receives it as ``learning_rate``; with StepLR
+    halving it every step, params and states equal the functional run whose injected learning
+    rate is set to the same values."""
+    torch.manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(48, 300))
+    grads = [torch.randn(48, 300) for _ in range(4)]
+    opt = bridge.LowBitOptimizer([p], lt.adamw, {"learning_rate": 1e-2, "state_format": "8bit"})
+    assert opt.param_groups[0]["lr"] == 1e-2 and "learning_rate" not in opt.param_groups[0]
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    tx = lt.inject_hyperparams(lt.adamw, hyperparam_dtype=torch.float64)(learning_rate=1e-2, state_format="8bit")
+    params = [p.detach().clone()]
+    state = tx.init(params)
+    for k, g in enumerate(grads):
+        p.grad = g.clone()
+        opt.step()
+        sched.step()
+        state.hyperparams["learning_rate"] = torch.tensor(1e-2 * 0.5 ** k, dtype=torch.float64)
+        updates, state = tx.update([g.clone()], state, params)
+        params = lt.apply_updates(params, updates)
+    assert opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** 4
+    assert same(p.detach(), params[0])
+    assert same(opt.state[p]["exp_avg"].record, _states(state)["exp_avg"][0])
