@@ -212,9 +212,17 @@ def _(func, types, args, kwargs):
     x, shape = args[0], list(args[1])
     if -1 in shape:
         shape[shape.index(-1)] = x.numel() // max(1, -math.prod(shape))
-    if tuple(shape) != tuple(x.shape):
-        raise NotImplementedError(f"QState.view {tuple(x.shape)} -> {shape}")
-    return x._with(x.codes.view(x.codes.shape), x.scale.view(x.scale.shape))
+    if tuple(shape) == tuple(x.shape):
+        return x._with(x.codes.view(x.codes.shape), x.scale.view(x.scale.shape))
+    if x.ndim == 2 and len(shape) == 2 and shape[0] * shape[1] == x.shape[0] * x.shape[1]:
+        # rows merged or split (DTensor gathers a Shard(1) state of one row with a view): the
+        # same memory order, so codes and scales follow when every row piece is whole blocks
+        piece = min(x.shape[1], shape[1])
+        half = lt.get_format(x.format).bits == 4
+        if piece and piece % x.block_size == 0 and not (half and piece % 2):
+            c = x.codes.view(shape[0], shape[1] // 2 if half else shape[1])
+            return x._with(c, x.scale.view(shape[0], shape[1] // x.block_size), shape=tuple(shape))
+    raise NotImplementedError(f"QState.view {tuple(x.shape)} -> {shape} (rows merged or split only on whole blocks)")
 
 
 @QState.implements(aten.slice.Tensor)

@@ -13,8 +13,10 @@ import torch.nn as nn
 
 from fsdp_workers import launch  # noqa: F401  (re-exported for test_tp.py)
 
-V, D, H = 16, 24, 40  # fc2 (24, 40) on a TP degree of 2: columns 20 + 20 (blocks of 4, not 8);
-# on 3: 14 + 14 + 12 (blocks of 2). tiny (8, 4): 2 + 2 on 2 ranks, 2 + 2 + 0 (an empty shard) on 3.
+V, D, H = 15, 24, 40  # fc2 (24, 40) on a TP degree of 2: columns 20 + 20 (blocks of 4, not 8);
+# on 3: 14 + 14 + 12 (blocks of 2). tiny (1, 4): columns 2 + 2 on 2 ranks, 2 + 2 + 0 (an empty
+# shard) on 3; on the 2x2 mesh its one row is 1 + 0 over dp (an empty shard), and emb / head's
+# 15 rows are uneven on both mesh dims.
 
 
 class Net(nn.Module):
@@ -24,7 +26,7 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(D, H)               # ColwiseParallel: weight Shard(0)
         self.fc2 = nn.Linear(H, D)               # RowwiseParallel: weight Shard(1)
         self.head = nn.Linear(D, V, bias=False)  # ColwiseParallel, logits gathered
-        self.tiny = nn.Linear(4, 8)              # RowwiseParallel (its weight only gets set gradients)
+        self.tiny = nn.Linear(4, 1)              # RowwiseParallel (its weight only gets set gradients)
 
     def forward(self, tokens):
         logits = self.head(self.fc2(torch.relu(self.fc1(self.emb(tokens)))))
@@ -72,7 +74,8 @@ def set_grads(model: nn.Module, step: int) -> None:
 
     for name, p in model.named_parameters():
         g = full_grad(name, p.shape, step)
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+        # src_data_rank=None: every rank cuts its part (torch 2.13 scatters _StridedShard only when even)
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
 
 
 def full_states(opt, model) -> dict:
@@ -191,7 +194,19 @@ def tp_worker(rank, world, mesh_shape, names, fmts, workdir):
         full = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
         m3 = parallelize(Net(), mesh_shape, names)
         o3 = make_opt(m3.parameters(), fmt)
-        set_optimizer_state_dict(m3, o3, full, options=StateDictOptions(full_state_dict=True))
+        if len(mesh_shape) == 1:
+            set_optimizer_state_dict(m3, o3, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            # torch 2.13's set_optimizer_state_dict(full_state_dict=True) scatters every full tensor
+            # (distribute_tensor from rank 0), which fails on the uneven _StridedShard(0) that
+            # FSDP2 + TP gives head's 15 rows (AssertionError in _StridedShard._shard_tensor, for
+            # torch.optim's states too; uneven strided shards: pytorch issue 168134). Our
+            # load_state_dict cuts the full tensors locally (distribute_tensor(src_data_rank=None)).
+            index = {n: i for i, (n, _) in enumerate(m3.named_parameters())}
+            full["state"] = {index[n]: st for n, st in full["state"].items()}
+            for g in full["param_groups"]:
+                g["params"] = [index[n] for n in g["params"]]
+            o3.load_state_dict(full)
         assert_same(full_states(o3, m3), after, f"{fmt} {mesh_shape} full state dict")
         dist.barrier()
 
