@@ -66,7 +66,7 @@ class QState(torch.Tensor):
     @property
     def record(self) -> QTensor:
         """The core record (shares codes and scale storage with this state)."""
-        return QTensor(self.codes, self.scale, tuple(self.shape), self.block_size, self.format)
+        return QTensor._trusted(self.codes, self.scale, tuple(self.shape), self.block_size, self.format)
 
     @property
     def is_float8(self) -> bool:

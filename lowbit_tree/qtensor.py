@@ -63,6 +63,17 @@ class QTensor:
         object.__setattr__(self, "block_size", int(block_size))
         object.__setattr__(self, "format", str(format))
 
+    @classmethod
+    def _trusted(cls, codes, scale, shape: tuple, block_size: int, format: str) -> "QTensor":
+        """A record from fields already normalized (``shape`` a tuple of ints, ``block_size``
+        an int, ``format`` a str, e.g. another record's): the per-step paths build one per
+        state and parameter, where the conversions of ``__init__`` cost a few microseconds each."""
+        q = object.__new__(cls)
+        for name, value in (("codes", codes), ("scale", scale), ("shape", shape), ("block_size", block_size),
+                            ("format", format)):
+            object.__setattr__(q, name, value)
+        return q
+
     def __setattr__(self, name, value):
         raise AttributeError("QTensor is immutable; use QTensor.replace(...)")
 

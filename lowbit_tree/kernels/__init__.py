@@ -181,11 +181,11 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
 def _native_state(s, inplace: bool):
     """(NativeState, the new leaf) for state ``s``: written in place, or into new tensors."""
     if type(s) is QTensor:
-        codes = s.codes.view(torch.uint8)
+        codes = s.codes if s.codes.dtype is torch.uint8 else s.codes.view(torch.uint8)  # fp8: a byte view
         if inplace:
             return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
         new_codes, new_scale = torch.empty_like(codes), torch.empty_like(s.scale)
-        leaf = QTensor(new_codes.view(s.codes.dtype), new_scale, s.shape, s.block_size, s.format)
+        leaf = QTensor._trusted(new_codes.view(s.codes.dtype), new_scale, s.shape, s.block_size, s.format)
         return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
     dst = s if inplace else torch.empty_like(s)
     return native.NativeState(s, dst, None, None, None, 0), dst
