@@ -92,3 +92,32 @@ def test_empty_shard_record():
     q = QState(lt.zeros((0, 12), "dynamic4", 8))
     assert q.codes.shape == (0, 6) and q.scale.shape == (0, 2)
     assert q.dequantize().shape == (0, 12)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_column_ops_on_block_boundaries_equal_quantizing_the_columns(fmt, block_size):
+    """Tensor parallel's Shard(1): columns cut on block boundaries are the record of those
+    columns (the reference: quantizing the float columns), cat joins them back, the pad adds
+    zero blocks, and a one-row state merges rows with a view; a cut inside a block raises."""
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(block_size))
+    whole = QState.from_float(x, fmt, block_size)
+    cuts = [0, 4, 8, 12]
+    parts = [QState.from_float(x[:, a:b].contiguous(), fmt, block_size) for a, b in zip(cuts, cuts[1:])]
+    for got, want in zip(torch.split(whole, 4, dim=1), parts):
+        _same(got, want)
+    for got, want in zip(torch.chunk(whole, 3, dim=1), parts):
+        _same(got, want)
+    _same(whole.narrow(1, 4, 8), QState.from_float(x[:, 4:].contiguous(), fmt, block_size))
+    _same(torch.cat(parts, dim=1), whole)
+    padded = torch.nn.functional.pad(parts[0], (0, 4))
+    assert tuple(padded.shape) == (5, 8) and torch.equal(padded.dequantize()[:, 4:], torch.zeros(5, 4))
+    _same(padded.narrow(1, 0, 4), parts[0])
+    _same(whole.view(1, 60), QState.from_float(x.reshape(1, 60), fmt, block_size))
+    _same(whole.view(1, 60).view(5, 12), whole)
+    with pytest.raises(NotImplementedError, match="cuts a block"):
+        whole.narrow(1, 1, 4)
+    with pytest.raises(NotImplementedError, match="ends inside a block"):
+        torch.cat([QState.from_float(x[:, :3].contiguous(), fmt, block_size), parts[1]], dim=1)
+    with pytest.raises(NotImplementedError):
+        QState.from_float(x[:, :3].contiguous(), fmt, block_size).view(1, 15)
