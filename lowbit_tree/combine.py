@@ -101,10 +101,12 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             i += 1
         return updates, tuple(new_states)
 
-    return GradientTransformation(init_chain(transforms), update)
+    return GradientTransformation(_init_chain(transforms), update)
 
 
-def init_chain(transforms):
+def _init_chain(transforms):
+    """``chain``'s init: the links' states, in order."""
+
     def init(params):
         return tuple(t.init(params) for t in transforms)
 
