@@ -162,19 +162,19 @@ class _TorchOptimizer(LowBitOptimizer):
 
 
 def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-            block_size=None, min_quant_size=4096, stochastic_round=False):
+            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=False):
     """torch.optim.Adam: L2 ``weight_decay`` added to the gradient before the moments."""
     return alias.adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                       state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                      stochastic_round=stochastic_round)
+                      stochastic_round=stochastic_round, rank1_normalization=rank1_normalization)
 
 
 def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-                    block_size=None, min_quant_size=4096, stochastic_round=False):
+                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=False):
     """torch.optim.AdamW: decoupled decay, ``p - lr * (adam + wd * p)``."""
     return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
                        state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                       stochastic_round=stochastic_round)
+                       stochastic_round=stochastic_round, rank1_normalization=rank1_normalization)
 
 
 def lion_decoupled(learning_rate, b1, b2, weight_decay, *, maximize=False, state_format="8bit", block_size=None,
@@ -196,7 +196,8 @@ def _adam_kwargs(group):
     return dict(learning_rate=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
                 amsgrad=group["amsgrad"], maximize=bool(group.get("maximize", False)),
                 state_format=group["state_format"], block_size=group["block_size"],
-                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
+                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
+                rank1_normalization=bool(group.get("rank1_normalization", False)))
 
 
 class _AdamBase(_TorchOptimizer):
@@ -206,7 +207,7 @@ class _AdamBase(_TorchOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
-                 skip_nonfinite=False):
+                 skip_nonfinite=False, rank1_normalization=False):
         weight_decay = self._default_wd if weight_decay is None else weight_decay
         _betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -214,6 +215,10 @@ class _AdamBase(_TorchOptimizer):
                         fused=fused, state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
+        if rank1_normalization is not False:
+            # only when asked for: a group key that older checkpoints lack would make DCP's load of
+            # them fail ("Missing key ... rank1_normalization")
+            defaults["rank1_normalization"] = rank1_normalization
         super().__init__(params, type(self)._factory_fn, defaults, group_to_kwargs=_adam_kwargs)
 
     def _check_group(self, owner, group):
@@ -222,6 +227,13 @@ class _AdamBase(_TorchOptimizer):
         _in_range(owner, "eps", group["eps"], 0.0)
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _flag(owner, "amsgrad", group["amsgrad"])
+        _flag(owner, "rank1_normalization", group.get("rank1_normalization", False))
+        if group.get("rank1_normalization") and group["state_format"] != "4bit":
+            raise ValueError(
+                f"{owner}: rank1_normalization=True is a 4-bit second moment (row and column maxima instead of "
+                f"block scales); this group's state_format is {group['state_format']!r}: use state_format='4bit' "
+                "(bridge.AdamW4bit / Adam4bit)"
+            )
 
 
 class Adam(_AdamBase):

@@ -38,7 +38,9 @@ STATE_DICT_VERSION = 2
 VERSION_KEY = "lowbit_tree_version"
 
 # group keys that shape the state: fixed per param, compared on load
-STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round")
+STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round",
+               "rank1_normalization")
+STATIC_DEFAULTS = {"rank1_normalization": False}  # a group or state dict without the key: the default
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2)
@@ -168,10 +170,11 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
                 "lowbit-tree release that wrote it and export it with torch_state_dict(), which any version can load"
             )
         for key in STATIC_KEYS:
-            if key in group and saved.get(key) != group.get(key):
+            value, mine = saved.get(key, STATIC_DEFAULTS.get(key)), group.get(key, STATIC_DEFAULTS.get(key))
+            if (key in group or key in STATIC_DEFAULTS) and value != mine:
                 raise ValueError(
-                    f"param group {gi}: the state dict has {key}={saved.get(key)!r} but this optimizer has "
-                    f"{key}={group.get(key)!r}; build the optimizer with {key}={saved.get(key)!r}, or convert: "
+                    f"param group {gi}: the state dict has {key}={value!r} but this optimizer has "
+                    f"{key}={mine!r}; build the optimizer with {key}={value!r}, or convert: "
                     "load it into a matching optimizer, then new_opt.load_state_dict(old_opt.torch_state_dict()) "
                     "re-quantizes its fp32 export"
                 )

@@ -11,12 +11,15 @@ import torch
 import bridge
 import lowbit_tree as lt
 from lowbit_tree.qtensor import QTensor
+from lowbit_tree.rank1 import Rank1QTensor
 from lowbit_tree.transform import ScaleByAdamState, ScaleByLionState, TraceState
 
 SHAPES = [(64, 300), (7,), (33, 130), (5, 3, 71), (1, 4096)]
 
 
 def same(a, b) -> bool:
+    if isinstance(a, Rank1QTensor):
+        return a.shape == b.shape and all(same(getattr(a, k), getattr(b, k)) for k in ("codes", "row_max", "col_max"))
     if isinstance(a, QTensor):
         return same(a.codes.view(torch.uint8), b.codes.view(torch.uint8)) and same(a.scale, b.scale)
     if a.dtype != b.dtype:
@@ -33,12 +36,13 @@ def _functional(name, kw):
     b1, b2 = kw.get("betas", (0.9, 0.99) if name == "Lion" else (0.9, 0.999))
     common = dict(state_format=kw["state_format"], block_size=kw.get("block_size"),
                   min_quant_size=kw.get("min_quant_size", 4096), stochastic_round=kw.get("bf16_stochastic_round", False))
+    rank1 = dict(rank1_normalization=kw.get("rank1_normalization", False))
     if name == "AdamW":
         return lt.adamw(lr, b1, b2, kw.get("eps", 1e-8), kw.get("weight_decay", 1e-2), amsgrad=kw.get("amsgrad", False),
-                        maximize=kw.get("maximize", False), **common)
+                        maximize=kw.get("maximize", False), **common, **rank1)
     if name == "Adam":
         return lt.adam(lr, b1, b2, kw.get("eps", 1e-8), weight_decay=kw.get("weight_decay", 0.0),
-                       amsgrad=kw.get("amsgrad", False), maximize=kw.get("maximize", False), **common)
+                       amsgrad=kw.get("amsgrad", False), maximize=kw.get("maximize", False), **common, **rank1)
     if name == "Lion":
         return lt.lion(lr, b1, b2, kw.get("weight_decay", 0.0), maximize=kw.get("maximize", False), **common)
     return lt.sgd(lr, kw.get("momentum", 0.0), kw.get("nesterov", False), kw.get("weight_decay", 0.0),
@@ -69,6 +73,8 @@ CASES = [
     ("AdamW", dict(state_format="8bit", dtype=torch.bfloat16)),
     ("AdamW", dict(state_format="8bit", dtype=torch.bfloat16, bf16_stochastic_round=True)),
     ("AdamW", dict(state_format="4bit", dtype=torch.float16)),
+    ("AdamW", dict(state_format="4bit", rank1_normalization=True, weight_decay=0.1)),
+    ("Adam", dict(state_format="4bit", rank1_normalization=True, amsgrad=True)),
     ("Adam", dict(state_format="8bit", weight_decay=0.05)),
     ("Adam", dict(state_format="8bit_bnb", amsgrad=True, maximize=True, weight_decay=0.01)),
     ("Lion", dict(state_format="8bit", lr=1e-4, weight_decay=0.1)),

@@ -319,3 +319,40 @@ def test_a_version_1_dcp_checkpoint_loads_through_as_version_1(tmp_path):
             "param_groups.0.weight.fused": None}
     assert as_version_1(flat) == {"state.0.weight.exp_avg::codes": 1, "state.0.weight.step": 2,
                                   "param_groups.0.weight.lr": 3}
+
+
+def test_rank1_normalized_4bit_classes_save_and_load():
+    """``AdamW4bit(rank1_normalization=True)``: the second moment is a rank-1 normalized record,
+    saved as {"codes", "row_max", "col_max"}; a reload continues bit for bit; an optimizer built
+    without the option refuses the dict naming it; 8-bit refuses the option."""
+    import io
+
+    torch.manual_seed(5)
+    w = torch.randn(40, 300)
+    p = torch.nn.Parameter(w.clone())
+    opt = bridge.AdamW4bit([p], rank1_normalization=True, min_quant_size=1024)
+    grads = [torch.randn(40, 300) for _ in range(4)]
+    for g in grads[:2]:
+        p.grad = g.clone()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert set(saved["state"][0]["exp_avg_sq"]) == {"codes", "row_max", "col_max"}
+    assert saved["param_groups"][0]["rank1_normalization"] is True
+
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = bridge.AdamW4bit([q], rank1_normalization=True, min_quant_size=1024)
+    opt2.load_state_dict(saved)
+    for g in grads[2:]:
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt2.step()
+    assert torch.equal(p, q)
+    a, b = opt.state[p]["exp_avg_sq"].record, opt2.state[q]["exp_avg_sq"].record
+    assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("codes", "row_max", "col_max"))
+
+    with pytest.raises(ValueError, match="rank1_normalization=True but this optimizer has rank1_normalization=False"):
+        bridge.AdamW4bit([torch.nn.Parameter(w.clone())], min_quant_size=1024).load_state_dict(saved)
+    with pytest.raises(ValueError, match="rank1_normalization=True is a 4-bit second moment"):
+        bridge.AdamW8bit([torch.nn.Parameter(w.clone())], rank1_normalization=True)
