@@ -9,7 +9,8 @@
   replicated model and an FSDP2 one, ``@pytest.mark.slow``);
 - Hugging Face ``Trainer(optimizer_cls_and_kwargs=(bridge.AdamW8bit, {...}))``: train,
   checkpoint, resume, against an uninterrupted run, bit for bit;
-- torchtitan's ``OptimizersContainer`` (flat FQN state dict, DCP save/load);
+- torchtitan's ``OptimizersContainer`` (flat FQN state dict, DCP save/load): one process, FSDP2 on 2
+  ranks, FSDP2 + TP on a 2x2 mesh;
 - accelerate's FSDP2 plugin (2 CPU ranks, gloo).
 
 A client test is skipped, with the reason, when its library is not importable
@@ -747,6 +748,50 @@ def test_torchtitan_optimizers_container_fsdp2_two_ranks(tmp_path):
     its flat dict holds our row-sharded codes/scale DTensors; dcp.save, dcp.load into a fresh
     sharded model and container, two more steps: bit for bit against the uninterrupted run."""
     launch(torchtitan_fsdp_worker, 2, str(tmp_path / "ckpt"))
+
+
+def torchtitan_tp_worker(rank, world, workdir):
+    import torch.distributed.checkpoint as dcp
+
+    import tp_workers as T
+
+    def run(seed):
+        torch.manual_seed(seed)
+        model = T.parallelize(T.Net(), (2, 2), ("dp", "tp"))
+        return model, titan_container(model)
+
+    def steps(model, container, start, n):
+        for step in range(start, start + n):
+            container.zero_grad()
+            T.set_grads(model, step)
+            container.step()
+
+    model, container = run(0)
+    steps(model, container, 0, 3)
+    codes = container.state_dict()["state.fc2.weight.exp_avg.codes"]  # rows over dp, columns over tp
+    assert codes.to_local().dtype == torch.uint8 and tuple(codes.shape) == (24, 40), codes
+    assert tuple(codes.placements) == tuple(model.fc2.weight.placements), codes.placements
+    dcp.save({"model": model.state_dict(), "optimizer": container}, checkpoint_id=workdir)
+    steps(model, container, 3, 2)
+
+    resumed, rcontainer = run(1)  # other weights: loading must overwrite them
+    target = {"model": resumed.state_dict(), "optimizer": rcontainer}
+    dcp.load(target, checkpoint_id=workdir)
+    resumed.load_state_dict(target["model"])
+    steps(resumed, rcontainer, 3, 2)
+    for a, b in zip(container.optimizers, rcontainer.optimizers):
+        T.assert_same(T.full_states(b, resumed), T.full_states(a, model), f"rank {rank} {type(a).__name__}")
+    T.assert_same(T.full_params(resumed), T.full_params(model), f"rank {rank} params")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+def test_torchtitan_optimizers_container_fsdp2_tp_2x2(tmp_path):
+    """torchtitan's OptimizersContainer over FSDP2 + TP on a 2x2 gloo mesh (its default
+    parallelism): the flat dict holds codes DTensors placed like their weights (Shard(0),
+    Shard(1)); dcp.save, dcp.load into a fresh model and container, two more steps: bit for
+    bit against the uninterrupted run."""
+    launch(torchtitan_tp_worker, 4, str(tmp_path / "ckpt"))
 
 
 # ----------------------------------------------------------------------------
