@@ -360,7 +360,7 @@ _DTS = tuple(DTYPE_IDS)
 
 
 def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
-    """Checks one job's tensors and returns its ``lbt_job`` row (31 int64). The C
+    """Checks one job's tensors and returns its ``lbt_job`` row (30 int64). The C
     code trusts these sizes: they are checked here, so it never reads or writes out
     of bounds. A tensor passed twice (in place) is checked once; ``hyper_ptr``: the
     address of a hyperparameter vector the caller checked already."""
@@ -412,7 +412,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
 
 def run_jobs(jobs: list) -> None:
     """Many leaves' steps in one call and one parallel region (the tiles of all jobs
-    are shared out among the threads): per leaf, one row of 31 integers, not one
+    are shared out among the threads): per leaf, one row of 30 integers, not one
     foreign call and one thread wake-up. All jobs are checked before any runs."""
     if not jobs:
         return
