@@ -54,6 +54,14 @@ def launch(fn, world: int, *args) -> None:
         mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
 
 
+def _mark(rank: int, phase: str, fmt: str) -> None:
+    """A line on stderr at the start of each phase and format: when a rank dies (a crash
+    that is still open, see the sixth session's note), its captured stderr says where."""
+    import sys
+
+    print(f"[rank {rank}] {phase} {fmt}", file=sys.stderr, flush=True)
+
+
 # ----------------------------------------------------------------------------
 # a tiny transformer whose weights shard unevenly and, on 3 ranks, emptily
 # ----------------------------------------------------------------------------
@@ -330,6 +338,7 @@ def report_worker(rank, world):
     ref = copy.deepcopy(model)
     shard(model, world)
     for fmt in FORMATS:
+        _mark(rank, "report_worker", fmt)
         opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
         set_global_grads(model, 0)
         set_global_grads(ref, 0)
@@ -391,6 +400,7 @@ def full_params(model):
 def mesh_invariance_part(rank, world, workdir):
     out = {}
     for fmt in FORMATS:
+        _mark(rank, "mesh_invariance_part", fmt)
         model = shard(make_model(), world)
         opt = make_opt(model.parameters(), fmt, min_quant_size=MESH_MIN_QUANT)
         for step in range(3):
@@ -429,6 +439,7 @@ def checkpoint_save_part(rank, world, workdir):
     full_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
     out = {}
     for fmt in FORMATS:
+        _mark(rank, "checkpoint_save_part", fmt)
         path = os.path.join(workdir, f"ckpt_{fmt}")
         model = shard(make_model(), world)
         opt = make_opt(model.parameters(), fmt)
@@ -481,6 +492,7 @@ def checkpoint_load_part(rank, world, workdir):
     """5. Reshard: load the 2-rank checkpoint at this world size."""
     ref = torch.load(os.path.join(workdir, "saved.pt"), weights_only=False)
     for fmt in FORMATS:
+        _mark(rank, "checkpoint_load_part", fmt)
         model, opt = _fresh(world, fmt)
         _dcp_load(model, opt, os.path.join(workdir, f"ckpt_{fmt}"))
         assert_states_equal(full_states(opt), ref[fmt]["saved"], what=f"{fmt} resharded 2->{world}")
