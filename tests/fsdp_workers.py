@@ -54,6 +54,22 @@ def launch(fn, world: int, *args) -> None:
         mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
 
 
+def run_example(nproc: int, ckpt: str, *args, timeout: int = 300) -> tuple[str, str]:
+    """``examples/fsdp_train.py --ckpt ckpt *args`` under ``torchrun --standalone`` with ``nproc``
+    CPU ranks; asserts exit status 0 (printing both streams otherwise), returns (stdout, stderr)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "examples", "fsdp_train.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+           "--ckpt", ckpt, *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout, done.stderr
+
+
 def _mark(rank: int, phase: str, fmt: str) -> None:
     """A line on stderr at the start of each phase and format: when a rank dies (a crash
     that is still open, see the sixth session's note), its captured stderr says where."""

@@ -7,10 +7,6 @@ on 3 ranks, emptily). A failure on any rank fails the test; the process-group ti
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,17 +92,10 @@ def check_full_state_dict_in_a_single_process(workdir):
 def test_readme_torchrun_example(tmp_path, inductor_cache):
     """Acceptance 12: the README's example runs under torchrun with 2 CPU ranks (gloo),
     saves a DCP checkpoint, and resumes from it with 1 rank and CPU offload."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "examples", "fsdp_train.py")
     ckpt = str(tmp_path / "ckpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def torchrun(nproc, *args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-               "--ckpt", ckpt, *args]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout
+        return W.run_example(nproc, ckpt, *args, timeout=180)[0]
 
     out = torchrun(2, "--steps", "2")
     assert "step 1 loss" in out and "full (97, 64) dynamic8" in out and "saved" in out, out

@@ -74,21 +74,12 @@ def test_example_2x2_resumes_on_1x2_and_4x1(tmp_path):
     """The README's tensor-parallel example under torchrun: trained on a 2x2 mesh (row-parallel
     MLP weights on blocks of 128), resumed on 1x2 (same blocks: nothing requantized) and on 4x1
     (blocks of 256: requantized, with a warning naming the params)."""
-    import os
-    import subprocess
-    import sys
+    from fsdp_workers import run_example
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "examples", "fsdp_train.py")
     ckpt = str(tmp_path / "ckpt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def torchrun(nproc, *args):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
-               "--ckpt", ckpt, *args]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-        return done.stdout, done.stderr
+        return run_example(nproc, ckpt, *args)
 
     out, _ = torchrun(4, "--tp", "2", "--steps", "2")
     assert "(Shard(dim=0), Shard(dim=1)) exp_avg: local QState (32, 128) blocks of 128" in out and "saved" in out, out
