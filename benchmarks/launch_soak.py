@@ -8,6 +8,11 @@ normally and so goes through interpreter shutdown: the comparison shows what the
 
     python benchmarks/launch_soak.py --launches 50
     python benchmarks/launch_soak.py --launches 20 --plain
+    python benchmarks/launch_soak.py --launches 50 --worker dcp_cycles_worker
+
+``dcp_cycles_worker`` is the FSDP2 + DCP flow that aborted about one launch in 7 while a
+quantized state's codes and scales were gathered with both all-gathers in flight (design.md,
+"One collective in flight").
 
 Prints one line per launch and a summary; exits 1 if any launch failed.
 """
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     launch = launch_plain if args.plain else W.launch
     fn = getattr(W, args.worker)
-    extra = (lambda d: (d,)) if args.worker in ("mesh_worker",) else (lambda d: ())
+    extra = (lambda d: (d,)) if args.worker in ("mesh_worker", "dcp_cycles_worker") else (lambda d: ())
     by_signal, by_status, ok = {}, 0, 0
     t0 = time.perf_counter()
     for i in range(args.launches):

@@ -357,12 +357,18 @@ def _(func, types, args, kwargs):
 @QState.implements([c10d_functional.all_gather_into_tensor.default,
                     _c10d_functional.all_gather_into_tensor.default])
 def _(func, types, args, kwargs):
+    # Codes, then scale, each waited before the next is issued: never two functional
+    # all-gathers in flight. With both in flight, gloo's allgather_into_tensor_coalesced
+    # corrupts the heap (glibc "malloc(): unaligned tcache chunk detected", SIGSEGV), a torch
+    # bug reproduced without this library by benchmarks/gloo_inflight_allgather.py; see
+    # design.md, "One collective in flight". On NCCL the wait only orders streams.
     x, rest = args[0], args[1:]
     world = rest[0]
-    c = func(_gloo_view(x.codes), *rest, **kwargs)
-    s = func(x.scale, *rest, **kwargs)
+    wait = _c10d_functional.wait_tensor.default
+    c = wait(func(_gloo_view(x.codes), *rest, **kwargs))
+    s = wait(func(x.scale, *rest, **kwargs))
     if x.is_float8:
-        c = c.view(torch.float8_e4m3fn)  # same storage; wait_tensor is keyed on storage
+        c = c.view(torch.float8_e4m3fn)  # same storage
     return x._with(c, s, rows=x.shape[0] * world)
 
 
@@ -375,7 +381,8 @@ def _(func, types, args, kwargs):
     # that op to the inner tensors would make codes/scale AsyncCollectiveTensors
     # (waited lazily on first use; never waited if unused -> "unwaited collective"
     # warnings, and raw-storage readers could see unfinished data).  So we wait
-    # eagerly on the inner tensors for all three ops.
+    # eagerly on the inner tensors for all three ops (after our all-gather above
+    # they are waited already, and waiting again is a no-op).
     x = args[0]
     wait = _c10d_functional.wait_tensor.default
     c = wait(_gloo_view(x.codes))

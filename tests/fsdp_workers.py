@@ -529,6 +529,31 @@ def mesh_worker(rank, world, workdir):
     mesh_invariance_part(rank, world, workdir)
 
 
+def dcp_cycles_worker(rank, world, workdir, cycles=3):
+    """The flow that used to abort a rank 1 launch in 7 (benchmarks/launch_soak.py --worker
+    dcp_cycles_worker): per format, 4 FSDP2 steps, ``dcp.save``, a gather of every state,
+    a DCP load into a fresh model and another gather, ``cycles`` times. Each gather of a
+    quantized state is two all-gathers (codes, scales); with both in flight at once gloo
+    corrupted the heap (design.md, "One collective in flight")."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    for k in range(cycles):
+        for fmt in FORMATS:
+            _mark(rank, f"dcp_cycles {k}", fmt)
+            path = os.path.join(workdir, f"ckpt_{fmt}_{k}")
+            model = shard(make_model(), world)
+            opt = make_opt(model.parameters(), fmt)
+            for step in range(4):
+                global_batch_step(model, opt, step, rank, world)
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=path)
+            saved = full_states(opt)
+            m2, o2 = _fresh(world, fmt)
+            _dcp_load(m2, o2, path)
+            assert_states_equal(full_states(o2), saved, what=f"{fmt} dcp cycle {k}")
+
+
 # ----------------------------------------------------------------------------
 # single process (no process group): the full state dict of a sharded run
 # ----------------------------------------------------------------------------

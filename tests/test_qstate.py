@@ -121,3 +121,34 @@ def test_column_ops_on_block_boundaries_equal_quantizing_the_columns(fmt, block_
         torch.cat([QState.from_float(x[:, :3].contiguous(), fmt, block_size), parts[1]], dim=1)
     with pytest.raises(NotImplementedError):
         QState.from_float(x[:, :3].contiguous(), fmt, block_size).view(1, 15)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_gather_keeps_one_collective_in_flight(fmt, monkeypatch):
+    """A state's gather is two all-gathers (codes, scales); the second is issued only after
+    the first is waited (two in flight corrupt gloo's heap, design.md "One collective in
+    flight"). A fake collective (2 ranks: this one's rows twice) records what is in flight."""
+    import types
+
+    import bridge.qstate as qs
+
+    x, q = _q(fmt, shape=(3, 7))
+    in_flight, events = set(), []
+
+    def gather(t, world, group):
+        assert not in_flight, f"all-gather issued while {len(in_flight)} other(s) in flight"
+        out = torch.cat([t] * world)
+        in_flight.add(out.data_ptr())
+        events.append(("gather", t.dtype))
+        return out
+
+    def wait(t):
+        in_flight.discard(t.data_ptr())
+        events.append(("wait", t.dtype))
+        return t
+
+    monkeypatch.setattr(qs, "_c10d_functional", types.SimpleNamespace(wait_tensor=types.SimpleNamespace(default=wait)))
+    handler = QState._OPS[torch.ops._c10d_functional.all_gather_into_tensor.default]
+    g = handler(gather, (), (q, 2, "fake"), {})
+    assert not in_flight and [e for e, _ in events] == ["gather", "wait", "gather", "wait"]
+    _same(g, QState.from_float(torch.cat([x, x]), fmt, 3))
