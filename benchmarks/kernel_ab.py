@@ -18,7 +18,8 @@ absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 
 Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
-       [--rule adamw|amsgrad|lion|momentum] [--dtype float32|bfloat16]
+       [--rule adamw|amsgrad|lion|momentum] [--dtype float32|bfloat16] [--functional]
+``--formats`` takes ``fp32`` too (plain float32 states).
 With no source, the library's own source (one build: absolute figures only).
 """
 from __future__ import annotations
@@ -89,7 +90,10 @@ def make_case(spec: StepSpec, state_format: str, rows: int, cols: int, data: str
     if data == "narrow":
         g = (torch.rand(rows, cols, generator=gen) * 0.5 + 0.5) * g.sign() * 1e-2
     g = g.to(dtype)
-    states = tuple(lt.zeros(p.shape, state_format, signed=s) for s in spec.signed)
+    if state_format == "fp32":  # plain float32 states
+        states = tuple(torch.zeros(rows, cols) for _ in spec.signed)
+    else:
+        states = tuple(lt.zeros(p.shape, state_format, signed=s) for s in spec.signed)
     hyper = step_hyperparams(spec, count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
     for _ in range(5):
         run_step(spec, hyper, [StepLeaf(p, g, states)], write=True, inplace=True, backend="native")
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inplace", action="store_true",
                     help="update param and states in place, as the bridge does (each build on its own copies)")
     ap.add_argument("--rule", default="adamw", choices=sorted(RULES))
+    ap.add_argument("--functional", action="store_true",
+                    help="write the update and leave the param (tx.update's mode) instead of writing the param")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     if not KC.available():
@@ -125,19 +131,31 @@ def main(argv=None) -> int:
                     spec = RULES[args.rule]
                     p, g, states, hyper = make_case(spec, sf, rows, cols, data, getattr(torch, args.dtype))
                     for li in range(len(libs)):
-                        # out of place: the param is written in place always (written params are the
-                        # bridge's mode); --inplace also updates the states in place
+                        # out of place: the param is written in place (the bridge's mode), or with
+                        # --functional an update is written and the param only read (tx.update's
+                        # mode); --inplace also updates the states in place
                         pp = p.clone()
-                        new = tuple(lt.QTensor(s.codes.clone(), s.scale.clone(), s.shape, s.block_size, s.format)
-                                    for s in states)
+                        plain = sf == "fp32"
+                        if plain:
+                            new = tuple(s.clone() for s in states)
+                        else:
+                            new = tuple(lt.QTensor(s.codes.clone(), s.scale.clone(), s.shape, s.block_size, s.format)
+                                        for s in states)
                         ins = new if args.inplace else states
-                        sts = tuple(KC.NativeState(i.codes.view(torch.uint8), o.codes.view(torch.uint8), i.scale,
-                                                   o.scale, o.format, o.block_size) for i, o in zip(ins, new))
-                        row = KC.job_row(KC.NativeJob(rows, cols, pp, g, pp, spec, True, False, 0, hyper, sts))
-                        for i, s in enumerate(new):  # this build's own format structs
+                        if plain:
+                            sts = tuple(KC.NativeState(i, o, None, None, None, 0) for i, o in zip(ins, new))
+                        else:
+                            sts = tuple(KC.NativeState(i.codes.view(torch.uint8), o.codes.view(torch.uint8), i.scale,
+                                                       o.scale, o.format, o.block_size) for i, o in zip(ins, new))
+                        target = torch.empty(rows, cols) if args.functional else pp
+                        row = KC.job_row(KC.NativeJob(rows, cols, pp, g, target, spec, not args.functional, False, 0,
+                                                      hyper, sts))
+                        for i, s in enumerate(new if not plain else ()):  # this build's own format structs
                             row[12 + 6 * i + 4] = lib_format(libs[li], s.format)
-                        out = (pp,) + tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale))
-                        cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out,
+                        out = (target,) + (new if plain else tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale)))
+                        # the row holds raw addresses: keep every tensor it names alive (pp is not in out
+                        # with --functional)
+                        cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out, keep=(pp, sts),
                                          inputs=(p, g, states, hyper), n=rows * cols, ns=[]))
         for _ in range(args.rounds):
             for c in cfgs:

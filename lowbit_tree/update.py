@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .base import GradientTransformation
+from .kernels import buffers
 from .tree_utils import flatten
 
 __all__ = [
@@ -123,11 +124,11 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
         if p is None or u is None:
             out.append(p)
             continue
-        x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
         if stochastic_round:
+            x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
             out.append(_stochastic_round(x, p.dtype, key, i))
-        else:
-            out.append(x.to(p.dtype))
+        else:  # computed in the promoted dtype, rounded once into the param's dtype
+            out.append(torch.add(p, u.to(_compute_dtype(p)), out=buffers.empty(tuple(p.shape), p.dtype, p.device)))
     return spec.unflatten(out)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..formats import Format, get_format
 from ..qtensor import QTensor, row_layout
-from . import native, torch_backend
+from . import buffers, native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
 
@@ -184,10 +184,10 @@ def _native_state(s, inplace: bool):
         codes = s.codes if s.codes.dtype is torch.uint8 else s.codes.view(torch.uint8)  # fp8: a byte view
         if inplace:
             return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
-        new_codes, new_scale = torch.empty_like(codes), torch.empty_like(s.scale)
+        new_codes, new_scale = buffers.empty_like(codes), buffers.empty_like(s.scale)
         leaf = QTensor._trusted(new_codes.view(s.codes.dtype), new_scale, s.shape, s.block_size, s.format)
         return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
-    dst = s if inplace else torch.empty_like(s)
+    dst = s if inplace else buffers.empty_like(s)
     return native.NativeState(s, dst, None, None, None, 0), dst
 
 
@@ -278,7 +278,7 @@ def run_step(
         if which == "native" and _native_ok(leaf, write):
             rows, r = row_layout(g.shape)
             pairs = [_native_state(s, inplace) for s in leaf.states]
-            out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
             sr_hash = 0
             if sr is not None:
                 from ..update import rounding_hash
