@@ -2,6 +2,9 @@
 from .optimizer import STATE_DICT_VERSION, LowBitOptimizer, StateReportRow
 from .optimizers import (
     SGD,
+    AdEMAMix,
+    AdEMAMix4bit,
+    AdEMAMix8bit,
     Adam,
     Adam4bit,
     Adam8bit,
@@ -21,4 +24,5 @@ __all__ = [
     "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow",
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
+    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
 ]

@@ -38,7 +38,7 @@ from .optimizer import LowBitOptimizer
 __all__ = [
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
-    "Lion8bit", "Lion4bit", "SGD8bit",
+    "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
 ]
 
 
@@ -79,6 +79,13 @@ def _flag(owner: str, name: str, value, allow_none: bool = False) -> None:
 def _betas(owner: str, betas) -> None:
     if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
         raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
+
+
+def _betas3(owner: str, betas) -> None:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 3:
+        raise ValueError(f"{owner}: betas must be a triple (beta1, beta2, beta3), got {betas!r}")
     for i, b in enumerate(betas):
         _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
 
@@ -318,6 +325,70 @@ class Lion8bit(Lion):
 
 
 class Lion4bit(Lion):
+    _default_format = "4bit"
+
+
+def ademamix_decoupled(learning_rate, b1, b2, b3, alpha, eps, weight_decay, *, t_alpha=None, t_beta3=None,
+                       maximize=False, state_format="8bit", block_size=None, min_quant_size=4096,
+                       stochastic_round=False):
+    """bitsandbytes' AdEMAMix: decoupled decay, ``p - lr * (ademamix + wd * p)``."""
+    return alias.ademamix(learning_rate, b1, b2, b3, alpha, eps, weight_decay, t_alpha=t_alpha, t_beta3=t_beta3,
+                          maximize=maximize, state_format=state_format, block_size=block_size,
+                          min_quant_size=min_quant_size, stochastic_round=stochastic_round)
+
+
+def _ademamix_kwargs(group):
+    b1, b2, b3 = group["betas"]
+    return dict(learning_rate=group["lr"], b1=b1, b2=b2, b3=b3, alpha=group["alpha"], eps=group["eps"],
+                weight_decay=group["weight_decay"], t_alpha=group["t_alpha"], t_beta3=group["t_beta3"],
+                maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
+                block_size=group["block_size"], min_quant_size=group["min_quant_size"],
+                stochastic_round=group["bf16_stochastic_round"])
+
+
+def _warmup_steps(owner: str, name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}: {name} must be a positive number of steps (int) or None, got {value!r}")
+
+
+class AdEMAMix(_TorchOptimizer):
+    """AdEMAMix (arXiv 2409.03137) with bitsandbytes' ``AdEMAMix`` signature and decoupled
+    weight decay; states ``exp_avg`` (fast EMA), ``exp_avg_sq`` and ``exp_avg_slow`` (the
+    slow EMA, rate ``betas[2]``, weight ``alpha``), default ``"fp32"``. ``t_alpha`` /
+    ``t_beta3`` warm ``alpha`` and ``betas[2]`` up over that many steps."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
+                 weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
+                 bf16_stochastic_round=False, skip_nonfinite=False):
+        owner = type(self).__name__
+        _betas3(owner, betas)
+        _warmup_steps(owner, "t_alpha", t_alpha)
+        _warmup_steps(owner, "t_beta3", t_beta3)
+        defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                        weight_decay=weight_decay, maximize=maximize, state_format=self._state_format(state_format),
+                        block_size=block_size, min_quant_size=min_quant_size,
+                        bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
+        super().__init__(params, ademamix_decoupled, defaults, group_to_kwargs=_ademamix_kwargs)
+
+    def _check_group(self, owner, group):
+        _in_range(owner, "lr", group["lr"], 0.0)
+        _betas3(owner, group["betas"])
+        _in_range(owner, "alpha", group["alpha"], 0.0)
+        _in_range(owner, "eps", group["eps"], 0.0)
+        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
+        _warmup_steps(owner, "t_alpha", group["t_alpha"])
+        _warmup_steps(owner, "t_beta3", group["t_beta3"])
+
+
+class AdEMAMix8bit(AdEMAMix):
+    """AdEMAMix with 8-bit states (both EMAs on the signed dynamic map, v on the zero-free one)."""
+
+    _default_format = "8bit"
+
+
+class AdEMAMix4bit(AdEMAMix):
+    """AdEMAMix with 4-bit states."""
+
     _default_format = "4bit"
 
 

@@ -26,6 +26,7 @@ STATE_NAMES = {
     "mu": "exp_avg",
     "nu": "exp_avg_sq",
     "nu_max": "max_exp_avg_sq",
+    "mu_slow": "exp_avg_slow",
     "trace": "momentum_buffer",
 }
 """Core state field -> torch.optim state name."""

@@ -10,6 +10,7 @@ from .base import EmptyState, GradientTransformation, Schedule, identity
 from .combine import PartitionState, chain, named_chain, partition
 from .transform import (
     ScaleByAdamState,
+    ScaleByAdEMAMixState,
     ScaleByLionState,
     ScaleByScheduleState,
     Fusion,
@@ -19,6 +20,7 @@ from .transform import (
     clip_by_global_norm,
     scale,
     scale_by_adam,
+    scale_by_ademamix,
     scale_by_learning_rate,
     scale_by_lion,
     trace,
@@ -32,7 +34,7 @@ from .schedule import (
     polynomial_schedule,
     warmup_cosine_decay_schedule,
 )
-from .alias import adam, adamw, lion, sgd
+from .alias import adam, adamw, ademamix, lion, sgd
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
 from .checkpoint import state_from_dict, state_to_dict

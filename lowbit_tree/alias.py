@@ -13,10 +13,12 @@ import torch
 
 from .base import GradientTransformation, ScalarOrSchedule, identity
 from .combine import chain
-from .transform import add_decayed_weights, flip_sign, scale_by_adam, scale_by_learning_rate, scale_by_lion, trace
+from .transform import (
+    add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate, scale_by_lion, trace,
+)
 from .update import stochastic_rounding
 
-__all__ = ["adam", "adamw", "lion", "sgd"]
+__all__ = ["adam", "adamw", "ademamix", "lion", "sgd"]
 
 
 def _is_zero(x) -> bool:
@@ -91,6 +93,41 @@ def adamw(
         scale_by_adam(
             b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
             min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
+        ),
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+        maximize=maximize,
+    )
+
+
+def ademamix(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    b3: float | torch.Tensor = 0.9999,
+    alpha: float | torch.Tensor = 5.0,
+    eps: float | torch.Tensor = 1e-8,
+    weight_decay: float | torch.Tensor = 1e-2,
+    mask: Any = None,
+    *,
+    t_alpha: int | None = None,
+    t_beta3: int | None = None,
+    maximize: bool = False,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """AdEMAMix (arXiv 2409.03137) with decoupled decay, as bitsandbytes' ``AdEMAMix``:
+    ``p - lr * ((m_hat + alpha * s) / (sqrt(v_hat) + eps) + wd * p)``; ``t_alpha`` and
+    ``t_beta3`` warm ``alpha`` and ``b3`` up (:func:`~lowbit_tree.transform.ademamix_warmups`)."""
+    return _finish(
+        scale_by_ademamix(
+            b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format,
+            block_size=block_size, min_quant_size=min_quant_size,
         ),
         add_decayed_weights(weight_decay, mask),
         scale_by_learning_rate(learning_rate),

@@ -17,6 +17,7 @@ rebuilding anything).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -28,11 +29,13 @@ from .tree_utils import flatten, map_leaves
 __all__ = [
     "ScaleByAdamState",
     "ScaleByLionState",
+    "ScaleByAdEMAMixState",
     "TraceState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
     "scale_by_lion",
+    "scale_by_ademamix",
     "trace",
     "flip_sign",
     "add_decayed_weights",
@@ -52,6 +55,13 @@ class ScaleByAdamState(NamedTuple):
 class ScaleByLionState(NamedTuple):
     count: torch.Tensor
     mu: Any
+
+
+class ScaleByAdEMAMixState(NamedTuple):
+    count: torch.Tensor
+    mu: Any  # the fast EMA of the gradient (bias-corrected in the update)
+    nu: Any  # the second moment
+    mu_slow: Any  # the slow EMA (rate b3, weight alpha; not bias-corrected)
 
 
 class TraceState(NamedTuple):
@@ -209,6 +219,91 @@ def scale_by_lion(
     return GradientTransformation(init, _link(update, "rule"))
 
 
+def ademamix_warmups(count, b1, b3, alpha, t_alpha: int | None, t_beta3: int | None):
+    """This step's ``(b3, alpha)`` after AdEMAMix's warm-ups (arXiv 2409.03137, as
+    bitsandbytes): ``alpha * min(1, step / t_alpha)`` and ``b3`` rising from ``b1`` on
+    a log-log path, ``min(exp(ln b1 ln b3 / ((1 - s) ln b3 + s ln b1)), b3)``,
+    ``s = step / t_beta3``; ``step = count + 1``. In float64 (on the host when the count
+    is a Python number or a CPU tensor, else with tensor ops on its device)."""
+    if not t_alpha and not t_beta3:
+        return b3, alpha
+    tensors = [v for v in (count, b1, b3, alpha) if isinstance(v, torch.Tensor)]
+    if not tensors or (not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors)):
+        step, b1f, b3f, af = int(count) + 1, float(b1), float(b3), float(alpha)
+        if t_alpha:
+            af = min(step * af / t_alpha, af)
+        if t_beta3:
+            ln1, ln3, sc = math.log(b1f), math.log(b3f), step / t_beta3
+            b3f = min(math.exp((ln1 * ln3) / ((1 - sc) * ln3 + sc * ln1)), b3f)
+        return b3f, af
+    dev = tensors[0].device
+
+    def f64(v):
+        return torch.as_tensor(v, device=dev).to(torch.float64)
+
+    step = f64(count) + 1
+    b1t, b3t, at = f64(b1), f64(b3), f64(alpha)
+    if t_alpha:
+        at = torch.minimum(step * at / t_alpha, at)
+    if t_beta3:
+        ln1, ln3, sc = torch.log(b1t), torch.log(b3t), step / t_beta3
+        b3t = torch.minimum(torch.exp((ln1 * ln3) / ((1 - sc) * ln3 + sc * ln1)), b3t)
+    return b3t, at
+
+
+def scale_by_ademamix(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    b3: float | torch.Tensor = 0.9999,
+    alpha: float | torch.Tensor = 5.0,
+    eps: float | torch.Tensor = 1e-8,
+    *,
+    t_alpha: int | None = None,
+    t_beta3: int | None = None,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """AdEMAMix (arXiv 2409.03137): Adam's fast EMA ``m`` and second moment ``v`` plus a
+    slow EMA ``s`` of rate ``b3`` weighted by ``alpha``:
+    ``u = (m_hat + alpha * s) / (sqrt(v_hat) + eps)``.
+
+    Args:
+      t_alpha, t_beta3: warm-up lengths in steps of ``alpha`` and ``b3``
+        (:func:`ademamix_warmups`); ``None``: no warm-up.
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; both EMAs
+        take the signed format, ``v`` the second-moment one.
+    Returns:
+      A transformation with state :class:`ScaleByAdEMAMixState`.
+    """
+    moments.check_state_format(state_format)
+    for name, t in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"{name} must be a positive int (steps) or None, got {t!r}")
+
+    def moment(signed):
+        return lambda p: moments.init_moment(
+            p, state_format, signed=signed, block_size=block_size, min_quant_size=min_quant_size
+        )
+
+    def init(params):
+        return ScaleByAdEMAMixState(
+            init_count(params), map_leaves(moment(True), params), map_leaves(moment(False), params),
+            map_leaves(moment(True), params),
+        )
+
+    spec = kernels.StepSpec("ademamix")
+
+    def update(updates, state, params=None, **extra):
+        b3_t, alpha_t = ademamix_warmups(state.count, b1, b3, alpha, t_alpha, t_beta3)
+        trees = (state.mu, state.nu, state.mu_slow)
+        updates, new = _run_rule(spec, dict(b1=b1, b2=b2, eps=eps, b3=b3_t, alpha=alpha_t), updates, trees, params,
+                                 state.count, extra)
+        return updates, ScaleByAdEMAMixState(state.count + 1, *new)
+
+    return GradientTransformation(init, _link(update, "rule"))
+
+
 def trace(
     momentum: float | torch.Tensor,
     nesterov: bool = False,
@@ -342,4 +437,5 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
     return GradientTransformation(init, update)
 
 
-torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, TraceState, ScaleByScheduleState])
+torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
+                                      ScaleByScheduleState])

@@ -64,6 +64,8 @@ STATIC_HYPERPARAMS = frozenset(
         "stochastic_round",
         "seed",
         "flip_sign",
+        "t_alpha",
+        "t_beta3",
     }
 )
 """Arguments that shape the state or the code: always passed through unchanged."""

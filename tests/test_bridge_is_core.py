@@ -12,7 +12,7 @@ import bridge
 import lowbit_tree as lt
 from lowbit_tree.qtensor import QTensor
 from lowbit_tree.rank1 import Rank1QTensor
-from lowbit_tree.transform import ScaleByAdamState, ScaleByLionState, TraceState
+from lowbit_tree.transform import ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, TraceState
 
 SHAPES = [(64, 300), (7,), (33, 130), (5, 3, 71), (1, 4096)]
 
@@ -33,7 +33,8 @@ def same(a, b) -> bool:
 def _functional(name, kw):
     """The core transformation a bridge class runs (plain Python-float hyperparameters)."""
     lr = kw.get("lr", 1e-3)
-    b1, b2 = kw.get("betas", (0.9, 0.99) if name == "Lion" else (0.9, 0.999))
+    default_betas = {"Lion": (0.9, 0.99), "AdEMAMix": (0.9, 0.999, 0.9999)}.get(name, (0.9, 0.999))
+    b1, b2 = kw.get("betas", default_betas)[:2]
     common = dict(state_format=kw["state_format"], block_size=kw.get("block_size"),
                   min_quant_size=kw.get("min_quant_size", 4096), stochastic_round=kw.get("bf16_stochastic_round", False))
     rank1 = dict(rank1_normalization=kw.get("rank1_normalization", False))
@@ -43,6 +44,11 @@ def _functional(name, kw):
     if name == "Adam":
         return lt.adam(lr, b1, b2, kw.get("eps", 1e-8), weight_decay=kw.get("weight_decay", 0.0),
                        amsgrad=kw.get("amsgrad", False), maximize=kw.get("maximize", False), **common, **rank1)
+    if name == "AdEMAMix":
+        b1, b2, b3 = kw.get("betas", (0.9, 0.999, 0.9999))
+        return lt.ademamix(lr, b1, b2, b3, kw.get("alpha", 5.0), kw.get("eps", 1e-8), kw.get("weight_decay", 1e-2),
+                           t_alpha=kw.get("t_alpha"), t_beta3=kw.get("t_beta3"), maximize=kw.get("maximize", False),
+                           **common)
     if name == "Lion":
         return lt.lion(lr, b1, b2, kw.get("weight_decay", 0.0), maximize=kw.get("maximize", False), **common)
     return lt.sgd(lr, kw.get("momentum", 0.0), kw.get("nesterov", False), kw.get("weight_decay", 0.0),
@@ -52,11 +58,14 @@ def _functional(name, kw):
 def _states(state):
     """{torch name: list of leaves} of a functional state."""
     out = {}
-    for node in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, (ScaleByAdamState, ScaleByLionState, TraceState))):
+    kinds = (ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, TraceState)
+    for node in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, kinds)):
         if isinstance(node, ScaleByAdamState):
             out["exp_avg"], out["exp_avg_sq"] = node.mu, node.nu
             if node.nu_max is not None:
                 out["max_exp_avg_sq"] = node.nu_max
+        elif isinstance(node, ScaleByAdEMAMixState):
+            out["exp_avg"], out["exp_avg_sq"], out["exp_avg_slow"] = node.mu, node.nu, node.mu_slow
         elif isinstance(node, ScaleByLionState):
             out["exp_avg"] = node.mu
         elif isinstance(node, TraceState):
@@ -82,6 +91,10 @@ CASES = [
     ("SGD", dict(state_format="8bit", lr=1e-2, momentum=0.9, weight_decay=1e-3)),
     ("SGD", dict(state_format="fp8", lr=1e-2, momentum=0.9, nesterov=True, maximize=True)),
     ("SGD", dict(state_format="fp32", lr=1e-2, momentum=0.0)),
+    ("AdEMAMix", dict(state_format="8bit", t_alpha=3, t_beta3=3, weight_decay=0.1)),
+    ("AdEMAMix", dict(state_format="4bit", dtype=torch.bfloat16, bf16_stochastic_round=True, alpha=8.0)),
+    ("AdEMAMix", dict(state_format="fp8", betas=(0.8, 0.99, 0.999), maximize=True)),
+    ("AdEMAMix", dict(state_format="fp32", t_beta3=2)),
 ]
 
 

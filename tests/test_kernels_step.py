@@ -26,7 +26,9 @@ from lowbit_tree.qtensor import QTensor
 NATIVE = pytest.mark.skipif(not native.available(), reason="no C compiler")
 RULES = [
     ("adam", {}), ("adam", {"amsgrad": True}), ("lion", {}), ("momentum", {}), ("momentum", {"nesterov": True}),
+    ("ademamix", {}),
 ]
+RULE_IDS = ["adam", "amsgrad", "lion", "momentum", "nesterov", "ademamix"]
 STATE_FORMATS = ["8bit", "4bit", "fp8", "8bit_bnb", "fp32", "bf16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LINKS = [dict(), dict(decay=True, lr=True), dict(maximize=True, l2=True, lr=True)]
@@ -57,7 +59,7 @@ def _np(t):
 def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, index=0):
     """The step of ``spec`` in numpy float32 (see lowbit_tree/kernels/spec.py):
     returns ``(out, new_states)``."""
-    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2 = hyper.numpy().astype(np.float32)
+    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2, b3, omb3, alpha = hyper.numpy().astype(np.float32)
     with np.errstate(all="ignore"):
         gf = _np(g)
         pf = None if p is None else _np(p)
@@ -74,6 +76,12 @@ def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, i
                 root = np.maximum(olds[2], v)  # NaN if either is NaN, as torch.maximum
                 news.append(root)
             u = (m * rbc1) / (np.sqrt(root) * rsbc2 + eps)
+        elif spec.rule == "ademamix":
+            m = b1 * olds[0] + omb1 * gf
+            v = b2 * olds[1] + omb2 * (gf * gf)
+            slow = b3 * olds[2] + omb3 * gf
+            news = [m, v, slow]
+            u = (m * rbc1 + alpha * slow) / (np.sqrt(v) * rsbc2 + eps)
         elif spec.rule == "lion":
             c = b1 * olds[0] + omb1 * gf
             u = (c > 0).astype(np.float32) - (c < 0).astype(np.float32)
@@ -119,8 +127,9 @@ def make_case(rule, variant, links, fmt, dtype, shape, bs, seed):
     g = (torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 3)).to(dtype)
     flat = g.view(-1)
     flat[: min(3, flat.numel())] = 0.0  # zero gradients: v may shrink to the zero-free floor
-    hyper = step_hyperparams(spec, count=seed % 7, b1=0.9, b2=0.999 if rule == "adam" else 0.99, eps=1e-8,
-                             lr=1e-2, weight_decay=0.1, l2=0.05)
+    hyper = step_hyperparams(spec, count=seed % 7, b1=0.9, b2=0.999 if rule in ("adam", "ademamix") else 0.99,
+                             eps=1e-8, lr=1e-2, weight_decay=0.1, l2=0.05,
+                             **(dict(b3=0.9999, alpha=5.0) if rule == "ademamix" else {}))
     return spec, states, p, g, hyper
 
 
@@ -160,7 +169,7 @@ BACKENDS = [pytest.param("native", marks=NATIVE), "eager"]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("fmt", STATE_FORMATS)
-@pytest.mark.parametrize("rule,variant", RULES, ids=["adam", "amsgrad", "lion", "momentum", "nesterov"])
+@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
 def test_step_matches_reference(rule, variant, fmt, dtype, backend):
     check_backend(backend, rule, variant, fmt, dtype)
 
@@ -183,7 +192,7 @@ def test_compiled_cpu_step_matches_reference(rule, variant, fmt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("backend", ["compiled", "eager"])
 @pytest.mark.parametrize("fmt", STATE_FORMATS)
-@pytest.mark.parametrize("rule,variant", RULES, ids=["adam", "amsgrad", "lion", "momentum", "nesterov"])
+@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
 def test_cuda_step_matches_reference(rule, variant, fmt, backend):
     """On CUDA: every rule and format, bf16 and float32 params, results on the host
     equal to the CPU reference bit for bit."""
@@ -306,7 +315,7 @@ def test_hyperparams_from_numbers_and_tensors_agree(device):
     with a meta device argument, then comparing the values it computes on CPU)."""
     from lowbit_tree.kernels import spec as spec_mod
 
-    for rule in ("adam", "lion", "momentum"):
+    for rule in ("adam", "lion", "momentum", "ademamix"):
         spec = StepSpec(rule, decay=True, lr=True)
         for b1, b2 in ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9999)):
             for count in [*range(0, 300, 7), 10**4, 10**6]:

@@ -893,7 +893,7 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
  * the reference quantizer of the new float32 states); plain float32 / bfloat16
  * states are read and written as such.
  * ------------------------------------------------------------------------ */
-enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2 };
+enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2, LBT_ADEMAMIX = 3 };
 enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
 #define LBT_MAXIMIZE 1
 #define LBT_L2 2
@@ -904,7 +904,7 @@ enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
 #define LBT_WRITE_PARAM 64
 #define LBT_STOCHASTIC 128
 /* hyper: float32 [b1 (or momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2] */
-#define LBT_NHYPER 10
+#define LBT_NHYPER 13
 
 /* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows). */
 typedef struct {
@@ -1057,6 +1057,17 @@ static inline __attribute__((always_inline)) void rule_run(
             t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
             s0[k] = t0;
             s1[k] = t1;
+        } else if (RULE == LBT_ADEMAMIX) { /* states m, v, slow EMA s; v is the transformed one */
+            const float b3 = hyper[10], omb3 = hyper[11], alpha = hyper[12];
+            float m = b1 * s0[k] + omb1 * gi, v = b2 * s1[k] + omb2 * (gi * gi), sl = b3 * s2[k] + omb3 * gi;
+            float sv = sqrtf(v);
+            u = (m * rbc1 + alpha * sl) / (sv * rsbc2 + eps);
+            t0 = m;
+            t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
+            t2 = sl;
+            s0[k] = t0;
+            s1[k] = t1;
+            s2[k] = t2;
         } else if (RULE == LBT_LION) {
             float m0 = s0[k], c = b1 * m0 + omb1 * gi;
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
@@ -1136,6 +1147,7 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
     LBT_RUN3(LBT_ADAM, 1, 0, 0) LBT_RUN3(LBT_ADAM, 1, 1, 0) LBT_RUN3(LBT_ADAM, 1, 2, 0)
     LBT_RUN3(LBT_ADAM, 1, 1, 1) LBT_RUN3(LBT_ADAM, 1, 2, 1)
     LBT_RUN5(LBT_LION, 0, 0, 0)
+    LBT_RUN5(LBT_ADEMAMIX, 0, 0, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 1, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 0)
     LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3)
     LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3)
 #undef LBT_RUN3

@@ -12,6 +12,8 @@ exactly these operations; design.md, "Update rules"):
   ``u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
 - rule ``lion``: ``u = sign(b1*m + (1-b1)*g)`` (0 for 0 and NaN); ``m = b2*m + (1-b2)*g``
 - rule ``momentum``: ``b = mu*b + g``; ``u = b``, or ``g + mu*b`` with ``nesterov``
+- rule ``ademamix`` (arXiv 2409.03137): ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*(g*g)``;
+  ``s = b3*s + (1-b3)*g``; ``u = (m * (1/bc1) + alpha * s) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
@@ -26,10 +28,11 @@ import torch
 
 __all__ = ["RULES", "StepSpec", "NHYPER", "step_hyperparams"]
 
-RULES = ("adam", "lion", "momentum")
-NHYPER = 10
+RULES = ("adam", "lion", "momentum", "ademamix")
+NHYPER = 13
 """Length of the hyperparameter vector:
-``[b1 (momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2]``."""
+``[b1 (momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2, b3, 1-b3, alpha]``
+(the last three: ademamix's slow EMA and its weight, 0 for the other rules)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +59,17 @@ class StepSpec:
 
     @property
     def nstates(self) -> int:
-        """States per leaf: adam (m, v[, w]), lion (m), momentum (b)."""
-        return (3 if self.amsgrad else 2) if self.rule == "adam" else 1
+        """States per leaf: adam (m, v[, w]), lion (m), momentum (b), ademamix (m, v, s):
+        the second moment is always the second state."""
+        if self.rule == "adam":
+            return 3 if self.amsgrad else 2
+        return 3 if self.rule == "ademamix" else 1
 
     @property
     def signed(self) -> tuple[bool, ...]:
         """Whether each state is signed (a first moment) or not (second moments)."""
+        if self.rule == "ademamix":
+            return (True, False, True)
         return (True, False, False)[: self.nstates] if self.rule == "adam" else (True,)
 
     @property
@@ -79,6 +87,8 @@ def step_hyperparams(
     lr=0.0,
     weight_decay=0.0,
     l2=0.0,
+    b3=0.0,
+    alpha=0.0,
     device=None,
 ) -> torch.Tensor:
     """The float32 hyperparameter vector of one step (:data:`NHYPER` entries).
@@ -92,14 +102,15 @@ def step_hyperparams(
     1e-5 relative). ``count`` (steps already taken) and the values may be Python
     numbers or 0-d tensors; tensors on a GPU are combined with tensor ops on their
     device (no host sync). For momentum, ``b1`` is the momentum. ``lr`` is the
-    factor's negative: the update is scaled by ``-lr``.
+    factor's negative: the update is scaled by ``-lr``. ``b3`` and ``alpha`` (ademamix's
+    slow EMA rate and weight, this step's values after their warm-up) are 0 for the others.
     """
-    values = (count, b1, b2, eps, lr, weight_decay, l2)
+    values = (count, b1, b2, eps, lr, weight_decay, l2, b3, alpha)
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    adam = spec.rule == "adam"
+    adam = spec.rule in ("adam", "ademamix")  # bias-corrected moments
     if tensors and not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors):
         # CPU values cost nothing to read: the host path (same bits as the tensor path)
-        count, b1, b2, eps, lr, weight_decay, l2 = (
+        count, b1, b2, eps, lr, weight_decay, l2, b3, alpha = (
             (int(v) if v is count else float(v)) if isinstance(v, torch.Tensor) else v for v in values
         )
         tensors = []
@@ -108,7 +119,9 @@ def step_hyperparams(
         c = int(count) + 1
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
-        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, float(eps), float(lr), float(weight_decay), float(l2)]
+        b3f = float(b3)
+        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, float(eps), float(lr), float(weight_decay), float(l2),
+                b3f, 1.0 - b3f if spec.rule == "ademamix" else 0.0, float(alpha)]
         return torch.tensor(vals, dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
@@ -123,5 +136,8 @@ def step_hyperparams(
         rsbc2 = (1 - torch.pow(b2t, c)).rsqrt()
     else:
         rbc1 = rsbc2 = torch.zeros(1, dtype=torch.float64, device=dev)
-    parts = [b1t, one - b1t, b2t, one - b2t, rbc1, rsbc2, f64(eps), f64(lr), f64(weight_decay), f64(l2)]
+    b3t = f64(b3)
+    omb3 = one - b3t if spec.rule == "ademamix" else torch.zeros(1, dtype=torch.float64, device=dev)
+    parts = [b1t, one - b1t, b2t, one - b2t, rbc1, rsbc2, f64(eps), f64(lr), f64(weight_decay), f64(l2), b3t, omb3,
+             f64(alpha)]
     return torch.cat(parts).to(torch.float32)

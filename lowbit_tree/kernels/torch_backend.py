@@ -125,7 +125,7 @@ def _dequantize_core(
 def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
     """The float32 math of one step (:mod:`.spec`, operation by operation): returns
     the update after the epilogue and the new (untransformed) states."""
-    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2 = hyper.unbind(0)
+    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2, b3, omb3, alpha = hyper.unbind(0)
     if spec.maximize:
         g = -g
     if spec.l2:
@@ -139,6 +139,12 @@ def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torc
             root = torch.maximum(olds[2], v)
             news.append(root)
         u = (m * rbc1) / (_exact_sqrt(root) * rsbc2 + eps)
+    elif spec.rule == "ademamix":
+        m = b1 * olds[0] + omb1 * g
+        v = b2 * olds[1] + omb2 * (g * g)
+        slow = b3 * olds[2] + omb3 * g
+        news = [m, v, slow]
+        u = (m * rbc1 + alpha * slow) / (_exact_sqrt(v) * rsbc2 + eps)
     elif spec.rule == "lion":
         u = torch.sign(b1 * olds[0] + omb1 * g)
         news = [b2 * olds[0] + omb2 * g]
