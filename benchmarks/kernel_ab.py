@@ -18,7 +18,7 @@ absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 
 Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
-       [--rule adamw|amsgrad|lion|momentum] [--dtype float32|bfloat16] [--functional]
+       [--rule adamw|amsgrad|lion|momentum|ademamix] [--dtype float32|bfloat16] [--functional]
 ``--formats`` takes ``fp32`` too (plain float32 states).
 With no source, the library's own source (one build: absolute figures only).
 """
@@ -46,6 +46,7 @@ RULES = {
     "amsgrad": StepSpec("adam", amsgrad=True, decay=True, lr=True),
     "lion": StepSpec("lion", decay=True, lr=True),
     "momentum": StepSpec("momentum", lr=True),
+    "ademamix": StepSpec("ademamix", decay=True, lr=True),
 }
 
 
@@ -94,7 +95,8 @@ def make_case(spec: StepSpec, state_format: str, rows: int, cols: int, data: str
         states = tuple(torch.zeros(rows, cols) for _ in spec.signed)
     else:
         states = tuple(lt.zeros(p.shape, state_format, signed=s) for s in spec.signed)
-    hyper = step_hyperparams(spec, count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+    extra = dict(b3=0.9999, alpha=5.0) if spec.rule == "ademamix" else {}
+    hyper = step_hyperparams(spec, count=3, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, **extra)
     for _ in range(5):
         run_step(spec, hyper, [StepLeaf(p, g, states)], write=True, inplace=True, backend="native")
     return p, g, states, hyper

@@ -18,6 +18,9 @@ the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic round
   functional-4bit-rank1             lowbit_tree.adamw(state_format="4bit", rank1_normalization=True)
   torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
   bnb-8bit                          bitsandbytes.optim.AdamW8bit
+  bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / 4bit / AdEMAMix(state_format="fp32")
+  functional-ademamix-8bit          lowbit_tree.ademamix
+  bnb-ademamix-8bit, -32bit         bitsandbytes.optim.AdEMAMix8bit / AdEMAMix32bit
 
 Reported: median ms/step, ratio to torch-fused, first-step time (includes any
 compilation), optimizer state bytes per parameter, and peak extra memory during a
@@ -55,6 +58,8 @@ IMPLS = (
     + ["functional-fp32"] + [f"functional-{f}" for f in LOW]
     + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-rank1"]
     + ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bnb-8bit"]
+    + [f"bridge-ademamix-{f}" for f in ("8bit", "4bit", "fp32")] + ["functional-ademamix-8bit"]
+    + ["bnb-ademamix-8bit", "bnb-ademamix-32bit"]
 )
 QUICK_IMPLS = ["torch-fused", "bridge-8bit", "bridge-8bit-bf16", "bridge-lion-8bit", "functional-8bit", "torchao-8bit",
                "bnb-8bit"]
@@ -123,12 +128,14 @@ def make_optimizer(impl, params):
     if fam == "torch":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{parts[1]: True}), ""
     if fam == "functional":
-        rule = parts[1] if parts[1] in ("lion", "sgd") else "adamw"
+        rule = parts[1] if parts[1] in ("lion", "sgd", "ademamix") else "adamw"
         fmt = parts[2] if rule != "adamw" else parts[1]
         if rule == "lion":
             tx = lt.lion(1e-4, weight_decay=wd, state_format=fmt)
         elif rule == "sgd":
             tx = lt.sgd(1e-2, momentum=0.9, state_format=fmt)
+        elif rule == "ademamix":
+            tx = lt.ademamix(lr, *betas, 0.9999, 5.0, eps, wd, state_format=fmt)
         else:
             tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=impl.endswith("rank1"))
         return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
@@ -141,6 +148,9 @@ def make_optimizer(impl, params):
             return bridge.Lion(params, lr=1e-4, weight_decay=wd, state_format=parts[2]), ""
         if parts[1] == "sgd":
             return bridge.SGD(params, lr=1e-2, momentum=0.9, state_format=parts[2]), ""
+        if parts[1] == "ademamix":
+            return bridge.AdEMAMix(params, lr=lr, betas=(*betas, 0.9999), eps=eps, weight_decay=wd,
+                                   state_format=parts[2]), ""
         fmt, extra = parts[1], parts[2:]
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, state_format=fmt,
                   amsgrad="amsgrad" in extra, bf16_stochastic_round="bf16sr" in extra)
@@ -159,6 +169,9 @@ def make_optimizer(impl, params):
             import bitsandbytes as bnb
         except Exception as e:  # noqa: BLE001
             return None, f"bitsandbytes not installed ({type(e).__name__})"
+        if parts[1] == "ademamix":
+            cls = bnb.optim.AdEMAMix8bit if parts[2] == "8bit" else bnb.optim.AdEMAMix32bit
+            return cls(params, lr=lr, betas=(*betas, 0.9999), eps=eps, weight_decay=wd), ""
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
     raise ValueError(impl)
 

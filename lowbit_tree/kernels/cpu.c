@@ -999,8 +999,9 @@ static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
 /* The per-element rule on one run of n elements. g: the prologue's gradient
  * (float32); s0..s2: the states' old float32 values, overwritten by the new ones,
  * transformed for storage when TR (1: sqrt, 2: negative -> NaN, of the
- * second-moment states), with their absmax bits in amax. DEC: ADAM's two states
- * decoded from 8-bit table codes in the loop (D) instead of read from s0, s1.
+ * second-moment states), with their absmax bits in amax. DEC: ADAM's two (three
+ * with amsgrad) or ADEMAMIX's three states decoded from 8-bit table codes in the
+ * loop (D) instead of read from s0..s2.
  * EPW 0: u goes to o; 1: o (the param, in place) += (-lr) * u; 2: o += (-lr) *
  * (u + wd * o); 3: o = (-lr) * u; 4: o = (-lr) * (u + wd * p) (the functional
  * API's update). Flags are literals in the callers, so each combination is
@@ -1020,10 +1021,11 @@ static inline __attribute__((always_inline)) void rule_run(
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
-    const uint8_t *restrict wc = DEC && VAR ? D->wc : NULL;
+    const int W = VAR || RULE == LBT_ADEMAMIX; /* a third decoded state: amsgrad's max, ademamix's slow EMA */
+    const uint8_t *restrict wc = DEC && W ? D->wc : NULL;
     const float *restrict dm = DEC ? D->dm : NULL, *restrict dv = DEC ? D->dv : NULL;
-    const float *restrict dw = DEC && VAR ? D->dw : NULL;
-    const float sm = DEC ? D->sm : 0.0f, svs = DEC ? D->sv : 0.0f, sws = DEC && VAR ? D->sw : 0.0f;
+    const float *restrict dw = DEC && W ? D->dw : NULL;
+    const float sm = DEC ? D->sm : 0.0f, svs = DEC ? D->sv : 0.0f, sws = DEC && W ? D->sw : 0.0f;
     int32_t a0 = 0, a1 = 0, a2 = 0;
     for (int64_t k = 0; k < n; k++) {
         const float gi = g[k];
@@ -1059,7 +1061,16 @@ static inline __attribute__((always_inline)) void rule_run(
             s1[k] = t1;
         } else if (RULE == LBT_ADEMAMIX) { /* states m, v, slow EMA s; v is the transformed one */
             const float b3 = hyper[10], omb3 = hyper[11], alpha = hyper[12];
-            float m = b1 * s0[k] + omb1 * gi, v = b2 * s1[k] + omb2 * (gi * gi), sl = b3 * s2[k] + omb3 * gi;
+            float m0, v0, l0;
+            if (DEC) {
+                float t = dv[vc[k]] * svs;
+                m0 = dm[mc[k]] * sm;
+                v0 = TR == 1 ? t * t : t;
+                l0 = dw[wc[k]] * sws;
+            } else {
+                m0 = s0[k], v0 = s1[k], l0 = s2[k];
+            }
+            float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi), sl = b3 * l0 + omb3 * gi;
             float sv = sqrtf(v);
             u = (m * rbc1 + alpha * sl) / (sv * rsbc2 + eps);
             t0 = m;
@@ -1148,6 +1159,7 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
     LBT_RUN3(LBT_ADAM, 1, 1, 1) LBT_RUN3(LBT_ADAM, 1, 2, 1)
     LBT_RUN5(LBT_LION, 0, 0, 0)
     LBT_RUN5(LBT_ADEMAMIX, 0, 0, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 1, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 0)
+    LBT_RUN5(LBT_ADEMAMIX, 0, 1, 1) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 1)
     LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3)
     LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3)
 #undef LBT_RUN3
@@ -1287,10 +1299,12 @@ static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, 
     const int64_t bs = J->st[0].bs, ns = J->nstates;
     const lbt_format *f0 = J->st[0].f, *f1 = ns > 1 ? J->st[1].f : NULL, *f2 = ns > 2 ? J->st[2].f : NULL;
     const int tr = state_tr(f1);
-    /* ADAM's states in 8-bit table formats: decoded inside the rule loop, whose
-     * vector work then overlaps the table loads */
-    const int dec = J->rule == LBT_ADAM && ns >= 2 && f0->bits == 8 && !f0->e4m3_arith && f1->bits == 8 &&
-                    !f1->e4m3_arith && (!f2 || (f2->bits == 8 && !f2->e4m3_arith && state_tr(f2) == tr));
+    /* ADAM's and ADEMAMIX's states in 8-bit table formats: decoded inside the rule
+     * loop, whose vector work then overlaps the table loads */
+    const int table8 = f0->bits == 8 && !f0->e4m3_arith && ns >= 2 && f1->bits == 8 && !f1->e4m3_arith &&
+                       (!f2 || (f2->bits == 8 && !f2->e4m3_arith));
+    const int dec = table8 && ((J->rule == LBT_ADAM && (!f2 || state_tr(f2) == tr)) ||
+                               (J->rule == LBT_ADEMAMIX && ns == 3 && state_tr(f2) == 0));
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         run_io io;
