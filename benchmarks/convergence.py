@@ -13,6 +13,9 @@ Variants:
                           bridge optimizers do not pass ``rank1_normalization`` yet)
   torchao-8bit            torchao.optim.AdamW8bit, when installed
   bnb-8bit                bitsandbytes.optim.AdamW8bit, when installed (CPU works in 0.50)
+  ademamix-fp32, -8bit,   bridge.AdEMAMix / AdEMAMix8bit / AdEMAMix4bit, betas (0.9, 0.99, 0.999),
+  -4bit                   alpha 5, t_alpha = t_beta3 = the run's steps; compared with
+                          ademamix-fp32 of the same seed (the others with fp32 AdamW)
 
     python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
     python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out
@@ -33,8 +36,15 @@ import torch
 
 from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, train
 
-ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-rank1", "fp8", "torchao-8bit", "bnb-8bit")
-TOLERANCE = {"8bit": 1.0, "4bit": 2.0, "4bit-rank1": 2.0, "fp8": 2.0}  # % over fp32 held-out loss
+ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-rank1", "fp8", "torchao-8bit", "bnb-8bit",
+                "ademamix-fp32", "ademamix-8bit", "ademamix-4bit")
+TOLERANCE = {"8bit": 1.0, "4bit": 2.0, "4bit-rank1": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
+             "ademamix-8bit": 1.0, "ademamix-4bit": 2.0}
+
+
+def reference_of(variant: str) -> str:
+    """The fp32 run a variant is compared with: fp32 AdEMAMix for AdEMAMix, else fp32 AdamW."""
+    return "ademamix-fp32" if variant.startswith("ademamix") else "fp32"
 
 
 def available(variant: str) -> bool:
@@ -59,6 +69,13 @@ def make(variant: str, params, args) -> tuple[torch.optim.Optimizer, str]:
         defaults = dict(learning_rate=args.lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=wd,
                         state_format="4bit", min_quant_size=args.min_quant_size, rank1_normalization=True)
         return LowBitOptimizer(params, alias.adamw, defaults), "learning_rate"
+    if variant.startswith("ademamix-"):
+        import bridge
+
+        fmt = variant.split("-")[1]
+        kw = {} if fmt == "fp32" else {"min_quant_size": args.min_quant_size}
+        return bridge.AdEMAMix(params, lr=args.lr, betas=(*betas, 0.999), alpha=5.0, t_alpha=args.steps,
+                               t_beta3=args.steps, weight_decay=wd, state_format=fmt, **kw), "lr"
     if variant == "torchao-8bit":
         from torchao.optim import AdamW8bit
 
@@ -71,10 +88,11 @@ def make(variant: str, params, args) -> tuple[torch.optim.Optimizer, str]:
 
 
 def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
-    """Per variant: held-out loss mean/std over seeds, and relative to fp32 of the same seed."""
-    base = results.get("fp32", {})
+    """Per variant: held-out loss mean/std over seeds, and relative to its fp32 reference
+    (:func:`reference_of`) of the same seed."""
     rows = []
     for variant, by_seed in results.items():
+        base = results.get(reference_of(variant), {})
         losses = [r.held_out_loss for r in by_seed.values()]
         rel = [100 * (r.held_out_loss / base[s].held_out_loss - 1) for s, r in by_seed.items() if s in base]
         tol = TOLERANCE.get(variant)
@@ -120,7 +138,7 @@ def plot(results, rows, path: str, title: str) -> None:
     a.set(xlabel="step", ylabel="held-out loss (mean over seeds)", title="held-out loss")
     a.grid(alpha=0.3)
     a.legend(fontsize=8)
-    rel_rows = [r for r in rows if r["rel_mean"] is not None and r["variant"] != "fp32"]
+    rel_rows = [r for r in rows if r["rel_mean"] is not None and r["variant"] != reference_of(r["variant"])]
     xs = range(len(rel_rows))
     for x, r in zip(xs, rel_rows):
         b.errorbar([x], [r["rel_mean"]], yerr=[[r["rel_mean"] - r["rel_min"]], [r["rel_max"] - r["rel_mean"]]],

@@ -35,6 +35,19 @@ def _finish(*txs, stochastic_round: bool, seed: int, maximize: bool = False) -> 
     return chain(*head, *txs, *tail)
 
 
+def _decoupled(rule: GradientTransformation, learning_rate, weight_decay, mask, *, stochastic_round: bool, seed: int,
+               maximize: bool) -> GradientTransformation:
+    """``rule`` then decoupled decay then the learning rate: ``p - lr * (rule's update + wd * p)``."""
+    return _finish(
+        rule,
+        add_decayed_weights(weight_decay, mask),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round,
+        seed=seed,
+        maximize=maximize,
+    )
+
+
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: float | torch.Tensor = 0.9,
@@ -89,17 +102,12 @@ def adamw(
 
     ``mask``: tree of bools (or ``params -> tree``) choosing the decayed leaves.
     """
-    return _finish(
-        scale_by_adam(
-            b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
-            min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
-        ),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        maximize=maximize,
+    rule = scale_by_adam(
+        b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
+        min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
     )
+    return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
+                      maximize=maximize)
 
 
 def ademamix(
@@ -124,17 +132,12 @@ def ademamix(
     """AdEMAMix (arXiv 2409.03137) with decoupled decay, as bitsandbytes' ``AdEMAMix``:
     ``p - lr * ((m_hat + alpha * s) / (sqrt(v_hat) + eps) + wd * p)``; ``t_alpha`` and
     ``t_beta3`` warm ``alpha`` and ``b3`` up (:func:`~lowbit_tree.transform.ademamix_warmups`)."""
-    return _finish(
-        scale_by_ademamix(
-            b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format,
-            block_size=block_size, min_quant_size=min_quant_size,
-        ),
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        maximize=maximize,
+    rule = scale_by_ademamix(
+        b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format, block_size=block_size,
+        min_quant_size=min_quant_size,
     )
+    return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
+                      maximize=maximize)
 
 
 def lion(

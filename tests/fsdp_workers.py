@@ -148,6 +148,7 @@ OPTIMIZERS = {
     "8bit": "AdamW8bit",
     "4bit": "AdamW4bit",
     "fp8": "AdamWFp8",
+    "ademamix8bit": "AdEMAMix8bit",  # three states, the third a signed slow EMA
 }
 
 
@@ -283,7 +284,7 @@ def _check_quantized_like_global(opt, min_quant_size):
 
 
 def parity_worker(rank, world):
-    for fmt in ("8bit", "4bit", "fp8"):
+    for fmt in ("8bit", "4bit", "fp8", "ademamix8bit"):
         _, opt = _parity_run(rank, world, fmt, offload=False)
         _check_quantized_like_global(opt, 1)
     _parity_run(rank, world, "8bit", offload=True, steps=3)

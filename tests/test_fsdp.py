@@ -21,7 +21,7 @@ pytestmark = [
 
 def test_fsdp_parity_offload_bf16_and_errors():
     """Acceptance 1, 3, 7, 8, 10 and the failure rules, on 2 ranks:
-    - AdamW 8-bit / 4-bit / FP8, 6 steps: losses, params and every gathered state
+    - AdamW 8-bit / 4-bit / FP8 and AdEMAMix 8-bit, 6 steps: losses, params and every gathered state
       (codes, scales) equal the unsharded run with all-reduced gradients, bit for bit;
     - every state the global rule quantizes is quantized on every (uneven) shard;
     - CPUOffloadPolicy(pin_memory=False): same, states on the params' device;
