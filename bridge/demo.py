@@ -133,9 +133,25 @@ def eval_batches(data: torch.Tensor, seq_len: int, n_windows: int) -> torch.Tens
 # ----------------------------------------------------------------------------
 # optimizers
 # ----------------------------------------------------------------------------
-def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_size: int):
-    """fp32 bridge.AdamW or our 8-bit / 4-bit / FP8 AdamW (same hyperparameters)."""
+OPTIMIZERS = ("adamw", "ademamix")
+
+
+def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_size: int, optimizer: str = "adamw",
+                   steps: int = 0):
+    """fp32 bridge.AdamW or our 8-bit / 4-bit / FP8 AdamW (same hyperparameters); with
+    ``optimizer="ademamix"``, bridge.AdEMAMix in that format (betas (0.9, 0.99, 0.999),
+    alpha 5, alpha and b3 warmed up over the run's ``steps``)."""
     import bridge
+
+    if optimizer == "ademamix":
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        kw = {} if fmt == "fp32" else {"min_quant_size": min_quant_size}
+        warm = steps or None
+        return bridge.AdEMAMix(params, lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0, t_alpha=warm, t_beta3=warm,
+                               weight_decay=weight_decay, state_format=fmt, **kw)
+    if optimizer != "adamw":
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
     cls = {"fp32": bridge.AdamW, "8bit": bridge.AdamW8bit, "4bit": bridge.AdamW4bit, "fp8": bridge.AdamWFp8}.get(fmt)
     if cls is None:
@@ -320,6 +336,8 @@ TINY = dict(steps=30, d_model=32, layers=1, heads=2, seq_len=32, batch=8, eval_w
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps per format (default 300)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {','.join(FORMATS)}")
+    ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                    help="adamw (default) or ademamix (bridge.AdEMAMix, alpha and b3 warmed up over the run)")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
@@ -452,7 +470,8 @@ def _run(args) -> int:
         model = copy.deepcopy(init).to(device)
         if args.fsdp:
             model = _shard(model, world, device)
-        factory = lambda params, fmt=fmt: make_optimizer(fmt, params, args.lr, args.weight_decay, args.min_quant_size)
+        factory = lambda params, fmt=fmt: make_optimizer(fmt, params, args.lr, args.weight_decay, args.min_quant_size,
+                                                         args.optimizer, args.steps)
         results.append(train(
             fmt, model, factory, _OnDevice(batches, device), held_out, steps=args.steps, lr=args.lr, warmup=warmup,
             eval_every=eval_every, progress=bar, rank=rank, world=world,

@@ -45,6 +45,20 @@ def test_demo_tiny_writes_table_png_json(tmp_path, capsys, one_thread):
     assert "dynamic8" in runs["8bit"]["state_formats"] and "e4m3" in runs["fp8"]["state_formats"]
 
 
+def test_demo_tiny_ademamix(tmp_path, capsys, one_thread):
+    """--optimizer ademamix: the same run with bridge.AdEMAMix, its three states quantized."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--tiny", "--no-progress", "--optimizer", "ademamix", "--formats", "fp32,8bit",
+                 "--out", str(out)]) == 0
+    runs = {r["name"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert list(runs) == ["fp32", "8bit"]
+    for name, r in runs.items():
+        curve = r["train_curve"]
+        k = len(curve) // 5
+        assert all(math.isfinite(x) for x in curve) and sum(curve[-k:]) / k < sum(curve[:k]) / k - 0.3, name
+    assert runs["8bit"]["bytes_per_param"] < 0.35 * runs["fp32"]["bytes_per_param"]  # 3 states: 12 -> ~3.1 B
+
+
 def test_same_data_order_for_every_run():
     train, held, info = load_corpus()
     assert len(held) > 0 and info["files"][0] == "argparse.py"
