@@ -31,7 +31,7 @@ import numbers
 import torch
 
 from lowbit_tree import alias
-from lowbit_tree.moments import STATE_FORMAT_NAMES
+from lowbit_tree.moments import STATE_FORMAT_NAMES, check_state_format
 
 from .optimizer import LowBitOptimizer
 
@@ -330,11 +330,12 @@ class Lion4bit(Lion):
 
 def ademamix_decoupled(learning_rate, b1, b2, b3, alpha, eps, weight_decay, *, t_alpha=None, t_beta3=None,
                        maximize=False, state_format="8bit", block_size=None, min_quant_size=4096,
-                       stochastic_round=False):
+                       slow_state_format=None, stochastic_round=False):
     """bitsandbytes' AdEMAMix: decoupled decay, ``p - lr * (ademamix + wd * p)``."""
     return alias.ademamix(learning_rate, b1, b2, b3, alpha, eps, weight_decay, t_alpha=t_alpha, t_beta3=t_beta3,
                           maximize=maximize, state_format=state_format, block_size=block_size,
-                          min_quant_size=min_quant_size, stochastic_round=stochastic_round)
+                          min_quant_size=min_quant_size, slow_state_format=slow_state_format,
+                          stochastic_round=stochastic_round)
 
 
 def _ademamix_kwargs(group):
@@ -343,7 +344,7 @@ def _ademamix_kwargs(group):
                 weight_decay=group["weight_decay"], t_alpha=group["t_alpha"], t_beta3=group["t_beta3"],
                 maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
                 block_size=group["block_size"], min_quant_size=group["min_quant_size"],
-                stochastic_round=group["bf16_stochastic_round"])
+                slow_state_format=group.get("slow_state_format"), stochastic_round=group["bf16_stochastic_round"])
 
 
 def _warmup_steps(owner: str, name: str, value) -> None:
@@ -359,7 +360,7 @@ class AdEMAMix(_TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
                  weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, skip_nonfinite=False):
+                 bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None):
         owner = type(self).__name__
         _betas3(owner, betas)
         _warmup_steps(owner, "t_alpha", t_alpha)
@@ -368,6 +369,8 @@ class AdEMAMix(_TorchOptimizer):
                         weight_decay=weight_decay, maximize=maximize, state_format=self._state_format(state_format),
                         block_size=block_size, min_quant_size=min_quant_size,
                         bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
+        if slow_state_format is not None:  # a group key only when asked for (older checkpoints lack it)
+            defaults["slow_state_format"] = slow_state_format
         super().__init__(params, ademamix_decoupled, defaults, group_to_kwargs=_ademamix_kwargs)
 
     def _check_group(self, owner, group):
@@ -378,6 +381,11 @@ class AdEMAMix(_TorchOptimizer):
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _warmup_steps(owner, "t_alpha", group["t_alpha"])
         _warmup_steps(owner, "t_beta3", group["t_beta3"])
+        if group.get("slow_state_format") is not None:
+            try:
+                check_state_format(group["slow_state_format"])
+            except ValueError as e:
+                raise ValueError(f"{owner}: slow_state_format: {e}") from None
 
 
 class AdEMAMix8bit(AdEMAMix):

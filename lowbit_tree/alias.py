@@ -126,6 +126,7 @@ def ademamix(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
+    slow_state_format: str | None = None,
     stochastic_round: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
@@ -134,7 +135,7 @@ def ademamix(
     ``t_beta3`` warm ``alpha`` and ``b3`` up (:func:`~lowbit_tree.transform.ademamix_warmups`)."""
     rule = scale_by_ademamix(
         b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format, block_size=block_size,
-        min_quant_size=min_quant_size,
+        min_quant_size=min_quant_size, slow_state_format=slow_state_format,
     )
     return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
                       maximize=maximize)

@@ -263,6 +263,7 @@ def scale_by_ademamix(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
+    slow_state_format: str | None = None,
 ) -> GradientTransformation:
     """AdEMAMix (arXiv 2409.03137): Adam's fast EMA ``m`` and second moment ``v`` plus a
     slow EMA ``s`` of rate ``b3`` weighted by ``alpha``:
@@ -273,23 +274,27 @@ def scale_by_ademamix(
         (:func:`ademamix_warmups`); ``None``: no warm-up.
       state_format, block_size, min_quant_size: as :func:`scale_by_adam`; both EMAs
         take the signed format, ``v`` the second-moment one.
+      slow_state_format: the slow EMA's format if not ``state_format`` (its error is
+        weighted by ``alpha``: with 4-bit states, an 8-bit slow EMA recovers most of the
+        loss 4-bit costs; README, "Convergence"). Its block size is that format's default
+        unless ``block_size`` is given.
     Returns:
       A transformation with state :class:`ScaleByAdEMAMixState`.
     """
     moments.check_state_format(state_format)
+    slow_format = state_format if slow_state_format is None else slow_state_format
+    moments.check_state_format(slow_format)
     for name, t in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{name} must be a positive int (steps) or None, got {t!r}")
 
-    def moment(signed):
-        return lambda p: moments.init_moment(
-            p, state_format, signed=signed, block_size=block_size, min_quant_size=min_quant_size
-        )
+    def moment(signed, fmt=state_format):
+        return lambda p: moments.init_moment(p, fmt, signed=signed, block_size=block_size, min_quant_size=min_quant_size)
 
     def init(params):
         return ScaleByAdEMAMixState(
             init_count(params), map_leaves(moment(True), params), map_leaves(moment(False), params),
-            map_leaves(moment(True), params),
+            map_leaves(moment(True, slow_format), params),
         )
 
     spec = kernels.StepSpec("ademamix")

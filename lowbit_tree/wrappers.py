@@ -54,6 +54,7 @@ class InjectHyperparamsState(NamedTuple):
 STATIC_HYPERPARAMS = frozenset(
     {
         "state_format",
+        "slow_state_format",
         "block_size",
         "min_quant_size",
         "amsgrad",

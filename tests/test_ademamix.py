@@ -181,8 +181,18 @@ def test_state_dict_round_trip_and_functional_state_save(tmp_path):
     (dict(t_beta3=2.5), "t_beta3"),
     (dict(alpha=-1.0), "alpha"),
     (dict(state_format="4bit"), "conflicts"),
+    (dict(slow_state_format="7bit"), "slow_state_format"),
 ])
 def test_argument_errors(kw, match):
     p = [torch.nn.Parameter(torch.randn(4, 4))]
     with pytest.raises(ValueError, match=match):
         bridge.AdEMAMix8bit(p, **kw)
+
+
+def test_slow_state_format_quantizes_only_the_slow_ema_otherwise():
+    p = [torch.nn.Parameter(torch.randn(64, 96))]
+    opt = bridge.AdEMAMix4bit(p, slow_state_format="8bit", min_quant_size=1)
+    p[0].grad = torch.randn(64, 96)
+    opt.step()
+    formats = {r.name: r.format for r in opt.state_report()}
+    assert formats == {"exp_avg": "dynamic4", "exp_avg_sq": "linear4_unsigned", "exp_avg_slow": "dynamic8"}
