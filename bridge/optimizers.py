@@ -356,12 +356,16 @@ class AdEMAMix(_TorchOptimizer):
     """AdEMAMix (arXiv 2409.03137) with bitsandbytes' ``AdEMAMix`` signature and decoupled
     weight decay; states ``exp_avg`` (fast EMA), ``exp_avg_sq`` and ``exp_avg_slow`` (the
     slow EMA, rate ``betas[2]``, weight ``alpha``), default ``"fp32"``. ``t_alpha`` /
-    ``t_beta3`` warm ``alpha`` and ``betas[2]`` up over that many steps."""
+    ``t_beta3`` warm ``alpha`` and ``betas[2]`` up over that many steps. ``slow_state_format``
+    stores the slow EMA in its own format (default: ``state_format``; AdEMAMix4bit: ``"8bit"``)."""
+
+    _default_slow_format = None
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
                  weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
                  bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None):
         owner = type(self).__name__
+        slow_state_format = self._default_slow_format if slow_state_format is None else slow_state_format
         _betas3(owner, betas)
         _warmup_steps(owner, "t_alpha", t_alpha)
         _warmup_steps(owner, "t_beta3", t_beta3)
@@ -395,9 +399,13 @@ class AdEMAMix8bit(AdEMAMix):
 
 
 class AdEMAMix4bit(AdEMAMix):
-    """AdEMAMix with 4-bit states."""
+    """AdEMAMix with 4-bit fast EMA and second moment, and an **8-bit slow EMA** by default
+    (``slow_state_format="4bit"`` for all 4-bit): the slow EMA's error is weighted by
+    ``alpha``, and all-4-bit states cost +15% held-out loss on the convergence benchmark where
+    an 8-bit slow EMA is within 1% of fp32 (README, "Convergence"); 2.3 bytes a param."""
 
     _default_format = "4bit"
+    _default_slow_format = "8bit"
 
 
 def _sgd_kwargs(group):

@@ -191,8 +191,14 @@ def test_argument_errors(kw, match):
 
 def test_slow_state_format_quantizes_only_the_slow_ema_otherwise():
     p = [torch.nn.Parameter(torch.randn(64, 96))]
-    opt = bridge.AdEMAMix4bit(p, slow_state_format="8bit", min_quant_size=1)
+    opt = bridge.AdEMAMix4bit(p, min_quant_size=1)  # the class's default: an 8-bit slow EMA
     p[0].grad = torch.randn(64, 96)
     opt.step()
     formats = {r.name: r.format for r in opt.state_report()}
     assert formats == {"exp_avg": "dynamic4", "exp_avg_sq": "linear4_unsigned", "exp_avg_slow": "dynamic8"}
+    all4 = bridge.AdEMAMix4bit(p, slow_state_format="4bit", min_quant_size=1)
+    all4.step()
+    assert {r.name: r.format for r in all4.state_report()}["exp_avg_slow"] == "dynamic4"
+    other = bridge.AdEMAMix(p, state_format="8bit", min_quant_size=1)
+    other.step()
+    assert {r.name: r.format for r in other.state_report()}["exp_avg_slow"] == "dynamic8"

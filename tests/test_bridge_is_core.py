@@ -48,7 +48,7 @@ def _functional(name, kw):
         b1, b2, b3 = kw.get("betas", (0.9, 0.999, 0.9999))
         return lt.ademamix(lr, b1, b2, b3, kw.get("alpha", 5.0), kw.get("eps", 1e-8), kw.get("weight_decay", 1e-2),
                            t_alpha=kw.get("t_alpha"), t_beta3=kw.get("t_beta3"), maximize=kw.get("maximize", False),
-                           **common)
+                           slow_state_format=kw.get("slow_state_format"), **common)
     if name == "Lion":
         return lt.lion(lr, b1, b2, kw.get("weight_decay", 0.0), maximize=kw.get("maximize", False), **common)
     return lt.sgd(lr, kw.get("momentum", 0.0), kw.get("nesterov", False), kw.get("weight_decay", 0.0),
@@ -95,6 +95,7 @@ CASES = [
     ("AdEMAMix", dict(state_format="4bit", dtype=torch.bfloat16, bf16_stochastic_round=True, alpha=8.0)),
     ("AdEMAMix", dict(state_format="fp8", betas=(0.8, 0.99, 0.999), maximize=True)),
     ("AdEMAMix", dict(state_format="fp32", t_beta3=2)),
+    ("AdEMAMix", dict(state_format="4bit", slow_state_format="8bit", t_alpha=2)),
 ]
 
 
