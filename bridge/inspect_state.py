@@ -34,8 +34,10 @@ from lowbit_tree.formats import STATE_FORMATS, get_format
 from lowbit_tree.moments import Rank1QTensor
 
 # torch.optim state name -> is it a first (signed) moment
-SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
-GROUP_KEYS = ("state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
+SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
+                 "exp_avg_slow": True}
+GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
+OWN_FORMAT_KEYS = {"exp_avg_slow": "slow_state_format"}  # states a group may store in a format of their own
 RECORD_PARTS = ("codes", "scale", "row_max", "col_max")  # the tensors of a quantized state (version 2 nesting)
 
 
@@ -93,7 +95,7 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     if "row_max" in parts:  # rank-1 normalized 4-bit record
         return Row(path, "rank1_linear4_unsigned", "-", _rank1_shape(parts), nbytes, detail)
     codes, scale = parts.get("codes"), parts.get("scale")
-    state_format = group.get("state_format")
+    state_format = group.get(OWN_FORMAT_KEYS.get(name, "")) or group.get("state_format")
     signed = SIGNED_STATES.get(name)
     if state_format not in STATE_FORMATS or signed is None or codes is None or scale is None:
         return Row(path, f"?({state_format})", "?", codes[0] if codes else (), nbytes, detail)
@@ -195,7 +197,8 @@ def _block_size_text(group: dict) -> str:
 def _group_summary(groups: list[dict]) -> str:
     parts = []
     for i, g in enumerate(groups):
-        parts.append(f"group {i}: state_format={g.get('state_format', '?')!s} block_size={_block_size_text(g)}"
+        slow = f" slow_state_format={g['slow_state_format']}" if g.get("slow_state_format") else ""
+        parts.append(f"group {i}: state_format={g.get('state_format', '?')!s}{slow} block_size={_block_size_text(g)}"
                      f" min_quant_size={g.get('min_quant_size', '?')!s}")
     return "; ".join(parts)
 

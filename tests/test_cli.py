@@ -47,6 +47,17 @@ def test_inspect_optimizer_state_dict(tmp_path, capsys, fmt, first, second, bloc
     assert f"total: 8 states, {opt.state_bytes()} bytes" in out
 
 
+def test_inspect_ademamix_slow_ema_in_its_own_format(tmp_path, capsys):
+    opt = _stepped(bridge.AdEMAMix4bit, min_quant_size=0)  # slow EMA 8-bit by default
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    rc, out, err = _inspect(tmp_path / "opt.pt", capsys)
+    assert rc == 0, err
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
+    assert lines["0/exp_avg"][1:3] == ["dynamic4", "128"]
+    assert lines["0/exp_avg_slow"][1:3] == ["dynamic8", "256"]
+    assert "slow_state_format=8bit" in out and f"total: {len(opt.state_report())} states, {opt.state_bytes()} bytes" in out
+
+
 def test_inspect_flags_block_size_that_does_not_fit_the_scales(tmp_path, capsys):
     sd = _stepped(bridge.AdamW8bit, min_quant_size=0, block_size=32).state_dict()
     sd["param_groups"][0]["block_size"] = 64  # a lie: the scales say 2 blocks of 32 a row
