@@ -1,6 +1,6 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
-The update rules (:func:`scale_by_adam`, :func:`scale_by_lion`, :func:`trace`)
+The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
