@@ -387,7 +387,7 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bit", "fp8")
+FORMATS = ("8bit", "4bit", "fp8", "ademamix8bit")  # names of OPTIMIZERS: AdamW in three formats, AdEMAMix 8-bit
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84
 
