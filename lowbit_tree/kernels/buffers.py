@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from collections import deque
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ MIN_BYTES = 1 << 20
 
 _SCAN = 4  # buffers looked at per request: the oldest first (a loop frees in order)
 _pools: dict = {}  # (dtype, numel) -> deque of flat base tensors, oldest hand-out first
+_lock = threading.Lock()  # a buffer seen idle is handed out before another thread can see it
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -65,15 +67,16 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if (device.type != "cpu" or numel * dtype.itemsize < MIN_BYTES or torch.compiler.is_compiling()
             or not enabled()):
         return torch.empty(shape, dtype=dtype, device=device)
-    pool = _pools.setdefault((dtype, numel), deque())
-    for _ in range(min(_SCAN, len(pool))):
-        base = pool.popleft()
-        pool.append(base)  # looked at: to the back, idle or not
-        if _idle(base):
-            return base.view(shape)
-    base = torch.empty(numel, dtype=dtype, device=device)
-    pool.append(base)
-    return base.view(shape)
+    with _lock:
+        pool = _pools.setdefault((dtype, numel), deque())
+        for _ in range(min(_SCAN, len(pool))):
+            base = pool.popleft()
+            pool.append(base)  # looked at: to the back, idle or not
+            if _idle(base):
+                return base.view(shape)
+        base = torch.empty(numel, dtype=dtype, device=device)
+        pool.append(base)
+        return base.view(shape)
 
 
 _IDLE_REFS = _refs(torch.empty(1)) if _storage_use_count is not None else None
@@ -107,11 +110,12 @@ def release() -> int:
     """Drop the buffers nobody uses (their memory goes back to the allocator); returns
     the bytes released. Buffers still in use stay tracked."""
     freed = 0
-    for (dtype, numel), pool in list(_pools.items()):
-        keep = deque(base for base in pool if not _idle(base))
-        freed += (len(pool) - len(keep)) * numel * dtype.itemsize
-        if keep:
-            _pools[(dtype, numel)] = keep
-        else:
-            del _pools[(dtype, numel)]
+    with _lock:
+        for (dtype, numel), pool in list(_pools.items()):
+            keep = deque(base for base in pool if not _idle(base))
+            freed += (len(pool) - len(keep)) * numel * dtype.itemsize
+            if keep:
+                _pools[(dtype, numel)] = keep
+            else:
+                del _pools[(dtype, numel)]
     return freed
