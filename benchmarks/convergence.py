@@ -8,9 +8,7 @@ for 8-bit, +2% for FP8 and 4-bit.
 
 Variants:
   fp32, 8bit, 4bit, fp8   bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
-  4bit-rank1              core ``lowbit_tree.alias.adamw(state_format="4bit",
-                          rank1_normalization=True)`` in a LowBitOptimizer shell (the named
-                          bridge optimizers do not pass ``rank1_normalization`` yet)
+  4bit-rank1              bridge.AdamW4bit(rank1_normalization=True)
   torchao-8bit            torchao.optim.AdamW8bit, when installed
   bnb-8bit                bitsandbytes.optim.AdamW8bit, when installed (CPU works in 0.50)
   ademamix-fp32, -8bit,   bridge.AdEMAMix / AdEMAMix8bit / AdEMAMix4bit, betas (0.9, 0.99, 0.999),
@@ -59,17 +57,15 @@ def available(variant: str) -> bool:
 
 
 def make(variant: str, params, args) -> tuple[torch.optim.Optimizer, str]:
-    """(optimizer, the param-group key holding its learning rate)."""
+    """(optimizer, the param-group key holding its learning rate: ``lr`` for every variant)."""
     betas, wd = (0.9, 0.99), args.weight_decay
     if variant in ("fp32", "8bit", "4bit", "fp8"):
         return make_optimizer(variant, params, args.lr, wd, args.min_quant_size), "lr"
     if variant == "4bit-rank1":
-        from bridge import LowBitOptimizer
-        from lowbit_tree import alias
+        import bridge
 
-        defaults = dict(learning_rate=args.lr, b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=wd,
-                        state_format="4bit", min_quant_size=args.min_quant_size, rank1_normalization=True)
-        return LowBitOptimizer(params, alias.adamw, defaults), "learning_rate"
+        return bridge.AdamW4bit(params, lr=args.lr, betas=betas, weight_decay=wd, min_quant_size=args.min_quant_size,
+                                rank1_normalization=True), "lr"
     if variant.startswith("ademamix-"):
         import bridge
 
@@ -200,10 +196,9 @@ def main(argv=None) -> int:
         for v in variants:
             model = copy.deepcopy(init)
             factory = lambda params, v=v: make(v, params, args)[0]
-            lr_key = "learning_rate" if v == "4bit-rank1" else "lr"  # what make() returns as the lr key
             t0 = time.time()
             r = train(v, model, factory, batches, held_out, steps=args.steps, lr=args.lr,
-                      warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // args.evals), lr_key=lr_key)
+                      warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // args.evals))
             results[v][seed] = r
             print(f"seed {seed} {v:13s} held-out {r.held_out_loss:.4f} train {r.train_loss:.4f} "
                   f"({time.time() - t0:.0f} s, {r.ms_per_step:.0f} ms/step, {r.state_formats})", flush=True)

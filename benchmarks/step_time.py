@@ -18,7 +18,7 @@ the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic round
   functional-4bit-rank1             lowbit_tree.adamw(state_format="4bit", rank1_normalization=True)
   torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
   bnb-8bit                          bitsandbytes.optim.AdamW8bit
-  bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / 4bit / AdEMAMix(state_format="fp32")
+  bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / AdEMAMix4bit (8-bit slow EMA) / AdEMAMix (fp32)
   functional-ademamix-8bit          lowbit_tree.ademamix
   bnb-ademamix-8bit, -32bit         bitsandbytes.optim.AdEMAMix8bit / AdEMAMix32bit
 
@@ -148,9 +148,10 @@ def make_optimizer(impl, params):
             return bridge.Lion(params, lr=1e-4, weight_decay=wd, state_format=parts[2]), ""
         if parts[1] == "sgd":
             return bridge.SGD(params, lr=1e-2, momentum=0.9, state_format=parts[2]), ""
-        if parts[1] == "ademamix":
-            return bridge.AdEMAMix(params, lr=lr, betas=(*betas, 0.9999), eps=eps, weight_decay=wd,
-                                   state_format=parts[2]), ""
+        if parts[1] == "ademamix":  # the named classes (AdEMAMix4bit: its slow EMA in 8-bit)
+            cls = {"8bit": bridge.AdEMAMix8bit, "4bit": bridge.AdEMAMix4bit}.get(parts[2], bridge.AdEMAMix)
+            kw = {"state_format": parts[2]} if cls is bridge.AdEMAMix else {}
+            return cls(params, lr=lr, betas=(*betas, 0.9999), eps=eps, weight_decay=wd, **kw), ""
         fmt, extra = parts[1], parts[2:]
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, state_format=fmt,
                   amsgrad="amsgrad" in extra, bf16_stochastic_round="bf16sr" in extra)
