@@ -76,16 +76,11 @@ def _flag(owner: str, name: str, value, allow_none: bool = False) -> None:
         raise TypeError(f"{owner}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
 
 
-def _betas(owner: str, betas) -> None:
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
-        raise ValueError(f"{owner}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
-
-
-def _betas3(owner: str, betas) -> None:
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 3:
-        raise ValueError(f"{owner}: betas must be a triple (beta1, beta2, beta3), got {betas!r}")
+def _betas(owner: str, betas, n: int = 2) -> None:
+    """``betas`` is a sequence of ``n`` numbers in [0, 1) (a pair for Adam / Lion, a triple for AdEMAMix)."""
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != n:
+        what = "a pair (beta1, beta2)" if n == 2 else "a triple (beta1, beta2, beta3)"
+        raise ValueError(f"{owner}: betas must be {what}, got {betas!r}")
     for i, b in enumerate(betas):
         _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
 
@@ -366,7 +361,7 @@ class AdEMAMix(_TorchOptimizer):
                  bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None):
         owner = type(self).__name__
         slow_state_format = self._default_slow_format if slow_state_format is None else slow_state_format
-        _betas3(owner, betas)
+        _betas(owner, betas, 3)
         _warmup_steps(owner, "t_alpha", t_alpha)
         _warmup_steps(owner, "t_beta3", t_beta3)
         defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
@@ -379,7 +374,7 @@ class AdEMAMix(_TorchOptimizer):
 
     def _check_group(self, owner, group):
         _in_range(owner, "lr", group["lr"], 0.0)
-        _betas3(owner, group["betas"])
+        _betas(owner, group["betas"], 3)
         _in_range(owner, "alpha", group["alpha"], 0.0)
         _in_range(owner, "eps", group["eps"], 0.0)
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
