@@ -18,11 +18,12 @@ from .optimizers import (
     Lion8bit,
     SGD8bit,
 )
+from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
 from .qstate import QState
 
 __all__ = [
     "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow",
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
-    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
+    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
 ]

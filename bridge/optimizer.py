@@ -309,8 +309,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict from ``state_dict()`` (any device, any FSDP world size), or a
-        plain ``torch.optim.Adam/AdamW/SGD`` one (its fp32 states are quantized into this
-        optimizer's formats). A state dict of another version, state format or block size
+        plain ``torch.optim.Adam/AdamW/SGD/Muon`` one (its fp32 states are quantized into this
+        optimizer's formats; SGD and Muon keep no step count, ours starts at 0). A state dict of another version, state format or block size
         is rejected with an error naming what differs."""
         load_into(self, state_dict)
 

@@ -143,7 +143,7 @@ class _TorchOptimizer(LowBitOptimizer):
         _check_implementation_args(owner, group, _group_params(param_group))
         _check_storage_args(owner, group)
         self._check_group(owner, group)
-        if "momentum" in param_group and "has_momentum" not in param_group:
+        if "has_momentum" in self.defaults and "momentum" in param_group and "has_momentum" not in param_group:
             param_group["has_momentum"] = group["momentum"] != 0  # this group's own momentum decides its buffer
         super().add_param_group(param_group)
 

@@ -213,9 +213,10 @@ def load_into(opt, state_dict: dict) -> None:
         for name, expected in fresh.items():
             exp_local = to_local(expected)
             if name == "step":
-                if "step" not in saved:
+                if "step" not in saved and not (migrating and set(saved) == {"momentum_buffer"}):
                     raise ValueError(f"{where}: the state dict has no 'step'")
-                step = saved["step"]
+                # torch.optim.SGD / Muon keep no step: a migrated buffer starts our count at 0
+                step = saved.get("step", 0)
                 step = step.to_local() if is_dtensor(step) else step
                 st["step"] = torch.as_tensor(step, dtype=torch.float32, device=exp_local.device).detach().clone().reshape(())
                 _check_step(st["step"], where)

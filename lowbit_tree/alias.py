@@ -16,9 +16,10 @@ from .combine import chain
 from .transform import (
     add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate, scale_by_lion, trace,
 )
+from .muon import DEFAULT_NS_COEFFICIENTS, scale_by_muon
 from .update import stochastic_rounding
 
-__all__ = ["adam", "adamw", "ademamix", "lion", "sgd"]
+__all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd"]
 
 
 def _is_zero(x) -> bool:
@@ -193,4 +194,33 @@ def sgd(
         stochastic_round=stochastic_round,
         seed=seed,
         maximize=maximize,
+    )
+
+
+def muon(
+    learning_rate: ScalarOrSchedule,
+    momentum: float | torch.Tensor = 0.95,
+    weight_decay: float | torch.Tensor = 0.1,
+    nesterov: bool = True,
+    ns_coefficients=DEFAULT_NS_COEFFICIENTS,
+    eps: float | torch.Tensor = 1e-7,
+    ns_steps: int = 5,
+    adjust_lr_fn: str | None = None,
+    *,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    orthogonalize=None,
+    stochastic_round: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """Muon as torch.optim.Muon, for 2-D params: :func:`~lowbit_tree.scale_by_muon` with its
+    learning rate and decoupled decay (torch's param step: ``p * (1 - lr * wd) - lr * ratio *
+    NS(momentum)``). For a whole model, :func:`~lowbit_tree.partition` it with :func:`adamw`
+    for the other params (embeddings, norms, biases, head)."""
+    return _finish(
+        scale_by_muon(momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, learning_rate=learning_rate,
+                      weight_decay=weight_decay, state_format=state_format, block_size=block_size,
+                      min_quant_size=min_quant_size, orthogonalize=orthogonalize),
+        stochastic_round=stochastic_round, seed=seed,
     )

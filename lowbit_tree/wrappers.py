@@ -67,6 +67,10 @@ STATIC_HYPERPARAMS = frozenset(
         "flip_sign",
         "t_alpha",
         "t_beta3",
+        "ns_steps",
+        "ns_coefficients",
+        "adjust_lr_fn",
+        "orthogonalize",
     }
 )
 """Arguments that shape the state or the code: always passed through unchanged."""

@@ -149,6 +149,9 @@ OPTIMIZERS = {
     "4bit": "AdamW4bit",
     "fp8": "AdamWFp8",
     "ademamix8bit": "AdEMAMix8bit",  # three states, the third a signed slow EMA
+    "muon8bit": "Muon",  # Muon on the 2-D params (distributed Newton-Schulz), AdamW on the rest
+    "muon4bit": "Muon",
+    "muonfp32": "Muon",
 }
 
 
@@ -158,6 +161,14 @@ def make_opt(params, fmt: str, **kw):
     cls = getattr(bridge, OPTIMIZERS[fmt])
     kw.setdefault("block_size", 8)      # rows of 12 and 21: blocks 8+4 and 8+8+5
     kw.setdefault("min_quant_size", 1)  # quantize every 2-D state of the tiny model
+    if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
+        ps = list(params)
+        if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
+            groups = [dict(g, use_muon=all(p.ndim == 2 for p in g["params"])) for g in ps]
+        else:
+            groups = [{"params": [p for p in ps if p.ndim == 2]},
+                      {"params": [p for p in ps if p.ndim != 2], "use_muon": False}]
+        return cls(groups, lr=1e-2, weight_decay=0.1, state_format=fmt[4:], **kw)
     return cls(params, lr=1e-2, weight_decay=0.1, **kw)
 
 
@@ -284,9 +295,10 @@ def _check_quantized_like_global(opt, min_quant_size):
 
 
 def parity_worker(rank, world):
-    for fmt in ("8bit", "4bit", "fp8", "ademamix8bit"):
+    for fmt in ("8bit", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bit", "muonfp32"):
         _, opt = _parity_run(rank, world, fmt, offload=False)
-        _check_quantized_like_global(opt, 1)
+        if fmt != "muonfp32":
+            _check_quantized_like_global(opt, 1)
     _parity_run(rank, world, "8bit", offload=True, steps=3)
 
 
@@ -377,6 +389,30 @@ def report_worker(rank, world):
         assert ref_opt.format_state_report().splitlines()[-1].startswith(f"total {ref_opt.state_bytes()} bytes")
 
 
+def muon_exact_worker(rank, world, steps=4):
+    """Muon (8-bit, 4-bit, fp32 momentum; AdamW on the 1-D params) under FSDP2 fed the same
+    global gradients as an unsharded optimizer in this process: params and every gathered state
+    bit for bit equal at any world size (uneven shards; an empty one at 3 ranks). Returns the
+    bytes this rank sent for Newton-Schulz per step, and the same rows as float32, per format."""
+    sent = {}
+    for fmt in ("muon8bit", "muon4bit", "muonfp32"):
+        _mark(rank, "muon_exact", fmt)
+        model = make_model()
+        ref = copy.deepcopy(model)
+        shard(model, world)
+        opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
+        for step in range(steps):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            opt.step()
+            ref_opt.step()
+        for p, rp in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"{fmt} at {world} ranks")
+        assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"{fmt} at {world} ranks")
+        sent[fmt] = opt.communication()
+    return sent
+
+
 def parity_all_worker(rank, world):
     parity_worker(rank, world)
     report_worker(rank, world)
@@ -387,7 +423,8 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bit", "fp8", "ademamix8bit")  # names of OPTIMIZERS: AdamW in three formats, AdEMAMix 8-bit
+FORMATS = ("8bit", "4bit", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three formats,
+# AdEMAMix and Muon 8-bit
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84
 

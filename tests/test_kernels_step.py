@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -26,9 +27,9 @@ from lowbit_tree.qtensor import QTensor
 NATIVE = pytest.mark.skipif(not native.available(), reason="no C compiler")
 RULES = [
     ("adam", {}), ("adam", {"amsgrad": True}), ("lion", {}), ("momentum", {}), ("momentum", {"nesterov": True}),
-    ("ademamix", {}),
+    ("ademamix", {}), ("muon", {}), ("muon", {"nesterov": True}),
 ]
-RULE_IDS = ["adam", "amsgrad", "lion", "momentum", "nesterov", "ademamix"]
+RULE_IDS = ["adam", "amsgrad", "lion", "momentum", "nesterov", "ademamix", "muon", "muon-nesterov"]
 STATE_FORMATS = ["8bit", "4bit", "fp8", "8bit_bnb", "fp32", "bf16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LINKS = [dict(), dict(decay=True, lr=True), dict(maximize=True, l2=True, lr=True)]
@@ -54,6 +55,28 @@ def same(a, b) -> bool:
 
 def _np(t):
     return t.detach().float().reshape(-1).numpy().copy()
+
+
+def np_fma(a, b, c):
+    """float32 ``a * b + c`` with one rounding: the float64 sum, rounded to float32, is
+    correctly rounded unless it sits on a float32 midpoint (double rounding); those few are
+    computed exactly with fractions."""
+    a, b, c = (np.broadcast_to(np.asarray(x, dtype=np.float32), np.broadcast(a, b, c).shape) for x in (a, b, c))
+    r = a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)
+    out = r.astype(np.float32)
+    tie = np.isfinite(r) & ((r.view(np.int64) & ((1 << 29) - 1)) == (1 << 28))
+    for i in zip(*np.nonzero(tie)):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        lo = np.float32(float(exact))  # nearest double, then its float32 neighbours decide
+        cands = [lo, np.nextafter(lo, np.float32(np.inf)), np.nextafter(lo, np.float32(-np.inf))]
+        out[i] = min(cands, key=lambda x: (abs(Fraction(float(x)) - exact), int(np.float32(x).view(np.int32)) & 1))
+    return out
+
+
+def np_lerp(a, c, w):
+    """torch.lerp's float32 result (one rounding) in numpy, for a float32 scalar ``w``."""
+    w = np.float32(w)
+    return np_fma(w, c - a, a) if abs(w) < 0.5 else np_fma(w - np.float32(1), c - a, c)
 
 
 def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, index=0):
@@ -86,6 +109,10 @@ def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, i
             c = b1 * olds[0] + omb1 * gf
             u = (c > 0).astype(np.float32) - (c < 0).astype(np.float32)
             news = [b2 * olds[0] + omb2 * gf]
+        elif spec.rule == "muon":
+            b = np_lerp(olds[0], gf, omb1)
+            u = np_lerp(gf, b, b1) if spec.nesterov else b
+            news = [b]
         else:
             b = b1 * olds[0] + gf
             u = gf + b1 * b if spec.nesterov else b

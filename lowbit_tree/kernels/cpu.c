@@ -886,6 +886,9 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
  *             LION      c = b1*m + (1-b1)*g; u = sign(c) (0 for 0 and NaN);
  *                       m = b2*m + (1-b2)*g
  *             MOMENTUM  b = mu*b + g; u = b, or g + mu*b (nesterov)
+ *             MUON      b = lerp(b, g, 1-mu); u = b, or lerp(g, b, mu) (nesterov), with
+ *                       torch.lerp's float32 bits: |w| < 0.5 ? fma(w, c-a, a) : fma(w-1, c-a, c)
+ *                       (the one fused multiply-add of these rules: torch.optim.Muon's bits)
  *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
  *   output    out = u (float32 update), or the param p + u rounded once to its
  *             dtype (to nearest even, or stochastically for bfloat16)
@@ -893,7 +896,7 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
  * the reference quantizer of the new float32 states); plain float32 / bfloat16
  * states are read and written as such.
  * ------------------------------------------------------------------------ */
-enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2, LBT_ADEMAMIX = 3 };
+enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2, LBT_ADEMAMIX = 3, LBT_MUON = 4 };
 enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
 #define LBT_MAXIMIZE 1
 #define LBT_L2 2
@@ -1084,6 +1087,12 @@ static inline __attribute__((always_inline)) void rule_run(
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
             t0 = b2 * m0 + omb2 * gi;
             s0[k] = t0;
+        } else if (RULE == LBT_MUON) { /* torch.optim.Muon's momentum: torch.lerp's fused multiply-adds */
+            float b0 = s0[k];
+            float b = fabsf(omb1) < 0.5f ? fmaf(omb1, gi - b0, b0) : fmaf(omb1 - 1.0f, gi - b0, gi);
+            u = VAR ? (fabsf(b1) < 0.5f ? fmaf(b1, b - gi, gi) : fmaf(b1 - 1.0f, b - gi, b)) : b;
+            t0 = b;
+            s0[k] = t0;
         } else { /* momentum */
             float b = b1 * s0[k] + gi;
             u = VAR ? gi + b1 * b : b;
@@ -1162,6 +1171,7 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
     LBT_RUN5(LBT_ADEMAMIX, 0, 1, 1) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 1)
     LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3)
     LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3)
+    LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)
 #undef LBT_RUN3
 #undef LBT_RUN5
 #undef LBT_RUN

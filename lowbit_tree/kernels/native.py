@@ -291,7 +291,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_si
 
 # --------------------------------------------------------------------------- steps
 
-RULE_IDS = {"adam": 0, "lion": 1, "momentum": 2, "ademamix": 3}
+RULE_IDS = {"adam": 0, "lion": 1, "momentum": 2, "ademamix": 3, "muon": 4}
 _MAXIMIZE, _L2, _DECAY, _LR, _AMSGRAD, _NESTEROV, _WRITE, _STOCHASTIC = (1 << i for i in range(8))
 DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Param, gradient and plain-state dtypes the kernel reads and writes."""

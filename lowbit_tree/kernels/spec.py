@@ -12,6 +12,9 @@ exactly these operations; design.md, "Update rules"):
   ``u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
 - rule ``lion``: ``u = sign(b1*m + (1-b1)*g)`` (0 for 0 and NaN); ``m = b2*m + (1-b2)*g``
 - rule ``momentum``: ``b = mu*b + g``; ``u = b``, or ``g + mu*b`` with ``nesterov``
+- rule ``muon`` (the momentum of torch.optim.Muon, before Newton-Schulz): ``b = lerp(b, g, 1-mu)``;
+  ``u = b``, or ``lerp(g, b, mu)`` with ``nesterov``; ``lerp(a, c, w)`` is torch.lerp's float32
+  result, one rounding: ``fma(w, c - a, a)`` if ``|w| < 0.5``, else ``fma(w - 1, c - a, c)``
 - rule ``ademamix`` (arXiv 2409.03137): ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*(g*g)``;
   ``s = b3*s + (1-b3)*g``; ``u = (m * (1/bc1) + alpha * s) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
@@ -28,7 +31,7 @@ import torch
 
 __all__ = ["RULES", "StepSpec", "NHYPER", "step_hyperparams"]
 
-RULES = ("adam", "lion", "momentum", "ademamix")
+RULES = ("adam", "lion", "momentum", "ademamix", "muon")
 NHYPER = 13
 """Length of the hyperparameter vector:
 ``[b1 (momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2, b3, 1-b3, alpha]``
@@ -54,12 +57,12 @@ class StepSpec:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.amsgrad and self.rule != "adam":
             raise ValueError("amsgrad is a variant of the adam rule")
-        if self.nesterov and self.rule != "momentum":
-            raise ValueError("nesterov is a variant of the momentum rule")
+        if self.nesterov and self.rule not in ("momentum", "muon"):
+            raise ValueError("nesterov is a variant of the momentum and muon rules")
 
     @property
     def nstates(self) -> int:
-        """States per leaf: adam (m, v[, w]), lion (m), momentum (b), ademamix (m, v, s):
+        """States per leaf: adam (m, v[, w]), lion (m), momentum and muon (b), ademamix (m, v, s):
         the second moment is always the second state."""
         if self.rule == "adam":
             return 3 if self.amsgrad else 2
@@ -101,7 +104,7 @@ def step_hyperparams(
     bias corrections lose nothing to float32 (``1 - 0.999`` in float32 is off by
     1e-5 relative). ``count`` (steps already taken) and the values may be Python
     numbers or 0-d tensors; tensors on a GPU are combined with tensor ops on their
-    device (no host sync). For momentum, ``b1`` is the momentum. ``lr`` is the
+    device (no host sync). For momentum and muon, ``b1`` is the momentum. ``lr`` is the
     factor's negative: the update is scaled by ``-lr``. ``b3`` and ``alpha`` (ademamix's
     slow EMA rate and weight, this step's values after their warm-up) are 0 for the others.
     """

@@ -122,6 +122,33 @@ def _dequantize_core(
 # --------------------------------------------------------------------------- one step
 
 
+def _fma(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """float32 ``x * y + z`` rounded once, from float64 operations only (what inductor's CPU
+    code can express): the product is exact in float64; the sum is made round-to-odd (TwoSum
+    gives its exact error; an inexact even result steps to its odd neighbour towards the exact
+    value), and a round-to-odd float64 rounds to float32 correctly (53 >= 24 + 2 bits)."""
+    p = x.double() * y.double()
+    zd = z.double()
+    s = p + zd
+    bb = s - p
+    err = (p - (s - bb)) + (zd - bb)
+    bits = s.view(torch.int64)
+    step = torch.where((err > 0) == (s > 0), 1, -1)
+    fix = (err != 0) & ((bits & 1) == 0) & torch.isfinite(s)
+    return torch.where(fix, bits + step, bits).view(torch.float64).float()
+
+
+def _lerp(a: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.lerp's float32 result, one rounding: ``fma(w, c - a, a)`` if ``|w| < 0.5`` else
+    ``fma(w - 1, c - a, c)`` (the bits torch.optim.Muon's momentum has; cpu.c: ``fmaf``).
+    Eagerly torch.lerp itself; compiled, :func:`_fma` (inductor has no CPU fma)."""
+    if not torch.compiler.is_compiling():
+        return torch.lerp(a, c, w)
+    d = c - a
+    small = w.abs() < 0.5
+    return _fma(torch.where(small, w, w - 1), d, torch.where(small, a, c))
+
+
 def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
     """The float32 math of one step (:mod:`.spec`, operation by operation): returns
     the update after the epilogue and the new (untransformed) states."""
@@ -148,6 +175,10 @@ def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torc
     elif spec.rule == "lion":
         u = torch.sign(b1 * olds[0] + omb1 * g)
         news = [b2 * olds[0] + omb2 * g]
+    elif spec.rule == "muon":
+        b = _lerp(olds[0], g, omb1)
+        u = _lerp(g, b, b1) if spec.nesterov else b
+        news = [b]
     else:
         b = b1 * olds[0] + g
         u = g + b1 * b if spec.nesterov else b

@@ -1,0 +1,222 @@
+"""Muon (torch.optim.Muon's rule) with a low-bit momentum buffer.
+
+Per 2-D leaf, in this order (design.md, "Muon"):
+
+1. the ``muon`` rule of :mod:`lowbit_tree.kernels` (one kernel call for every leaf):
+   ``b = lerp(b, g, 1 - momentum)``; ``u = lerp(g, b, momentum)`` (``nesterov``) or ``b``;
+   the buffer ``b`` is stored in ``state_format``;
+2. the Newton-Schulz input ``x``: ``u`` in the buffer's own storage, i.e. the quantized new
+   buffer itself (no nesterov), ``u`` quantized like it (nesterov), or ``u`` rounded to
+   bfloat16 for fp32 / bf16 buffers (exactly what Newton-Schulz does first anyway);
+3. ``o = newton_schulz(x)``: torch.optim.Muon's quintic iteration, op for op (bfloat16);
+4. the update: ``o * ratio`` in float32 (``ratio`` from the matrix's shape, ``adjust_lr_fn``), or,
+   with ``learning_rate``, torch.optim.Muon's own param step as an update ``t - p`` where
+   ``t = fma(-(lr * ratio), o, p * (1 - lr * wd))`` (its ``mul_`` then ``add_(alpha=...)``; the
+   constants in float64, rounded once): ``p + (t - p)`` is ``t`` whenever ``t`` is within a
+   factor 2 of ``p`` (Sterbenz), so params track torch's to its last bit but for sign changes.
+
+Step 2 is what makes the sharded optimizer exact and cheap: ``x`` of a row shard is rows of
+the whole matrix's ``x`` (blocks never straddle a row), so an owner rank can gather the
+*stored* rows (1 byte a value for 8-bit, plus scales) and compute the same bits as a single
+process. The hook ``orthogonalize`` is where a distributed caller (``bridge.Muon`` under
+FSDP2) does that; the default runs each leaf here.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from . import kernels, moments
+from .base import GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .qtensor import QTensor, row_layout
+from .transform import _run_rule
+from .tree_utils import flatten, map_leaves
+
+__all__ = [
+    "DEFAULT_NS_COEFFICIENTS",
+    "ScaleByMuonState",
+    "NSInput",
+    "newton_schulz",
+    "adjust_lr_ratio",
+    "ns_matrix",
+    "local_orthogonalize",
+    "scale_by_muon",
+]
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic coefficients (torch.optim.Muon's defaults)."""
+
+
+class ScaleByMuonState(NamedTuple):
+    count: torch.Tensor  # int32, 0-d: steps taken (a learning-rate schedule's argument)
+    trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``)
+
+
+class NSInput(NamedTuple):
+    """One leaf's Newton-Schulz input as :func:`scale_by_muon` hands it to ``orthogonalize``:
+    ``index`` is the leaf's position in the flattened tree (plus a chain's leaf offset), ``x``
+    its rows in storage form (a :class:`~lowbit_tree.QTensor` or a bfloat16 tensor)."""
+
+    index: int
+    x: Any
+
+
+def newton_schulz(x: torch.Tensor, coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS, steps: int = 5,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """The orthogonalization of torch.optim.Muon (``_zeropower_via_newtonschulz``), op for op,
+    so the bits are torch's: in bfloat16, transposed when taller than wide, normalized by the
+    Frobenius norm (at least ``eps``), then ``steps`` quintic iterations. Returns a new bfloat16
+    tensor; ``x`` is not modified."""
+    if x.ndim != 2:
+        raise ValueError(f"newton_schulz takes a 2-D matrix, got shape {tuple(x.shape)}")
+    a, b, c = coefficients
+    o = x.to(torch.bfloat16, copy=True)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        o = o.T
+    o.div_(o.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = o @ o.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        o = torch.addmm(o, poly, o, beta=a)
+    return o.T if tall else o
+
+
+def adjust_lr_ratio(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:
+    """torch.optim.Muon's learning-rate factor for a ``(A, B)`` matrix: ``sqrt(max(1, A/B))``
+    (``None`` / ``"original"``, Keller Jordan) or ``0.2 * sqrt(max(A, B))``
+    (``"match_rms_adamw"``, Moonshot: AdamW's lr and decay carry over)."""
+    a, b = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, a / b))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
+
+
+def ns_matrix(x: Any) -> torch.Tensor:
+    """A Newton-Schulz input in storage form as a 2-D matrix (float32 for a record)."""
+    if isinstance(x, QTensor):
+        return kernels.dequantize_fast(x)
+    return x
+
+
+def local_orthogonalize(inputs: Sequence[NSInput], ns: Callable[[torch.Tensor], torch.Tensor]) -> list:
+    """The default ``orthogonalize``: every leaf here; ``[(o, matrix shape)]``."""
+    return [(ns(ns_matrix(i.x)), tuple(i.x.shape)) for i in inputs]
+
+
+def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
+    """Step 2 of the module docstring."""
+    if isinstance(buf, QTensor):
+        if not nesterov:
+            return buf  # u is the new buffer, whose stored form this is
+        codes, scale = kernels.quantize_rows_fast(u.reshape(row_layout(u.shape)), buf.format, buf.block_size)
+        return QTensor._trusted(codes, scale, buf.shape, buf.block_size, buf.format)
+    return u.to(torch.bfloat16)
+
+
+def _check(momentum, ns_coefficients, ns_steps, eps, adjust_lr_fn) -> None:
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
+    if len(tuple(ns_coefficients)) != 3 or not all(isinstance(c, numbers.Real) for c in ns_coefficients):
+        raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {ns_coefficients!r}")
+    if isinstance(eps, numbers.Real) and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if isinstance(momentum, numbers.Real) and not 0 <= momentum:
+        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+    adjust_lr_ratio((1, 1), adjust_lr_fn)
+
+
+def scale_by_muon(
+    momentum: float | torch.Tensor = 0.95,
+    nesterov: bool = True,
+    ns_coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    adjust_lr_fn: Optional[str] = None,
+    *,
+    learning_rate: Optional[ScalarOrSchedule] = None,
+    weight_decay: float | torch.Tensor = 0.0,
+    state_format: str = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    orthogonalize: Optional[Callable] = None,
+) -> GradientTransformation:
+    """Muon's update for 2-D leaves: the momentum's Newton-Schulz orthogonalization times the
+    shape's learning-rate ratio (the module docstring's four steps). Chain it with
+    :func:`~lowbit_tree.add_decayed_weights` and :func:`~lowbit_tree.scale_by_learning_rate`
+    (:func:`lowbit_tree.muon` does).
+
+    Args:
+      momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn: torch.optim.Muon's.
+      learning_rate, weight_decay: ``None`` (default): the update is ``o * ratio``, to chain with
+        other links. A float, 0-d tensor or schedule: the update is torch.optim.Muon's whole
+        param step (step 4; needs params; tensor values are read on the host once a step).
+      state_format, block_size, min_quant_size: the buffer's storage (as
+        :func:`~lowbit_tree.scale_by_adam`; signed formats).
+      orthogonalize: ``(inputs: list[NSInput], ns) -> [(o rows, matrix shape)]``, where
+        ``ns(matrix) -> bfloat16`` is this transformation's :func:`newton_schulz`; default
+        :func:`local_orthogonalize`. A sharded caller gathers each matrix's rows, runs ``ns``
+        and returns each leaf's rows of the result with the whole matrix's shape.
+    Returns:
+      A transformation with state :class:`ScaleByMuonState`; updates are float32.
+    """
+    moments.check_state_format(state_format)
+    coefficients = tuple(float(c) for c in ns_coefficients) if len(tuple(ns_coefficients)) == 3 else ns_coefficients
+    _check(momentum, coefficients, ns_steps, eps, adjust_lr_fn)
+    spec = kernels.StepSpec("muon", nesterov=nesterov)
+    hook = orthogonalize or local_orthogonalize
+
+    def ns(x: torch.Tensor) -> torch.Tensor:
+        return newton_schulz(x, coefficients, ns_steps, float(eps))
+
+    def init(params):
+        def buffer(p):
+            if p is not None and p.ndim != 2:
+                raise ValueError(
+                    f"Muon takes 2-D params (matrices); got one of shape {tuple(p.shape)}: give embeddings, norms, "
+                    "biases and the head to AdamW (bridge.Muon: a param group with use_muon=False; functional: "
+                    "lowbit_tree.partition)"
+                )
+            return moments.init_moment(p, state_format, signed=True, block_size=block_size,
+                                       min_quant_size=min_quant_size)
+
+        return ScaleByMuonState(init_count(params), map_leaves(buffer, params))
+
+    def update(updates, state, params=None, **extra):
+        g_leaves, treespec = flatten(updates)
+        for g in g_leaves:
+            if g is not None and g.ndim != 2:
+                raise ValueError(f"Muon takes 2-D gradients (matrices), got shape {tuple(g.shape)}")
+        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), updates, (state.trace,), None, 0, extra)
+        u_leaves = treespec.flatten_up_to(u_tree)
+        b_leaves = treespec.flatten_up_to(new_trace)
+        offset = extra.get("_leaf_offset", 0)
+        where = [i for i, g in enumerate(g_leaves) if g is not None]  # empty ones too: a shard may be empty
+        inputs = [NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], nesterov)) for i in where]
+        results = hook(inputs, ns) if inputs else []
+        if len(results) != len(inputs):
+            raise RuntimeError(f"orthogonalize returned {len(results)} results for {len(inputs)} inputs")
+        out = list(u_leaves)
+        if learning_rate is None:
+            for i, (o, shape) in zip(where, results):
+                out[i] = o.float() * adjust_lr_ratio(shape, adjust_lr_fn)
+        else:
+            if params is None:
+                raise ValueError("scale_by_muon(learning_rate=...) needs params: call update(updates, state, params)")
+            p_leaves = treespec.flatten_up_to(params)
+            lr, wd = float(scalar_value(learning_rate, state.count)), float(weight_decay)
+            for i, (o, shape) in zip(where, results):
+                p = p_leaves[i].float()
+                t = torch.add(p * (1.0 - lr * wd), o, alpha=-(lr * adjust_lr_ratio(shape, adjust_lr_fn)))
+                out[i] = t - p
+        return treespec.unflatten(out), ScaleByMuonState(state.count + 1, new_trace)
+
+    return GradientTransformation(init, update)
+
+
+torch.serialization.add_safe_globals([ScaleByMuonState])

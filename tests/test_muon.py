@@ -1,0 +1,278 @@
+"""Muon: Newton-Schulz and the fp32 optimizer against torch.optim.Muon; the low-bit momentum's
+definition (the Newton-Schulz input in storage form) against the reference quantizer; bridge ==
+functional for every format; purity; Muon + AdamW groups; state dicts; argument errors.
+(FSDP2: tests/test_fsdp.py, ``test_muon_fsdp_exact_at_1_2_3_ranks``.)"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+import bridge
+import lowbit_tree as lt
+from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams
+from lowbit_tree.kernels.torch_backend import _fma
+from lowbit_tree.muon import DEFAULT_NS_COEFFICIENTS, newton_schulz
+from test_kernels_step import np_fma, np_lerp, same
+
+FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(64, 48), (48, 64), (33, 33), (1, 7), (300, 17)])
+def test_newton_schulz_is_torchs_bit_for_bit(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 3
+    for inp in (x, x.bfloat16(), torch.zeros(shape)):
+        before = inp.clone()
+        want = _zeropower_via_newtonschulz(inp.clone(), DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        got = newton_schulz(inp, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), shape
+        assert torch.equal(inp, before)  # torch's divides a bfloat16 input in place; ours does not
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(20, 48, bias=False)
+        self.b = nn.Linear(48, 48, bias=False)
+        self.c = nn.Linear(48, 5, bias=False)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _train(model, opt, steps=50, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=gen)
+        y = torch.randint(0, 5, (16,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, None), (False, None), (True, "match_rms_adamw")])
+def test_fp32_matches_torch_muon_over_50_steps(nesterov, adjust):
+    """The same 50 gradients (wide, tall, square, odd): params and momentum buffers within
+    1e-6 relative of torch.optim.Muon's (measured: ~1e-10; the buffers are bit-identical).
+    Fixed gradients, not a training loop: in one, any 1-ulp difference flips a bfloat16
+    rounding inside Newton-Schulz and grows (torch.optim.Muon against itself with one weight
+    1 ulp apart: 7e-3..7e-2 after 50 steps; design.md, "Muon")."""
+    params, grads = _problem([(48, 20), (48, 48), (5, 48), (37, 301)], 50, seed=0)
+    ref = [p.clone().requires_grad_() for p in params]
+    ours = [p.clone().requires_grad_() for p in params]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn=adjust)
+    t_opt, o_opt = torch.optim.Muon(ref, **kw), bridge.Muon(ours, **kw)
+    for gs in grads:
+        for r, o, g in zip(ref, ours, gs):
+            r.grad, o.grad = g.clone(), g.clone()
+        t_opt.step()
+        o_opt.step()
+    for p, r, p0 in zip(ours, ref, params):
+        assert _rel(p.detach(), r.detach()) <= 1e-6
+        assert torch.equal(o_opt.state[p]["momentum_buffer"], t_opt.state[r]["momentum_buffer"])
+        assert _rel(p.detach(), p0) > 1e-2  # it moved
+
+
+def _problem(shapes, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) * (1 + t % 3) for s in shapes] for t in range(steps)]
+    return params, grads
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bridge_equals_functional_bit_for_bit(fmt, nesterov, dtype):
+    params, grads = _problem([(40, 70), (130, 24), (3, 300)], 6, seed=1)
+    params = [p.to(dtype) for p in params]
+    tx = lt.muon(0.02, 0.9, 0.05, nesterov, state_format=fmt, min_quant_size=1, block_size=32)
+    ps, state = [p.clone() for p in params], tx.init(params)
+    ours = [p.clone() for p in params]
+    opt = bridge.Muon(ours, lr=0.02, momentum=0.9, weight_decay=0.05, nesterov=nesterov, state_format=fmt,
+                      min_quant_size=1, block_size=32)
+    for gs in grads:
+        gs = [g.to(dtype) for g in gs]
+        updates, state = tx.update(gs, state, ps)
+        ps = lt.apply_updates(ps, updates)
+        for p, g in zip(ours, gs):
+            p.grad = g.clone()
+        opt.step()
+    muon_state = state[0]
+    for i, (p, q) in enumerate(zip(ours, ps)):
+        assert same(p, q), (fmt, i)
+        live = opt.state[p]["momentum_buffer"]
+        live = live.record if isinstance(live, bridge.QState) else live
+        assert same(live, muon_state.trace[i]), (fmt, i)
+
+
+def test_update_is_pure():
+    params, grads = _problem([(40, 70), (70, 40)], 2, seed=2)
+    for fmt in ("8bit", "fp32"):
+        tx = lt.muon(0.02, state_format=fmt, min_quant_size=1)
+        state = tx.init(params)
+        state, _ = tx.update(grads[0], state, params)[1], None
+        snap = copy.deepcopy((params, grads[1], state))
+        tx.update(grads[1], state, params)
+        for a, b in zip(*(lt.tree_utils.flatten(t)[0] for t in (snap, (params, grads[1], state)))):
+            if isinstance(a, lt.QTensor):
+                assert same(a, b)
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_low_bit_update_is_newton_schulz_of_the_stored_form(fmt, nesterov):
+    """The definition, from independent pieces: the momentum by numpy's lerp (float32, one
+    rounding), the stored form by the reference quantizer, Newton-Schulz by torch's own; the
+    update ``o * ratio``."""
+    shape, bs, mu = (24, 80), 32, 0.9
+    gen = torch.Generator().manual_seed(3)
+    buf = lt.quantize(torch.randn(shape, generator=gen) * 0.1, fmt, bs, signed=True)
+    g = torch.randn(shape, generator=gen)
+    tx = lt.scale_by_muon(mu, nesterov, state_format=fmt, block_size=bs, min_quant_size=1)
+    (u,), new = tx.update([g], lt.ScaleByMuonState(torch.zeros((), dtype=torch.int32), [buf]))
+    b_old = lt.dequantize(buf).numpy()
+    b = np_lerp(b_old, g.numpy(), np.float32(1 - mu))
+    want_buf = lt.quantize(torch.from_numpy(b), buf.format, bs)
+    assert same(new.trace[0], want_buf)
+    x = torch.from_numpy(np_lerp(g.numpy(), b, np.float32(mu))) if nesterov else torch.from_numpy(b)
+    stored = lt.dequantize(lt.quantize(x, buf.format, bs))
+    want = _zeropower_via_newtonschulz(stored, DEFAULT_NS_COEFFICIENTS, 5, 1e-7).float() * 1.0  # 24 < 80: ratio 1
+    assert torch.equal(u, want)
+
+
+def test_fp32_update_and_tall_ratio():
+    shape, mu = (90, 30), 0.95
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(shape, generator=gen)
+    tx = lt.scale_by_muon(mu, state_format="fp32")
+    (u,), new = tx.update([g], tx.init([g]))
+    b = np_lerp(np.zeros(shape, np.float32), g.numpy(), np.float32(1 - mu))
+    x = torch.from_numpy(np_lerp(g.numpy(), b, np.float32(mu)))
+    want = _zeropower_via_newtonschulz(x, DEFAULT_NS_COEFFICIENTS, 5, 1e-7).float() * np.float32(3 ** 0.5)
+    assert torch.equal(new.trace[0], torch.from_numpy(b)) and torch.equal(u, want)
+
+
+@pytest.mark.parametrize("backend", ["native", "eager"])
+def test_small_momentum_takes_lerps_other_branch(backend):
+    """momentum < 0.5: the buffer's lerp weight 1 - mu >= 0.5 (fma(w - 1, ...)), nesterov's < 0.5."""
+    if backend == "native" and not native.available():
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(5)
+    g, b0 = torch.randn(7, 301, generator=gen), torch.randn(7, 301, generator=gen)
+    for mu in (0.3, 0.0):
+        spec = StepSpec("muon", nesterov=True)
+        hyper = step_hyperparams(spec, b1=mu)
+        (u,), ((b,),) = run_step(spec, hyper, [StepLeaf(None, g, (b0,))], backend=backend)
+        want_b = np_lerp(b0.numpy(), g.numpy(), np.float32(1 - mu))
+        want_u = np_lerp(g.numpy(), want_b, np.float32(mu))
+        assert np.array_equal(b.numpy(), want_b) and np.array_equal(u.numpy(), want_u), mu
+
+
+def test_torch_backend_fma_is_correctly_rounded():
+    """The compiled backend's fma from float64 operations, on random values and on products
+    that put the float64 sum exactly on a float32 midpoint (where plain float64 double-rounds)."""
+    gen = torch.Generator().manual_seed(6)
+    x, y, z = (torch.randn(100_000, generator=gen) * torch.exp(torch.randn(100_000, generator=gen) * 4)
+               for _ in range(3))
+    one = torch.ones(4)
+    tiny = torch.tensor([2.0 ** -30, -(2.0 ** -30), 2.0 ** -60, -(2.0 ** -60)])
+    mid = torch.full((4,), 1.0 + 2.0 ** -23) + 2.0 ** -24 * 0  # z = 1 + ulp, product = half an ulp +- tiny
+    xs = torch.cat([x, one * (2.0 ** -24), one])
+    ys = torch.cat([y, one + 2.0 ** -23, tiny])
+    zs = torch.cat([z, mid, one + 2.0 ** -23])
+    got = torch.compile(_fma, fullgraph=True)(xs, ys, zs)
+    want = np_fma(xs.numpy(), ys.numpy(), zs.numpy())
+    assert np.array_equal(got.numpy(), want)
+    assert np.array_equal(_fma(xs, ys, zs).numpy(), want)
+
+
+def test_muon_and_adamw_groups_train_a_whole_model():
+    """muon_param_groups: hidden matrices to Muon, embedding, head, norms and biases to AdamW;
+    the AdamW group's params follow bridge.AdamW's exactly; the loss falls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, 32), nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64),
+                          nn.Linear(64, 30))
+    named = dict(model.named_parameters())
+    groups = bridge.muon_param_groups(model, exclude=("0", "5"), lr=3e-3, weight_decay=0.01)
+    assert [id(p) for p in groups[0]["params"]] == [id(named["1.weight"]), id(named["4.weight"])]
+    assert groups[1]["use_muon"] is False and len(groups[1]["params"]) == len(named) - 2
+    twin = copy.deepcopy(model)
+    opt = bridge.Muon8bit(groups, lr=0.02, min_quant_size=1)
+    tw = dict(twin.named_parameters())
+    adamw = bridge.AdamW8bit([tw[n] for n, p in named.items() if not any(p is q for q in groups[0]["params"])],
+                             lr=3e-3, weight_decay=0.01, min_quant_size=1)
+    tokens = torch.randint(0, 30, (8, 9), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).reshape(-1, 30), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        for n, p in named.items():  # the twin sees the same gradients
+            tw[n].grad = p.grad.clone()
+        opt.step()
+        adamw.step()
+    assert losses[-1] < 0.5 * losses[0]
+    for n, p in named.items():
+        if not any(p is q for q in groups[0]["params"]):
+            assert torch.equal(p, tw[n]), n
+    assert set(opt.state[named["1.weight"]]) == {"step", "momentum_buffer"}
+    assert set(opt.state[named["0.weight"]]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_state_dict_round_trip_and_torch_muon_state():
+    torch.manual_seed(0)
+    model = MLP()
+    opt = bridge.Muon8bit(model.parameters(), lr=0.02, min_quant_size=1)
+    _train(model, opt, steps=3)
+    sd = copy.deepcopy(opt.state_dict())
+    twin = copy.deepcopy(model)
+    opt2 = bridge.Muon8bit(twin.parameters(), lr=0.02, min_quant_size=1)
+    opt2.load_state_dict(sd)
+    _train(model, opt, steps=3, seed=9)
+    _train(twin, opt2, steps=3, seed=9)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    # a torch.optim.Muon state dict: its float32 buffers quantized into this optimizer's format
+    ref = MLP()
+    t_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+    _train(ref, t_opt, steps=3)
+    ours = copy.deepcopy(ref)
+    o = bridge.Muon8bit(ours.parameters(), lr=0.02, min_quant_size=1)
+    o.load_state_dict(t_opt.state_dict())
+    for p, r in zip(ours.parameters(), ref.parameters()):
+        got = o.state[p]["momentum_buffer"].dequantize()
+        assert _rel(got, t_opt.state[r]["momentum_buffer"]) < 0.02
+    with pytest.raises(ValueError, match="state_format|format"):
+        bridge.Muon4bit(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1).load_state_dict(sd)
+
+
+def test_argument_errors():
+    lin, vec = torch.zeros(4, 5, requires_grad=True), torch.zeros(5, requires_grad=True)
+    with pytest.raises(ValueError, match="use_muon=False"):
+        bridge.Muon([lin, vec])
+    bridge.Muon([{"params": [lin]}, {"params": [vec], "use_muon": False}])  # fine
+    for kw, what in [(dict(ns_steps=100), "ns_steps"), (dict(ns_steps=2.0), "ns_steps"),
+                     (dict(ns_coefficients=(1, 2)), "ns_coefficients"), (dict(adjust_lr_fn="x"), "adjust_lr_fn"),
+                     (dict(momentum=-0.1), "momentum"), (dict(lr=-1.0), "lr"), (dict(eps=float("nan")), "eps")]:
+        with pytest.raises(ValueError, match=what):
+            bridge.Muon([lin], **kw)
+    with pytest.raises(ValueError, match="2-D"):
+        lt.muon(0.1).init([torch.zeros(3, 4, 5)])
+    with pytest.raises(ValueError, match="2-D"):
+        tx = lt.scale_by_muon(state_format="fp32")
+        tx.update([torch.zeros(7)], lt.ScaleByMuonState(torch.zeros((), dtype=torch.int32), [torch.zeros(7)]))
+    with pytest.raises(ValueError, match="needs params"):
+        tx = lt.muon(0.1, state_format="fp32")
+        tx.update([torch.ones(3, 4)], tx.init([torch.zeros(3, 4)]))
