@@ -15,6 +15,9 @@ Variants:
   -4bit, -4bit-slow8      alpha 5, t_alpha = t_beta3 = the run's steps (-slow8: the slow EMA
                           in 8-bit, the other states 4-bit); compared with
                           ademamix-fp32 of the same seed (the others with fp32 AdamW)
+  muon-fp32, -8bit, -4bit bridge.Muon on the hidden matrices (momentum in that format) and AdamW
+                          on the rest, one lr (adjust_lr_fn="match_rms_adamw"); compared with
+                          muon-fp32 of the same seed
 
     python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
     python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out
@@ -36,14 +39,18 @@ import torch
 from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, train
 
 ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-rank1", "fp8", "torchao-8bit", "bnb-8bit",
-                "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8")
+                "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
+                "muon-fp32", "muon-8bit", "muon-4bit")
 TOLERANCE = {"8bit": 1.0, "4bit": 2.0, "4bit-rank1": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
-             "ademamix-8bit": 1.0, "ademamix-4bit": 2.0, "ademamix-4bit-slow8": 2.0}
+             "ademamix-8bit": 1.0, "ademamix-4bit": 2.0, "ademamix-4bit-slow8": 2.0, "muon-8bit": 1.0, "muon-4bit": 2.0}
 
 
 def reference_of(variant: str) -> str:
-    """The fp32 run a variant is compared with: fp32 AdEMAMix for AdEMAMix, else fp32 AdamW."""
-    return "ademamix-fp32" if variant.startswith("ademamix") else "fp32"
+    """The fp32 run a variant is compared with: fp32 AdEMAMix / Muon for theirs, else fp32 AdamW."""
+    for family in ("ademamix", "muon"):
+        if variant.startswith(family + "-"):
+            return family + "-fp32"
+    return "fp32"
 
 
 def available(variant: str) -> bool:
@@ -56,9 +63,11 @@ def available(variant: str) -> bool:
     return True
 
 
-def make(variant: str, params, args) -> tuple[torch.optim.Optimizer, str]:
+def make(variant: str, params, args, model=None) -> tuple[torch.optim.Optimizer, str]:
     """(optimizer, the param-group key holding its learning rate: ``lr`` for every variant)."""
     betas, wd = (0.9, 0.99), args.weight_decay
+    if variant.startswith("muon-"):
+        return make_optimizer(variant.split("-")[1], params, args.lr, wd, args.min_quant_size, "muon", model=model), "lr"
     if variant in ("fp32", "8bit", "4bit", "fp8"):
         return make_optimizer(variant, params, args.lr, wd, args.min_quant_size), "lr"
     if variant == "4bit-rank1":
@@ -195,7 +204,7 @@ def main(argv=None) -> int:
         batches = Batches(train_data, args.seq_len, args.batch, seed)
         for v in variants:
             model = copy.deepcopy(init)
-            factory = lambda params, v=v: make(v, params, args)[0]
+            factory = lambda params, v=v, model=model: make(v, params, args, model)[0]
             t0 = time.time()
             r = train(v, model, factory, batches, held_out, steps=args.steps, lr=args.lr,
                       warmup=max(1, args.steps // 20), eval_every=max(1, args.steps // args.evals))

@@ -17,7 +17,7 @@ HAS_CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 
 # CUDA tests (the suite's cuda-marked tests: every rule x state format x backend against the
 # CPU reference, and the fast quantizers; without CUDA they are all skipped)
-$PY -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels_step.py tests/test_kernels_codes.py \
+$PY -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels_step.py tests/test_kernels_codes.py tests/test_muon.py \
   ${GPU_CHECK_ALL_TESTS:+tests} \
   2>&1 | tail -n 40 | tee "$RES/tests_cuda.txt"
 echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$RES/tests_cuda.txt"
@@ -29,6 +29,9 @@ if [ "$HAS_CUDA" = "1" ]; then
     --impl torch-fused torch-foreach bridge-8bit bridge-4bit bridge-fp8 bridge-8bit-bf16 bridge-8bit-bf16sr \
     bridge-8bit-amsgrad bridge-lion-8bit bridge-sgd-8bit functional-8bit torchao-8bit bnb-8bit \
     --json "$RES/step_time_cuda_b.json" 2>&1 | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"
+  $PY benchmarks/step_time.py --device cuda --case a --steps 20 \
+    --impl torch-fused torch-muon bridge-muon-fp32 bridge-muon-8bit bridge-muon-4bit functional-muon-8bit \
+    --json "$RES/step_time_cuda_muon.json" 2>&1 | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"
 else
   echo "no CUDA device: benchmark on cuda skipped" | tee "$RES/step_time_cuda.txt"
 fi

@@ -21,6 +21,11 @@ the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic round
   bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / AdEMAMix4bit (8-bit slow EMA) / AdEMAMix (fp32)
   functional-ademamix-8bit          lowbit_tree.ademamix
   bnb-ademamix-8bit, -32bit         bitsandbytes.optim.AdEMAMix8bit / AdEMAMix32bit
+  torch-muon                        torch.optim.Muon (fp32 momentum; 2-D params: case a only;
+                                    the Muon rows run only when named with --impl)
+  bridge-muon-fp32, -8bit, -4bit    bridge.Muon / Muon8bit / Muon4bit (each also as a ratio to
+                                    bridge-muon-fp32 and torch-muon)
+  functional-muon-8bit              lowbit_tree.muon
 
 Reported: median ms/step, ratio to torch-fused, first-step time (includes any
 compilation), optimizer state bytes per parameter, and peak extra memory during a
@@ -60,7 +65,12 @@ IMPLS = (
     + ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bnb-8bit"]
     + [f"bridge-ademamix-{f}" for f in ("8bit", "4bit", "fp32")] + ["functional-ademamix-8bit"]
     + ["bnb-ademamix-8bit", "bnb-ademamix-32bit"]
+    + ["torch-muon", "bridge-muon-fp32", "bridge-muon-8bit", "bridge-muon-4bit", "functional-muon-8bit"]
 )
+MUON_HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+DEFAULT_IMPLS = [i for i in IMPLS if "muon" not in i]
+"""Without ``--impl``: every row but Muon's, whose Newton-Schulz (bfloat16 matmuls, as torch's)
+takes minutes per 2048x2048 matrix on a CPU without bfloat16 matrix units; name them to run them."""
 QUICK_IMPLS = ["torch-fused", "bridge-8bit", "bridge-8bit-bf16", "bridge-lion-8bit", "functional-8bit", "torchao-8bit",
                "bnb-8bit"]
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -125,10 +135,14 @@ def make_optimizer(impl, params):
     lr, betas, eps, wd = HP["lr"], HP["betas"], HP["eps"], HP["weight_decay"]
     parts = impl.split("-")
     fam = parts[0]
+    if "muon" in parts and any(p.ndim != 2 for p in params):
+        return None, "Muon takes 2-D params only (case a)"
+    if impl == "torch-muon":
+        return torch.optim.Muon(params, **MUON_HP), ""
     if fam == "torch":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{parts[1]: True}), ""
     if fam == "functional":
-        rule = parts[1] if parts[1] in ("lion", "sgd", "ademamix") else "adamw"
+        rule = parts[1] if parts[1] in ("lion", "sgd", "ademamix", "muon") else "adamw"
         fmt = parts[2] if rule != "adamw" else parts[1]
         if rule == "lion":
             tx = lt.lion(1e-4, weight_decay=wd, state_format=fmt)
@@ -136,6 +150,8 @@ def make_optimizer(impl, params):
             tx = lt.sgd(1e-2, momentum=0.9, state_format=fmt)
         elif rule == "ademamix":
             tx = lt.ademamix(lr, *betas, 0.9999, 5.0, eps, wd, state_format=fmt)
+        elif rule == "muon":
+            tx = lt.muon(MUON_HP["lr"], MUON_HP["momentum"], MUON_HP["weight_decay"], state_format=fmt)
         else:
             tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=impl.endswith("rank1"))
         return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
@@ -148,6 +164,8 @@ def make_optimizer(impl, params):
             return bridge.Lion(params, lr=1e-4, weight_decay=wd, state_format=parts[2]), ""
         if parts[1] == "sgd":
             return bridge.SGD(params, lr=1e-2, momentum=0.9, state_format=parts[2]), ""
+        if parts[1] == "muon":
+            return bridge.Muon(params, state_format=parts[2], **MUON_HP), ""
         if parts[1] == "ademamix":  # the named classes (AdEMAMix4bit: its slow EMA in 8-bit)
             cls = {"8bit": bridge.AdEMAMix8bit, "4bit": bridge.AdEMAMix4bit}.get(parts[2], bridge.AdEMAMix)
             kw = {"state_format": parts[2]} if cls is bridge.AdEMAMix else {}
@@ -334,6 +352,13 @@ def print_row(r, rows):
         return
     ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
     r["ratio_to_fused"] = ratio
+    if "muon" in r["impl"]:  # Muon's own references: its fp32-state step, ours and torch's
+        for name in ("bridge-muon-fp32", "torch-muon"):
+            base = next((x for x in rows if x["impl"] == name and "median_ms" in x), None)
+            if base is not None and base is not r:
+                key = "ratio_to_" + name.replace("-", "_")
+                r[key] = r["median_ms"] / base["median_ms"]
+                r["note"] = (r["note"] + f" {r[key]:.2f}x {name}").strip()
     peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
     print(f"  {r['impl']:<22}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
           f"{r['state_bytes_per_param']:>9.3f}{peak:>9}  {r['note']}", flush=True)
@@ -356,7 +381,7 @@ def main(argv=None) -> int:
     if cases == ["all"]:
         cases = ["a", "b", "c"]
     steps = args.steps or (3 if args.quick else 10)
-    impls = args.impl or (QUICK_IMPLS if args.quick else IMPLS)
+    impls = args.impl or (QUICK_IMPLS if args.quick else DEFAULT_IMPLS)
     if "torch-fused" not in impls:
         impls = ["torch-fused"] + impls  # the reference of every ratio
     print(f"torch {torch.__version__}, lowbit_tree {lt.__version__}, native CPU kernels: {lt_native()}, "

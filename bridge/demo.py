@@ -133,16 +133,28 @@ def eval_batches(data: torch.Tensor, seq_len: int, n_windows: int) -> torch.Tens
 # ----------------------------------------------------------------------------
 # optimizers
 # ----------------------------------------------------------------------------
-OPTIMIZERS = ("adamw", "ademamix")
+OPTIMIZERS = ("adamw", "ademamix", "muon")
 
 
 def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_size: int, optimizer: str = "adamw",
-                   steps: int = 0):
+                   steps: int = 0, model: nn.Module | None = None):
     """fp32 bridge.AdamW or our 8-bit / 4-bit / FP8 AdamW (same hyperparameters); with
     ``optimizer="ademamix"``, bridge.AdEMAMix in that format (betas (0.9, 0.99, 0.999),
-    alpha 5, alpha and b3 warmed up over the run's ``steps``)."""
+    alpha 5, alpha and b3 warmed up over the run's ``steps``); with ``optimizer="muon"``,
+    bridge.Muon on ``model``'s hidden matrices and AdamW (betas (0.9, 0.99)) on the embeddings,
+    head, norms and biases, both with this ``lr`` and decay (``adjust_lr_fn="match_rms_adamw"``,
+    Moonshot's rule for sharing AdamW's), momentum in that format."""
     import bridge
 
+    if optimizer == "muon":
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
+        if model is None:
+            raise ValueError("make_optimizer(optimizer='muon') needs model= (to tell hidden matrices by name)")
+        groups = bridge.muon_param_groups(model, exclude=("tok", "pos", "head"), betas=(0.9, 0.99))
+        kw = {} if fmt == "fp32" else {"min_quant_size": min_quant_size}
+        return bridge.Muon(groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw", state_format=fmt,
+                           **kw)
     if optimizer == "ademamix":
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
@@ -337,7 +349,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps per format (default 300)")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {','.join(FORMATS)}")
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                    help="adamw (default) or ademamix (bridge.AdEMAMix, alpha and b3 warmed up over the run)")
+                    help="adamw (default), ademamix (bridge.AdEMAMix, alpha and b3 warmed up over the run) or "
+                         "muon (bridge.Muon on hidden matrices, AdamW on the rest)")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
@@ -470,8 +483,8 @@ def _run(args) -> int:
         model = copy.deepcopy(init).to(device)
         if args.fsdp:
             model = _shard(model, world, device)
-        factory = lambda params, fmt=fmt: make_optimizer(fmt, params, args.lr, args.weight_decay, args.min_quant_size,
-                                                         args.optimizer, args.steps)
+        factory = lambda params, fmt=fmt, model=model: make_optimizer(
+            fmt, params, args.lr, args.weight_decay, args.min_quant_size, args.optimizer, args.steps, model)
         results.append(train(
             fmt, model, factory, _OnDevice(batches, device), held_out, steps=args.steps, lr=args.lr, warmup=warmup,
             eval_every=eval_every, progress=bar, rank=rank, world=world,

@@ -31,6 +31,7 @@ from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
 from . import report
 from .distributed import is_dtensor, local_grad, shard_block_size, to_local, wrap_like
 from .qstate import QState
+from .rank1_shard import rank1_reduce
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
 from .state_tree import Rank1Holder as _Rank1Holder  # noqa: F401  (the name state dicts and tests use)
@@ -183,13 +184,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
                 q = QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device))
                 st[name] = wrap_like(q, p)
-            elif is_record(leaf):
-                if is_dtensor(p):
-                    raise ValueError(
-                        "rank-1 normalized 4-bit states need column maxima over all rows; they are not "
-                        "supported under FSDP2 sharding (use rank1_normalization=False)"
-                    )
-                st[name] = _Rank1Holder(type(leaf).__module__, leaf, local)
+            elif is_record(leaf):  # rank-1: of the local shard, its maxima completed across shards
+                st[name] = _Rank1Holder(type(leaf).__module__, leaf, local, rank1_reduce(p, local))
             else:
                 st[name] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
         return st

@@ -98,6 +98,9 @@ def _whole_state_bytes(p, v) -> int:
         return rows * ncols * v.codes.element_size() + rows * -(-r // v.block_size) * v.scale.element_size()
     if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(to_local(p).shape):
         return math.prod(shape) * v.element_size()
+    if isinstance(getattr(v, "record", None), Rank1QTensor):  # codes, a max per row and per column
+        rows, r = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+        return rows * -(-r // 2) + (rows + r) * 4
     return _local_nbytes(v)
 
 

@@ -30,6 +30,7 @@ from lowbit_tree import QTensor
 
 from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
 from .qstate import QState
+from .rank1_shard import rank1_local_part, rank1_state_tensors
 from .state_tree import Rank1Holder as _Rank1Holder
 
 STATE_DICT_VERSION = 2
@@ -68,7 +69,7 @@ def save_state_dict(opt) -> dict:
                 ccols, scols = _global_cols(p, local)
                 out[name] = {"codes": row_dtensor(codes, p, ccols), "scale": row_dtensor(local.scale, p, scols)}
             elif isinstance(local, _Rank1Holder):
-                out[name] = dict(local.tensors())
+                out[name] = rank1_state_tensors(local, p)
             else:
                 out[name] = v
         new_state[idx] = out
@@ -224,7 +225,7 @@ def load_into(opt, state_dict: dict) -> None:
             if isinstance(exp_local, QState):
                 st[name] = _load_quantized(saved, name, p, exp_local, expected, where, migrating)
             elif isinstance(exp_local, _Rank1Holder):
-                st[name] = _load_rank1(saved, name, exp_local, where)
+                st[name] = _load_rank1(saved, name, exp_local, where, p)
             else:
                 if name not in saved:
                     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
@@ -407,7 +408,7 @@ def _regrid(codes, scale, name, p, exp_local: QState, where):
     return q
 
 
-def _load_rank1(saved, name, holder, where):
+def _load_rank1(saved, name, holder, where, p):
     from lowbit_tree.moments import rank1_quantize
 
     parts = _record_parts(saved, name, ("codes", "row_max", "col_max"), where)
@@ -416,15 +417,16 @@ def _load_rank1(saved, name, holder, where):
         live = {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
         loaded = {}
         for k, (label, t) in parts.items():
-            t = to_local(_tensor(label, t, where))
+            t = rank1_local_part(_tensor(label, t, where), p, k)
             if tuple(t.shape) != tuple(live[k].shape) or t.dtype != live[k].dtype:
                 raise ValueError(f"{where}: {label!r} is {_describe(t)}, this optimizer's rank-1 record has "
                                  f"{_describe(live[k])}")
             loaded[k] = t.detach().to(live[k].device).clone()
-        holder.record = type(r)(loaded["codes"], loaded["row_max"], loaded["col_max"], r.shape, r.format)
+        holder.record = type(r)(loaded["codes"], loaded["row_max"], loaded["col_max"], r.shape, r.format, r.reduce)
         return holder
-    if name in saved:
-        holder.record = rank1_quantize(_tensor(name, saved[name], where).float().to(r.codes.device))
+    if name in saved:  # a plain float32 moment (torch.optim's, or our export): quantized here
+        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
+        holder.record = rank1_quantize(value.float().to(r.codes.device), r.reduce)
         return holder
     raise ValueError(f"{where}: the state dict has no {name!r}")
 
@@ -432,6 +434,7 @@ def _load_rank1(saved, name, holder, where):
 def export_torch(opt) -> dict:
 
     sd = torch.optim.Optimizer.state_dict(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for idx, st in sd["state"].items():
         out = {}
@@ -443,7 +446,7 @@ def export_torch(opt) -> dict:
             elif isinstance(local, _Rank1Holder):
                 from lowbit_tree.moments import rank1_dequantize
 
-                out[name] = rank1_dequantize(local.record)
+                out[name] = wrap_like(rank1_dequantize(local.record), params[idx])
             else:
                 out[name] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         state[idx] = out

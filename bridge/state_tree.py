@@ -108,18 +108,21 @@ def state_names(b: Binding) -> set:
 
 
 class Rank1Holder:
-    """Holds a (non-sharded) rank-1 normalized record in ``state[p]``.
+    """Holds a rank-1 normalized record in ``state[p]``: of the local shard under sharding,
+    with the ``reduce`` that completes its maxima over the other shards
+    (:mod:`bridge.rank1_shard`; ``None`` unsharded). Not a tensor subclass: its state-dict form
+    is three DTensors (``rank1_shard.rank1_state_tensors``)."""
 
-    The record has no row-sharded layout (its column maxima span all rows), so it
-    is kept as a plain record rather than a QState.
-    """
-
-    def __init__(self, module, template, local):
-        self.record = rank1_zeros(tuple(local.shape), device=local.device)
+    def __init__(self, module, template, local, reduce=None):
+        self.record = rank1_zeros(tuple(local.shape), device=local.device, reduce=reduce)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def device(self) -> torch.device:
+        return self.record.codes.device
 
     def tensors(self) -> dict:
         r = self.record

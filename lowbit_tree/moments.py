@@ -109,7 +109,7 @@ def store(x: torch.Tensor, like: Any) -> Any:
     if isinstance(like, QTensor):
         return quantize(x, like.format, like.block_size)
     if isinstance(like, Rank1QTensor):
-        return rank1_quantize(x)
+        return rank1_quantize(x, like.reduce)
     return x.to(like.dtype)
 
 

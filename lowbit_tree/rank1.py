@@ -4,10 +4,15 @@ Each element of the row view ``(rows, R)`` is normalized by ``min(row_max[i],
 col_max[j])`` and coded with the zero-free ``linear4_unsigned`` map: one float per
 row and per column instead of one per block. Used for 4-bit second moments with
 ``rank1_normalization=True``.
+
+A record of a *shard* (FSDP2 rows, tensor-parallel columns) holds its rows' and columns'
+maxima over the whole tensor: its ``reduce`` (set by whoever shards it, e.g. the bridge)
+completes the shard's own maxima across the other shards (an exact max: the same bits as
+one process) each time it is requantized.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import optree
 import optree.registry
@@ -29,16 +34,20 @@ class Rank1QTensor:
     QTensor), ``row_max`` (float32 ``(rows,)``), ``col_max`` (float32 ``(R,)``).
     Static metadata: ``shape`` and ``format`` (``"linear4_unsigned"``).
     Element ``(i, j)`` dequantizes to ``map[code] * min(row_max[i], col_max[j])``.
+    ``reduce`` (static, optional): ``(row_max, col_max) -> (row_max, col_max)``, this shard's
+    maxima completed over all shards (module docstring); not pickled (it is wiring, not data).
     """
 
-    __slots__ = ("codes", "row_max", "col_max", "shape", "format")
+    __slots__ = ("codes", "row_max", "col_max", "shape", "format", "reduce")
 
-    def __init__(self, codes, row_max, col_max, shape: Sequence[int], format: str = RANK1_FORMAT):
+    def __init__(self, codes, row_max, col_max, shape: Sequence[int], format: str = RANK1_FORMAT,
+                 reduce: Optional[Callable] = None):
         object.__setattr__(self, "codes", codes)
         object.__setattr__(self, "row_max", row_max)
         object.__setattr__(self, "col_max", col_max)
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         object.__setattr__(self, "format", str(format))
+        object.__setattr__(self, "reduce", reduce)
 
     def __setattr__(self, name, value):
         raise AttributeError("Rank1QTensor is immutable")
@@ -63,25 +72,26 @@ class Rank1QTensor:
 
 optree.register_pytree_node(
     Rank1QTensor,
-    lambda q: ((q.codes, q.row_max, q.col_max), (q.shape, q.format), ("codes", "row_max", "col_max")),
+    lambda q: ((q.codes, q.row_max, q.col_max), (q.shape, q.format, q.reduce), ("codes", "row_max", "col_max")),
     lambda meta, children: Rank1QTensor(*children, *meta),
     path_entry_type=optree.GetAttrEntry,
     namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
 )
 torch_pytree.register_pytree_node(
     Rank1QTensor,
-    lambda q: ([q.codes, q.row_max, q.col_max], (q.shape, q.format)),
+    lambda q: ([q.codes, q.row_max, q.col_max], (q.shape, q.format, q.reduce)),
     lambda children, meta: Rank1QTensor(*children, *meta),
     serialized_type_name="lowbit_tree.Rank1QTensor",
 )
 torch.serialization.add_safe_globals([Rank1QTensor])
 
 
-def rank1_quantize(x: torch.Tensor) -> Rank1QTensor:
+def rank1_quantize(x: torch.Tensor, reduce: Optional[Callable] = None) -> Rank1QTensor:
     """Quantize a non-negative tensor with rank-1 normalization (a new record).
 
     A negative or NaN entry poisons its row and column maxima (NaN), so it
-    dequantizes to NaN rather than to finite garbage.
+    dequantizes to NaN rather than to finite garbage. ``x`` a shard: ``reduce``
+    completes its maxima (:class:`Rank1QTensor`) and goes with the record.
     """
     fmt = get_format(RANK1_FORMAT)
     shape = tuple(x.shape)
@@ -90,6 +100,8 @@ def rank1_quantize(x: torch.Tensor) -> Rank1QTensor:
     x2 = torch.where(x2 < 0, torch.full_like(x2, float("nan")), x2)
     row_max = x2.amax(dim=1) if r > 0 else x2.new_zeros(rows)
     col_max = x2.amax(dim=0) if rows > 0 else x2.new_zeros(r)
+    if reduce is not None:
+        row_max, col_max = reduce(row_max, col_max)
     norm = torch.minimum(row_max[:, None], col_max[None, :])
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
     idx = torch.bucketize((x2 / safe).double(), fmt.midpoints.to(x2.device), right=True)
@@ -98,7 +110,7 @@ def rank1_quantize(x: torch.Tensor) -> Rank1QTensor:
         idx = torch.nn.functional.pad(idx, (0, 1))
     pairs = idx.reshape(rows, idx.shape[1] // 2, 2)
     codes = pairs[..., 0] | (pairs[..., 1] << 4)
-    return Rank1QTensor(codes, row_max, col_max, shape, RANK1_FORMAT)
+    return Rank1QTensor(codes, row_max, col_max, shape, RANK1_FORMAT, reduce)
 
 
 def rank1_dequantize(q: Rank1QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -109,7 +121,7 @@ def rank1_dequantize(q: Rank1QTensor, dtype: torch.dtype = torch.float32) -> tor
     return (table[idx.long()] * norm).reshape(q.shape).to(dtype)
 
 
-def rank1_zeros(shape: Sequence[int], device=None) -> Rank1QTensor:
+def rank1_zeros(shape: Sequence[int], device=None, reduce: Optional[Callable] = None) -> Rank1QTensor:
     rows, r = row_layout(shape)
     return Rank1QTensor(
         torch.zeros(rows, -(-r // 2), dtype=torch.uint8, device=device),
@@ -117,4 +129,5 @@ def rank1_zeros(shape: Sequence[int], device=None) -> Rank1QTensor:
         torch.zeros(r, dtype=torch.float32, device=device),
         shape,
         RANK1_FORMAT,
+        reduce,
     )

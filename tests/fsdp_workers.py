@@ -149,6 +149,7 @@ OPTIMIZERS = {
     "4bit": "AdamW4bit",
     "fp8": "AdamWFp8",
     "ademamix8bit": "AdEMAMix8bit",  # three states, the third a signed slow EMA
+    "4bitr1": "AdamW4bit",  # rank-1 normalized second moments: maxima all-reduced across shards
     "muon8bit": "Muon",  # Muon on the 2-D params (distributed Newton-Schulz), AdamW on the rest
     "muon4bit": "Muon",
     "muonfp32": "Muon",
@@ -161,6 +162,8 @@ def make_opt(params, fmt: str, **kw):
     cls = getattr(bridge, OPTIMIZERS[fmt])
     kw.setdefault("block_size", 8)      # rows of 12 and 21: blocks 8+4 and 8+8+5
     kw.setdefault("min_quant_size", 1)  # quantize every 2-D state of the tiny model
+    if fmt == "4bitr1":
+        kw["rank1_normalization"] = True
     if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
         ps = list(params)
         if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
@@ -190,11 +193,18 @@ def full_states(opt) -> list[dict[str, torch.Tensor]]:
     from bridge import QState
     from bridge.distributed import is_dtensor
 
+    from bridge.rank1_shard import rank1_state_tensors
+    from bridge.state_tree import Rank1Holder
+
     out = []
     for group in opt.param_groups:
         for p in group["params"]:
             st = {}
             for name, v in opt.state[p].items():
+                if isinstance(v, Rank1Holder):  # rank-1: its three tensors, gathered
+                    for k, t in rank1_state_tensors(v, p).items():
+                        st[f"{name}::{k}"] = (t.full_tensor() if is_dtensor(t) else t).clone()
+                    continue
                 full = v.full_tensor() if is_dtensor(v) else v
                 if isinstance(full, QState):
                     assert tuple(full.shape) == tuple(p.shape), (name, full.shape, p.shape)
@@ -281,6 +291,7 @@ def _check_quantized_like_global(opt, min_quant_size):
 
     from bridge import QState
     from bridge.distributed import to_local
+    from bridge.state_tree import Rank1Holder
 
     n = 0
     for group in opt.param_groups:
@@ -289,13 +300,17 @@ def _check_quantized_like_global(opt, min_quant_size):
                 if name == "step":
                     continue
                 expect = should_quantize(tuple(p.shape), min_quant_size)
+                if isinstance(v, Rank1Holder):
+                    assert expect, (name, tuple(p.shape))
+                    n += 1
+                    continue
                 assert isinstance(to_local(v), QState) == expect, (name, tuple(p.shape), to_local(v).shape, type(to_local(v)))
                 n += expect
     assert n > 0
 
 
 def parity_worker(rank, world):
-    for fmt in ("8bit", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bit", "muonfp32"):
+    for fmt in ("8bit", "4bit", "4bitr1", "fp8", "ademamix8bit", "muon8bit", "muon4bit", "muonfp32"):
         _, opt = _parity_run(rank, world, fmt, offload=False)
         if fmt != "muonfp32":
             _check_quantized_like_global(opt, 1)
@@ -331,10 +346,6 @@ def bf16_worker(rank, world):
 
 def errors_worker(rank, world):
     """Failures raise on every rank (no rank left waiting in a collective)."""
-    from lowbit_tree.alias import adamw
-
-    from bridge import LowBitOptimizer
-
     model = shard(make_model(), world)
     opt = make_opt(model.parameters(), "4bit")
     set_global_grads(model, 0)
@@ -346,14 +357,6 @@ def errors_worker(rank, world):
         assert "QState" in str(e)
     else:
         raise AssertionError("torch.sin on a DTensor(QState) did not raise")
-    rank1 = LowBitOptimizer(model.parameters(), adamw, dict(learning_rate=1e-3, state_format="4bit",
-                                                                rank1_normalization=True, min_quant_size=1))
-    try:
-        rank1.step()
-    except ValueError as e:
-        assert "rank-1" in str(e) and "FSDP2" in str(e), e
-    else:
-        raise AssertionError("rank-1 normalization under FSDP2 did not raise")
     dist.barrier()  # every rank got here: nobody hangs
 
 
@@ -413,6 +416,30 @@ def muon_exact_worker(rank, world, steps=4):
     return sent
 
 
+def rank1_exact_worker(rank, world, steps=4):
+    """AdamW4bit(rank1_normalization=True) under FSDP2 fed the unsharded run's gradients: params
+    and gathered rank-1 records (codes, row and column maxima) bit for bit equal at any world
+    size. Returns the bytes this rank sent for the maxima per step."""
+    from bridge.state_tree import Rank1Holder
+
+    _mark(rank, "rank1_exact", "4bitr1")
+    model = make_model()
+    ref = copy.deepcopy(model)
+    shard(model, world)
+    opt, ref_opt = make_opt(model.parameters(), "4bitr1"), make_opt(ref.parameters(), "4bitr1")
+    for step in range(steps):
+        set_global_grads(model, step)
+        set_global_grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"rank-1 at {world} ranks")
+    assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"rank-1 at {world} ranks")
+    holders = [v for st in opt.state.values() for v in st.values() if isinstance(v, Rank1Holder)]
+    assert holders
+    return sum(h.record.reduce.sent for h in holders if h.record.reduce is not None) // steps
+
+
 def parity_all_worker(rank, world):
     parity_worker(rank, world)
     report_worker(rank, world)
@@ -423,8 +450,8 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bit", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three formats,
-# AdEMAMix and Muon 8-bit
+FORMATS = ("8bit", "4bit", "4bitr1", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three
+# formats and with rank-1 4-bit second moments, AdEMAMix and Muon 8-bit
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84
 

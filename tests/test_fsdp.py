@@ -21,12 +21,12 @@ pytestmark = [
 
 def test_fsdp_parity_offload_bf16_and_errors():
     """Acceptance 1, 3, 7, 8, 10 and the failure rules, on 2 ranks:
-    - AdamW 8-bit / 4-bit / FP8, AdEMAMix 8-bit and Muon 8-bit / 4-bit / fp32, 6 steps: losses, params and every gathered state
+    - AdamW 8-bit / 4-bit / 4-bit rank-1 / FP8, AdEMAMix 8-bit and Muon 8-bit / 4-bit / fp32, 6 steps: losses, params and every gathered state
       (codes, scales) equal the unsharded run with all-reduced gradients, bit for bit;
     - every state the global rule quantizes is quantized on every (uneven) shard;
     - CPUOffloadPolicy(pin_memory=False): same, states on the params' device;
     - bf16 params with stochastic rounding;
-    - an unsupported op and rank-1 normalization raise on every rank;
+    - an unsupported op raises on every rank;
     - format_state_report: one line per rank (each rank's own bytes) and a whole-model total
       equal to the unsharded optimizer's state bytes and param count."""
     W.launch(W.parity_all_worker, 2)
@@ -39,6 +39,14 @@ def test_muon_fsdp_exact_at_1_2_3_ranks(world):
     states bit for bit those of the unsharded optimizer (distributed Newton-Schulz on owner
     ranks, from the stored rows). Bytes per step: ``benchmarks/muon_comm.py``."""
     W.launch(W.muon_exact_worker, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_rank1_fsdp_exact_at_1_2_3_ranks(world):
+    """AdamW4bit(rank1_normalization=True) under FSDP2 (uneven shards, an empty one at 3 ranks):
+    params and gathered rank-1 records (codes, row and column maxima) bit for bit those of the
+    unsharded optimizer; the column maxima are one all-reduce(MAX) per state and step."""
+    W.launch(W.rank1_exact_worker, world)
 
 
 @pytest.fixture
@@ -54,7 +62,7 @@ def inductor_cache(tmp_path, monkeypatch):
 # The checkpoint scenarios share their launches (save at 2 ranks, load at 3 and 1, rerun at 3)
 # and so live in one test: under `pytest -n 2` a shared fixture would run once per xdist worker.
 def test_checkpoints_reshard_mesh_invariance(tmp_path):
-    """Acceptance 2-6, 9, 11, for AdamW 8-bit / 4-bit / FP8, AdEMAMix 8-bit and Muon 8-bit. Asserted in the workers:
+    """Acceptance 2-6, 9, 11, for AdamW 8-bit / 4-bit / 4-bit rank-1 / FP8, AdEMAMix 8-bit and Muon 8-bit. Asserted in the workers:
     - dcp.save / dcp.load at 2 ranks: every state bit-for-bit, 3 more steps with identical losses;
     - the 2-rank checkpoint loaded at 3 and at 1 rank(s): codes and scales bit-for-bit equal
       to the saved (gathered) ones, and training continues (losses close to the 2-rank run);

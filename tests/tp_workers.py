@@ -84,10 +84,17 @@ def full_states(opt, model) -> dict:
 
     from bridge import QState
 
+    from bridge.rank1_shard import rank1_state_tensors
+    from bridge.state_tree import Rank1Holder
+
     out = {}
     for name, p in model.named_parameters():
         st = {}
         for k, v in opt.state[p].items():
+            if isinstance(v, Rank1Holder):  # rank-1: codes, row and column maxima, gathered
+                for part, t in rank1_state_tensors(v, p).items():
+                    st[f"{k}::{part}"] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                continue
             f = v.full_tensor() if isinstance(v, DTensor) else v
             if isinstance(f, QState):
                 assert tuple(f.shape) == tuple(p.shape), (name, k, f.shape)
@@ -320,6 +327,11 @@ def refusals_worker(rank, world, workdir):
     try:
         bridge.AdamW4bit([odd], min_quant_size=1).step()
         raise AssertionError("4-bit states on odd column shards were accepted")
+    except ValueError as e:
+        assert "odd" in str(e) and "(4, 6)" in str(e), e
+    try:
+        bridge.AdamW4bit([odd], min_quant_size=1, rank1_normalization=True).step()
+        raise AssertionError("rank-1 4-bit states on odd column shards were accepted")
     except ValueError as e:
         assert "odd" in str(e) and "(4, 6)" in str(e), e
     deep = nn.Parameter(distribute_tensor(torch.randn(4, 6, 2), mesh, [Shard(1)]))

@@ -271,6 +271,8 @@ def run_step(
         if g.numel() == 0:
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             news[i] = tuple(leaf.states) if inplace else tuple(_clone_leaf(s) for s in leaf.states)
+            if any(getattr(s, "reduce", None) is not None for s in leaf.states):
+                news[i] = _empty_shard_rank1(leaf.states, inplace)
             continue
         which = backends.get(g.device)
         if which is None:
@@ -300,6 +302,24 @@ def run_step(
             jobs = [j._replace(hyper=hyper_c) for j in jobs]
         native.run_jobs(jobs)
     return outs, news
+
+
+def _empty_shard_rank1(states, inplace: bool) -> tuple:
+    """An empty shard's rank-1 records requantized all the same: their ``reduce`` is a
+    collective the other shards' steps join, and it leaves the global maxima in the record."""
+    from .. import moments
+
+    new = []
+    for s in states:
+        if getattr(s, "reduce", None) is None:
+            new.append(s if inplace else _clone_leaf(s))
+            continue
+        n = moments.store(moments.load(s), s)
+        if inplace:
+            _copy_leaf_(s, n)
+            n = s
+        new.append(n)
+    return tuple(new)
 
 
 def _clone_leaf(s):
