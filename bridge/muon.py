@@ -2,7 +2,7 @@
 
 Newton-Schulz needs a whole matrix. Under FSDP2 each rank holds rows of it (``Shard(0)``);
 the core hands :class:`RowShardedNS` each matrix's Newton-Schulz input in *storage form*
-(:mod:`lowbit_tree.muon`: the quantized momentum or update, or bfloat16), whose rows are rows
+(:mod:`lowbit_tree.muon_transform`: the quantized momentum or update, or bfloat16), whose rows are rows
 of the unsharded optimizer's. One owner rank per matrix (round-robin over the step's
 matrices) gathers the rows, runs Newton-Schulz and scatters each rank its rows of the result
 (bfloat16, what Newton-Schulz returns): the same bits as one process, with 8-bit momentum
@@ -18,7 +18,7 @@ import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor, alias
-from lowbit_tree.muon import DEFAULT_NS_COEFFICIENTS, adjust_lr_ratio, ns_matrix
+from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, adjust_lr_ratio, ns_matrix
 
 from .distributed import is_dtensor
 from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range

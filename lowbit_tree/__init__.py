@@ -34,7 +34,7 @@ from .schedule import (
     polynomial_schedule,
     warmup_cosine_decay_schedule,
 )
-from .muon import ScaleByMuonState, newton_schulz, scale_by_muon
+from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
 from .alias import adam, adamw, ademamix, lion, muon, sgd
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report

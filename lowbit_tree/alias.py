@@ -16,7 +16,7 @@ from .combine import chain
 from .transform import (
     add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate, scale_by_lion, trace,
 )
-from .muon import DEFAULT_NS_COEFFICIENTS, scale_by_muon
+from .muon_transform import DEFAULT_NS_COEFFICIENTS, scale_by_muon
 from .update import stochastic_rounding
 
 __all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd"]

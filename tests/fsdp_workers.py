@@ -413,6 +413,16 @@ def muon_exact_worker(rank, world, steps=4):
             torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"{fmt} at {world} ranks")
         assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"{fmt} at {world} ranks")
         sent[fmt] = opt.communication()
+    # what moved in the last step, summed over ranks: the Newton-Schulz inputs as stored
+    total = {f: torch.tensor([c["gather"], c["gather_float32"], c["scatter"]]) for f, c in sent.items()}
+    for t in total.values():
+        dist.all_reduce(t)
+    if world > 1:
+        g32 = total["muonfp32"][1].item()
+        assert total["muonfp32"][0].item() * 2 == g32  # fp32 buffers: the bfloat16 input, half of float32
+        assert total["muon8bit"][0].item() < 0.45 * g32  # 1 byte + a 4-byte scale per block of 8 (up to 8 values)
+        assert total["muon4bit"][0].item() < total["muon8bit"][0].item()
+        assert all(t[2].item() == total["muonfp32"][2].item() > 0 for t in total.values())  # bfloat16 back
     return sent
 
 

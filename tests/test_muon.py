@@ -16,7 +16,7 @@ import bridge
 import lowbit_tree as lt
 from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams
 from lowbit_tree.kernels.torch_backend import _fma
-from lowbit_tree.muon import DEFAULT_NS_COEFFICIENTS, newton_schulz
+from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, newton_schulz
 from test_kernels_step import np_fma, np_lerp, same
 
 FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
