@@ -9,7 +9,7 @@ each rank sent for the Newton-Schulz of each matrix (summed over ranks here):
 - gather as float32: what the same rows cost as float32 (Moonlight / DistMuon-style gathers);
 - scatter: the owner's bfloat16 result rows back (Newton-Schulz returns bfloat16 in torch too).
 
-    python benchmarks/muon_comm.py [--dims 1024,4096] [--layers 4] [--worlds 2,3]
+    python benchmarks/muon_comm.py [--dims 256,1024] [--layers 2] [--worlds 2,3]
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def worker(rank: int, world: int, store: str, dims: list[int], layers: int, out:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dims", default="1024,4096", help="a cycle of layer widths (default: 1024 -> 4096 -> 1024)")
+    ap.add_argument("--dims", default="256,1024", help="a cycle of layer widths (default: 256 -> 1024 -> 256)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--worlds", default="2,3")
     args = ap.parse_args(argv)

@@ -392,27 +392,32 @@ def report_worker(rank, world):
         assert ref_opt.format_state_report().splitlines()[-1].startswith(f"total {ref_opt.state_bytes()} bytes")
 
 
+def _exact_run(rank, world, fmt, steps):
+    """``fmt``'s optimizer under FSDP2 and unsharded in this process, both fed the same global
+    gradients for ``steps`` steps: params and every gathered state must be equal bit for bit.
+    Returns the sharded optimizer."""
+    _mark(rank, "exact", fmt)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    shard(model, world)
+    opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
+    for step in range(steps):
+        set_global_grads(model, step)
+        set_global_grads(ref, step)
+        opt.step()
+        ref_opt.step()
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"{fmt} at {world} ranks")
+    assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"{fmt} at {world} ranks")
+    return opt
+
+
 def muon_exact_worker(rank, world, steps=4):
     """Muon (8-bit, 4-bit, fp32 momentum; AdamW on the 1-D params) under FSDP2 fed the same
     global gradients as an unsharded optimizer in this process: params and every gathered state
     bit for bit equal at any world size (uneven shards; an empty one at 3 ranks). Returns the
     bytes this rank sent for Newton-Schulz per step, and the same rows as float32, per format."""
-    sent = {}
-    for fmt in ("muon8bit", "muon4bit", "muonfp32"):
-        _mark(rank, "muon_exact", fmt)
-        model = make_model()
-        ref = copy.deepcopy(model)
-        shard(model, world)
-        opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
-        for step in range(steps):
-            set_global_grads(model, step)
-            set_global_grads(ref, step)
-            opt.step()
-            ref_opt.step()
-        for p, rp in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"{fmt} at {world} ranks")
-        assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"{fmt} at {world} ranks")
-        sent[fmt] = opt.communication()
+    sent = {fmt: _exact_run(rank, world, fmt, steps).communication() for fmt in ("muon8bit", "muon4bit", "muonfp32")}
     # what moved in the last step, summed over ranks: the Newton-Schulz inputs as stored
     total = {f: torch.tensor([c["gather"], c["gather_float32"], c["scatter"]]) for f, c in sent.items()}
     for t in total.values():
@@ -432,19 +437,7 @@ def rank1_exact_worker(rank, world, steps=4):
     size. Returns the bytes this rank sent for the maxima per step."""
     from bridge.state_tree import Rank1Holder
 
-    _mark(rank, "rank1_exact", "4bitr1")
-    model = make_model()
-    ref = copy.deepcopy(model)
-    shard(model, world)
-    opt, ref_opt = make_opt(model.parameters(), "4bitr1"), make_opt(ref.parameters(), "4bitr1")
-    for step in range(steps):
-        set_global_grads(model, step)
-        set_global_grads(ref, step)
-        opt.step()
-        ref_opt.step()
-    for p, rp in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"rank-1 at {world} ranks")
-    assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=f"rank-1 at {world} ranks")
+    opt = _exact_run(rank, world, "4bitr1", steps)
     holders = [v for st in opt.state.values() for v in st.values() if isinstance(v, Rank1Holder)]
     assert holders
     return sum(h.record.reduce.sent for h in holders if h.record.reduce is not None) // steps
