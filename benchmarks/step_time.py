@@ -2,7 +2,9 @@
 bitsandbytes, all in one process on the same parameters and gradients.
 
 Cases: (a) 2 x 2048x2048; (b) a GPT-like set of ~76 mixed tensors (~10M params:
-embeddings, qkv, mlp, layer norms, biases); (c) many small tensors.
+embeddings, qkv, mlp, layer norms, biases); (c) many small tensors; (m) 2 x 512x512 (the Muon
+rows with their whole Newton-Schulz on a CPU without bfloat16 matrix units, where case (a)'s
+takes minutes a step).
 
 Implementations (each skipped with a note when unavailable); params float32 unless
 the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic rounding):
@@ -67,7 +69,7 @@ IMPLS = (
     + ["bnb-ademamix-8bit", "bnb-ademamix-32bit"]
     + ["torch-muon", "bridge-muon-fp32", "bridge-muon-8bit", "bridge-muon-4bit", "functional-muon-8bit"]
 )
-MUON_HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+MUON_HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95, ns_steps=5)
 DEFAULT_IMPLS = [i for i in IMPLS if "muon" not in i]
 """Without ``--impl``: every row but Muon's, whose Newton-Schulz (bfloat16 matmuls, as torch's)
 takes minutes per 2048x2048 matrix on a CPU without bfloat16 matrix units; name them to run them."""
@@ -88,6 +90,8 @@ def case_shapes(case: str) -> list[tuple[int, ...]]:
         for _ in range(layers):
             shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
         return shapes + [(d,), (d,)]
+    if case == "m":  # Muon-sized for a CPU without bf16 matrix units (case a's Newton-Schulz takes minutes there)
+        return [(512, 512), (512, 512)]
     if case == "c":  # many small tensors
         shapes = []
         for i in range(100):
@@ -151,7 +155,8 @@ def make_optimizer(impl, params):
         elif rule == "ademamix":
             tx = lt.ademamix(lr, *betas, 0.9999, 5.0, eps, wd, state_format=fmt)
         elif rule == "muon":
-            tx = lt.muon(MUON_HP["lr"], MUON_HP["momentum"], MUON_HP["weight_decay"], state_format=fmt)
+            tx = lt.muon(MUON_HP["lr"], MUON_HP["momentum"], MUON_HP["weight_decay"], ns_steps=MUON_HP["ns_steps"],
+                         state_format=fmt)
         else:
             tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=impl.endswith("rank1"))
         return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
@@ -366,13 +371,18 @@ def print_row(r, rows):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default=None, choices=["a", "b", "c", "all"], help="default: a with --quick, else all")
+    ap.add_argument("--case", default=None, choices=["a", "b", "c", "m", "all"],
+                    help="default: a with --quick, else all (a, b, c); m: 2 x 512x512, for the Muon rows on a CPU")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", nargs="*", default=None, help=f"subset of {IMPLS}")
     ap.add_argument("--quick", action="store_true", help=f"case a, 3 steps, impls {QUICK_IMPLS} (< 60 s on 2 cores)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--muon-ns-steps", type=int, default=5,
+                    help="Newton-Schulz iterations of the Muon rows (torch's default 5; 0 times everything "
+                         "but the matrix products, which are the same bfloat16 ops in every Muon row)")
     args = ap.parse_args(argv)
+    MUON_HP["ns_steps"] = args.muon_ns_steps
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device; nothing to do")

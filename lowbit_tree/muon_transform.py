@@ -212,8 +212,9 @@ def scale_by_muon(
             lr, wd = float(scalar_value(learning_rate, state.count)), float(weight_decay)
             for i, (o, shape) in zip(where, results):
                 p = p_leaves[i].float()
-                t = torch.add(p * (1.0 - lr * wd), o, alpha=-(lr * adjust_lr_ratio(shape, adjust_lr_fn)))
-                out[i] = t - p
+                t = p * (1.0 - lr * wd)  # then in place on this new tensor: the same ops, one buffer
+                t.add_(o, alpha=-(lr * adjust_lr_ratio(shape, adjust_lr_fn)))
+                out[i] = t.sub_(p)
         return treespec.unflatten(out), ScaleByMuonState(state.count + 1, new_trace)
 
     return GradientTransformation(init, update)
