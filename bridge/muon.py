@@ -13,14 +13,13 @@ about a quarter of the bytes of gathering float32 rows. One collective at a time
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor, alias
-from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, adjust_lr_ratio, ns_matrix
+from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, check_ns_args, ns_matrix
 
 from .distributed import is_dtensor
 from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
@@ -187,15 +186,8 @@ class Muon(_TorchOptimizer):
         _betas(owner, group["betas"])
         _flag(owner, "nesterov", group["nesterov"])
         _flag(owner, "use_muon", group["use_muon"])
-        steps = group["ns_steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
-            raise ValueError(f"{owner}: ns_steps must be an int in [0, 100), got {steps!r}")
-        coeffs = group["ns_coefficients"]
-        if (isinstance(coeffs, (str, bytes)) or not hasattr(coeffs, "__len__") or len(coeffs) != 3
-                or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) for c in coeffs)):
-            raise ValueError(f"{owner}: ns_coefficients must be three numbers (a, b, c), got {coeffs!r}")
         try:
-            adjust_lr_ratio((1, 1), group["adjust_lr_fn"])
+            check_ns_args(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
         except ValueError as e:
             raise ValueError(f"{owner}: {e}") from None
         if group["use_muon"]:

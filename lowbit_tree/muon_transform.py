@@ -41,6 +41,7 @@ __all__ = [
     "NSInput",
     "newton_schulz",
     "adjust_lr_ratio",
+    "check_ns_args",
     "ns_matrix",
     "local_orthogonalize",
     "scale_by_muon",
@@ -119,16 +120,17 @@ def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
     return u.to(torch.bfloat16)
 
 
-def _check(momentum, ns_coefficients, ns_steps, eps, adjust_lr_fn) -> None:
+def check_ns_args(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple:
+    """Newton-Schulz's static arguments checked (a ValueError naming the bad one); returns the
+    coefficients as a tuple of three floats."""
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
         raise ValueError(f"ns_steps must be an int in [0, 100), got {ns_steps!r}")
-    if len(tuple(ns_coefficients)) != 3 or not all(isinstance(c, numbers.Real) for c in ns_coefficients):
+    if (isinstance(ns_coefficients, (str, bytes)) or not hasattr(ns_coefficients, "__len__")
+            or len(ns_coefficients) != 3
+            or not all(isinstance(c, numbers.Real) and not isinstance(c, bool) for c in ns_coefficients)):
         raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {ns_coefficients!r}")
-    if isinstance(eps, numbers.Real) and not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if isinstance(momentum, numbers.Real) and not 0 <= momentum:
-        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
     adjust_lr_ratio((1, 1), adjust_lr_fn)
+    return tuple(float(c) for c in ns_coefficients)
 
 
 def scale_by_muon(
@@ -166,8 +168,11 @@ def scale_by_muon(
       A transformation with state :class:`ScaleByMuonState`; updates are float32.
     """
     moments.check_state_format(state_format)
-    coefficients = tuple(float(c) for c in ns_coefficients) if len(tuple(ns_coefficients)) == 3 else ns_coefficients
-    _check(momentum, coefficients, ns_steps, eps, adjust_lr_fn)
+    coefficients = check_ns_args(ns_coefficients, ns_steps, adjust_lr_fn)
+    if isinstance(eps, numbers.Real) and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if isinstance(momentum, numbers.Real) and not 0 <= momentum:
+        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
     spec = kernels.StepSpec("muon", nesterov=nesterov)
     hook = orthogonalize or local_orthogonalize
 
