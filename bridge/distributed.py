@@ -39,6 +39,7 @@ __all__ = [
     "local_row_range",
     "local_col_range",
     "column_extents",
+    "shard_dims",
     "shard_block_size",
 ]
 
@@ -91,6 +92,28 @@ def _chunks(n: int, k: int) -> list[int]:
     return [max(0, min(c, n - i * c)) for i in range(k)]
 
 
+def shard_dims(p: torch.Tensor, remedy: str) -> tuple[list[int], list[int]]:
+    """The mesh dims that shard ``p``'s rows (dim 0: ``Shard(0)``, and ``_StridedShard(0)``,
+    which torch 2.13 does not count as ``is_shard()``) and those that shard its columns
+    (``Shard(1)`` of a 2-D param). Any other sharded dim is refused with an error naming the
+    placements and ``remedy``."""
+    rows, cols = [], []
+    for mdim, pl in enumerate(p.placements):
+        if not (pl.is_shard() or type(pl).__name__ == "_StridedShard"):
+            continue  # Replicate, Partial
+        d = pl.dim % p.ndim
+        if d == 0:
+            rows.append(mdim)
+        elif d == 1 and p.ndim == 2 and type(pl).__name__ == "Shard":
+            cols.append(mdim)
+        else:
+            raise NotImplementedError(
+                f"a quantized state of a param of shape {tuple(p.shape)} placed {tuple(p.placements)}: only dim 0 "
+                f"of any param, and dim 1 of a 2-D param (Shard(1)), can be sharded; {remedy}"
+            )
+    return rows, cols
+
+
 def column_extents(p: torch.Tensor) -> list[int] | None:
     """Every rank's number of columns (dim 1) of a 2-D param sharded along dim 1 (tensor
     parallel's ``Shard(1)``, on any mesh dims, in mesh order), or ``None`` when no mesh dim
@@ -99,22 +122,12 @@ def column_extents(p: torch.Tensor) -> list[int] | None:
     dims >= 1 are refused with an error naming them."""
     if not is_dtensor(p) or p.ndim < 2:
         return None
-    sizes, cut = [p.shape[1]], False
-    for mdim, pl in enumerate(p.placements):
-        if not pl.is_shard():
-            continue  # Replicate, Partial
-        d = pl.dim % p.ndim
-        if d == 0:
-            continue
-        if d != 1 or p.ndim != 2 or type(pl).__name__ != "Shard":
-            raise NotImplementedError(
-                f"a quantized state of a param of shape {tuple(p.shape)} placed {tuple(p.placements)}: only dim 0 "
-                "of any param, and dim 1 of a 2-D param (Shard(1)), can be sharded; keep this param's states "
-                "unquantized (a larger min_quant_size, or a param group with state_format='fp32')"
-            )
+    _, cols = shard_dims(p, "keep this param's states unquantized (a larger min_quant_size, or a param group "
+                            "with state_format='fp32')")
+    sizes = [p.shape[1]]
+    for mdim in cols:
         sizes = [s for e in sizes for s in _chunks(e, p.device_mesh.size(mdim))]
-        cut = True
-    return sizes if cut else None
+    return sizes if cols else None
 
 
 def shard_block_size(p: torch.Tensor, block_size: int, bits: int) -> int:

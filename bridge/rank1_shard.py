@@ -19,28 +19,14 @@ import math
 
 import torch
 
-from .distributed import is_dtensor, row_dtensor
+from .distributed import is_dtensor, row_dtensor, shard_dims
 
 __all__ = ["Rank1Reduce", "rank1_reduce", "rank1_state_tensors", "rank1_local_part"]
 
 
 def _dims(p) -> tuple[list[int], list[int]]:
-    """Mesh dims that shard ``p``'s rows (dim 0), and its columns (dim 1 of a 2-D param)."""
-    rows, cols = [], []
-    for mdim, pl in enumerate(p.placements):
-        if not (pl.is_shard() or type(pl).__name__ == "_StridedShard"):  # torch 2.13: not is_shard()
-            continue  # Replicate, Partial
-        d = pl.dim % p.ndim
-        if d == 0:
-            rows.append(mdim)
-        elif d == 1 and p.ndim == 2 and type(pl).__name__ == "Shard":
-            cols.append(mdim)
-        else:
-            raise NotImplementedError(
-                f"rank-1 normalized 4-bit state of a param of shape {tuple(p.shape)} placed {tuple(p.placements)}: "
-                "only dim 0, and dim 1 of a 2-D param, can be sharded; use rank1_normalization=False for it"
-            )
-    return rows, cols
+    """Mesh dims that shard ``p``'s rows, and its columns (:func:`~bridge.distributed.shard_dims`)."""
+    return shard_dims(p, "use rank1_normalization=False for it")
 
 
 class Rank1Reduce:
