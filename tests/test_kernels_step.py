@@ -23,6 +23,7 @@ import lowbit_tree as lt
 from lowbit_tree import kernels as K
 from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams
 from lowbit_tree.qtensor import QTensor
+from lowbit_tree.rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
 
 NATIVE = pytest.mark.skipif(not native.available(), reason="no C compiler")
 RULES = [
@@ -42,6 +43,9 @@ def same(a, b) -> bool:
     if isinstance(a, QTensor):
         return (isinstance(b, QTensor) and same(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
                 and same(a.scale, b.scale) and (a.shape, a.format, a.block_size) == (b.shape, b.format, b.block_size))
+    if isinstance(a, Rank1QTensor):
+        return (isinstance(b, Rank1QTensor) and same(a.codes, b.codes) and same(a.row_max, b.row_max)
+                and same(a.col_max, b.col_max) and a.shape == b.shape)
     if a is None or b is None:
         return a is None and b is None
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -86,7 +90,8 @@ def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, i
     with np.errstate(all="ignore"):
         gf = _np(g)
         pf = None if p is None else _np(p)
-        olds = [_np(lt.dequantize(s)) if isinstance(s, QTensor) else _np(s) for s in states]
+        olds = [_np(lt.dequantize(s)) if isinstance(s, QTensor) else
+                _np(rank1_dequantize(s)) if isinstance(s, Rank1QTensor) else _np(s) for s in states]
         if spec.maximize:
             gf = -gf
         if spec.l2:
@@ -129,7 +134,10 @@ def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, i
     new_states = []
     for s, n in zip(states, news):
         x = torch.from_numpy(n).reshape(tuple(s.shape))
-        new_states.append(lt.quantize(x, s.format, s.block_size) if isinstance(s, QTensor) else x.to(s.dtype))
+        if isinstance(s, Rank1QTensor):
+            new_states.append(rank1_quantize(x))
+        else:
+            new_states.append(lt.quantize(x, s.format, s.block_size) if isinstance(s, QTensor) else x.to(s.dtype))
     return out, new_states
 
 
@@ -139,7 +147,11 @@ def make_states(spec, shape, fmt, bs, gen):
         x = torch.randn(shape, generator=gen) * 1e-2
         if not signed:
             x = x.abs() * 1e-2
-        if fmt in ("fp32", "bf16"):
+        if fmt == "4bit-rank1" and not signed:  # the rank-1 second moments beside 4-bit first moments
+            out.append(rank1_quantize(x * torch.exp(torch.randn(shape, generator=gen) * 2)))
+        elif fmt == "4bit-rank1":
+            out.append(lt.quantize(x, "4bit", bs, signed=True))
+        elif fmt in ("fp32", "bf16"):
             out.append(x.to(torch.float32 if fmt == "fp32" else torch.bfloat16))
         else:
             out.append(lt.quantize(x, fmt, bs, signed=signed))
@@ -163,6 +175,8 @@ def make_case(rule, variant, links, fmt, dtype, shape, bs, seed):
 def clone_state(s):
     if isinstance(s, QTensor):
         return QTensor(s.codes.clone(), s.scale.clone(), s.shape, s.block_size, s.format)
+    if isinstance(s, Rank1QTensor):
+        return Rank1QTensor(s.codes.clone(), s.row_max.clone(), s.col_max.clone(), s.shape)
     return s.clone()
 
 
@@ -199,6 +213,18 @@ BACKENDS = [pytest.param("native", marks=NATIVE), "eager"]
 @pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
 def test_step_matches_reference(rule, variant, fmt, dtype, backend):
     check_backend(backend, rule, variant, fmt, dtype)
+
+
+RANK1_SHAPES = [((37, 301), None), ((5, 16), 7), ((3, 2, 129), 64), ((2, 4500), None), ((1, 3), None)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rule,variant", [("adam", {}), ("adam", {"amsgrad": True})], ids=["adam", "amsgrad"])
+def test_rank1_step_matches_reference(rule, variant, dtype, backend):
+    """4-bit first moments and rank-1 second moments (and amsgrad's maxima): odd rows,
+    short rows, rows longer than a tile, a 3-D param."""
+    check_backend(backend, rule, variant, "4bit-rank1", dtype, shapes=RANK1_SHAPES)
 
 
 COMPILED_CASES = [(rule, variant, "8bit") for rule, variant in RULES] + [
@@ -384,3 +410,39 @@ def test_backend_switch(monkeypatch):
     monkeypatch.delenv("LOWBIT_TREE_BACKEND")
     assert K.backend_for(cpu) == ("native" if native.available() else "eager")
     assert K.backend_for(cpu, "eager") == "eager"
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 25], ids=["chunk-per-leaf", "one-chunk"])
+def test_rank1_maxima_are_completed_in_leaf_order(monkeypatch, chunk):
+    """Each rank-1 record's ``reduce`` (a collective under FSDP2 / TP) is called once per step,
+    in leaf order, whichever path runs each leaf (native, a float64 param on the torch backend,
+    an empty shard) and however the native leaves are chunked; the results equal one call per
+    leaf."""
+    import lowbit_tree.kernels as kernels
+
+    monkeypatch.setattr(kernels, "_RANK1_CHUNK", chunk)
+    calls = []
+
+    def reduce_named(name):
+        def reduce(row_max, col_max):
+            calls.append(name)
+            return row_max, col_max * 2  # visible in the result: the record keeps what reduce returns
+        return reduce
+
+    gen = torch.Generator().manual_seed(3)
+    spec = StepSpec("adam", decay=True, lr=True)
+    hyper = step_hyperparams(spec, count=2, lr=1e-3, weight_decay=0.1)
+
+    def leaf(name, shape, dtype=torch.float32):
+        m = lt.quantize(torch.randn(shape, generator=gen) * 1e-2, "4bit", None, signed=True)
+        v = rank1_quantize(torch.rand(shape, generator=gen) * 1e-4)
+        v = Rank1QTensor(v.codes, v.row_max, v.col_max, v.shape, v.format, reduce_named(name))
+        return StepLeaf(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype), (m, v))
+
+    leaves = [leaf("a", (40, 300)), leaf("b", (0, 300)), leaf("c", (7, 9), torch.float64), leaf("d", (33, 64)),
+              leaf("e", (5, 2500))]
+    outs, news = run_step(spec, hyper, leaves, backend="native" if native.available() else "eager")
+    assert calls == ["a", "b", "c", "d", "e"]
+    for k, lf in enumerate(leaves):
+        o1, n1 = run_step(spec, hyper, [lf], backend="eager")
+        assert same(outs[k], o1[0]) and all(same(a, b) for a, b in zip(news[k], n1[0])), k

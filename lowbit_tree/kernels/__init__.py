@@ -27,6 +27,7 @@ import torch
 
 from ..formats import Format, get_format
 from ..qtensor import QTensor, row_layout
+from ..rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
 from . import buffers, native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
@@ -158,8 +159,14 @@ def _is_q(s) -> bool:
     return type(s) is QTensor
 
 
+def _is_rank1(s) -> bool:
+    return type(s) is Rank1QTensor
+
+
 def _native_ok(leaf: StepLeaf, write: bool) -> bool:
-    """Whether the C kernel takes this leaf (else the torch backend runs it)."""
+    """Whether the C kernel takes this leaf (else the torch backend runs it). Plain states
+    (a rank-1 record counts as one: the kernel steps its float32 values) go beside quantized
+    ones only after a quantized first state."""
     p, g = leaf.param, leaf.grad
     if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
         return False
@@ -171,11 +178,57 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
             if s.scale.dtype is not torch.float32 or not s.codes.is_contiguous() or not s.scale.is_contiguous():
                 return False
             quantized += 1
+        elif _is_rank1(s):
+            if not all(t.is_contiguous() for t in (s.codes, s.row_max, s.col_max)) or s.row_max.dtype is not torch.float32:
+                return False
+            plain += 1
         elif isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous():
             plain += 1
         else:
             return False
-    return not (quantized and plain)
+    return not (quantized and plain) or _is_q(leaf.states[0])
+
+
+class _Rank1Wait(NamedTuple):
+    """A rank-1 state's new float32 values ``(rows, R)``, waiting for its maxima: they are
+    completed across shards (the record's ``reduce``, a collective) in leaf order on every
+    rank, after the step that computed them."""
+
+    leaf: int
+    slot: int
+    values: torch.Tensor
+    old: Rank1QTensor
+    native: bool
+
+
+def _rank1_finish(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
+    """The new record of ``w.values`` (written into ``w.old`` with ``inplace``)."""
+    old = w.old
+    if not w.native:
+        new = rank1_quantize(w.values.reshape(old.shape), old.reduce)
+        if inplace:
+            _copy_leaf_(old, new)
+            return old
+        return new
+    rows, r = w.values.shape
+    row_max = torch.empty(rows, dtype=torch.float32)
+    col_max = torch.empty(r, dtype=torch.float32)
+    native.rank1_maxima(w.values, row_max, col_max)
+    if old.reduce is not None:
+        row_max, col_max = old.reduce(row_max, col_max)
+        row_max, col_max = row_max.float().contiguous(), col_max.float().contiguous()
+    codes = old.codes if inplace else buffers.empty_like(old.codes)
+    native.rank1_encode(w.values, row_max, col_max, old.format, codes)
+    if inplace:
+        old.row_max.copy_(row_max)
+        old.col_max.copy_(col_max)
+        return old
+    return Rank1QTensor(codes, row_max, col_max, old.shape, old.format, old.reduce)
+
+
+_RANK1_CHUNK = 1 << 25
+"""Float32 elements of rank-1 values (128 MiB) a call holds at once: native leaves with rank-1
+states run in chunks of about this size, each finished before the next is decoded."""
 
 
 def _native_state(s, inplace: bool):
@@ -191,28 +244,33 @@ def _native_state(s, inplace: bool):
     return native.NativeState(s, dst, None, None, None, 0), dst
 
 
-def _torch_leaf(spec, hyper, leaf: StepLeaf, write, inplace, sr_key, compile):
-    """A leaf on the torch backend; rank-1 records go through float32 and back."""
-    from .. import moments
-
+def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, compile, waits: list):
+    """A leaf on the torch backend. Rank-1 records step as their float32 values (eagerly);
+    their new values join ``waits`` and their slots hold the old record until then."""
     states = list(leaf.states)
-    rank1 = [not _is_q(s) and not isinstance(s, torch.Tensor) for s in states]
-    if any(rank1):  # Rank1QTensor: dequantize / requantize around the same rule, eagerly
-        plain = [moments.load(s) for s in states]
+    rank1 = [_is_rank1(s) for s in states]
+    if any(rank1):
+        plain = [rank1_dequantize(s) if k else s for s, k in zip(states, rank1)]
         out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
                                            sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=False)
-        new = [moments.store(n, s) for n, s in zip(new, states)]
+        new = list(new)
+        for k, s in enumerate(states):
+            if rank1[k]:
+                rows, r = row_layout(s.shape)
+                waits.append(_Rank1Wait(i, k, new[k].reshape(rows, r), s, False))
+                new[k] = s
     else:
         out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
                                            sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=compile)
     if inplace:
-        for old, n in zip(states, new):
-            _copy_leaf_(old, n)
+        for old, n, k in zip(states, new, rank1):
+            if not k:
+                _copy_leaf_(old, n)
         new = states
     if write:
         leaf.param.copy_(out)
         out = None
-    return out, tuple(new)
+    return out, list(new)
 
 
 def _copy_leaf_(dst, src) -> None:
@@ -256,8 +314,20 @@ def run_step(
         raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
-    jobs = []
+    jobs, rank1_jobs = [], []  # native jobs; those with rank-1 states run in chunks (_RANK1_CHUNK)
+    waits: list = []  # _Rank1Wait, in leaf order: finished in that order on every rank
+    rank1_numel = 0
     backends: dict = {}  # device -> backend, decided once per call
+
+    def finish_waits():
+        nonlocal rank1_numel
+        native.run_jobs(_hyper_jobs(rank1_jobs, hyper))
+        rank1_jobs.clear()
+        rank1_numel = 0
+        for w in waits:
+            news[w.leaf][w.slot] = _rank1_finish(w, inplace)
+        waits.clear()
+
     for i, leaf in enumerate(leaves):
         g, p = leaf.grad, leaf.param
         if spec.needs_param or write:
@@ -270,16 +340,28 @@ def run_step(
         sr = sr_key if write and p is not None and p.dtype is torch.bfloat16 else None
         if g.numel() == 0:
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
-            news[i] = tuple(leaf.states) if inplace else tuple(_clone_leaf(s) for s in leaf.states)
-            if any(getattr(s, "reduce", None) is not None for s in leaf.states):
-                news[i] = _empty_shard_rank1(leaf.states, inplace)
+            news[i] = [s if inplace else _clone_leaf(s) for s in leaf.states]
+            for k, s in enumerate(leaf.states):
+                if _is_rank1(s) and s.reduce is not None:
+                    # an empty shard's record is requantized all the same: its reduce is a
+                    # collective the other shards' steps join, and leaves the global maxima in it
+                    waits.append(_Rank1Wait(i, k, rank1_dequantize(s).reshape(row_layout(s.shape)), s, False))
             continue
         which = backends.get(g.device)
         if which is None:
             which = backends[g.device] = backend_for(g.device, backend)
         if which == "native" and _native_ok(leaf, write):
             rows, r = row_layout(g.shape)
-            pairs = [_native_state(s, inplace) for s in leaf.states]
+            pairs, has_rank1 = [], False
+            for k, s in enumerate(leaf.states):
+                if _is_rank1(s):  # the kernel decodes it and writes its new values; encoded after
+                    values = buffers.empty((rows, r), torch.float32, g.device)
+                    waits.append(_Rank1Wait(i, k, values, s, True))
+                    pairs.append((native.NativeState(s.codes, values, s.row_max, s.col_max, s.format,
+                                                     native.RANK1_BLOCK), s))
+                    has_rank1 = True
+                else:
+                    pairs.append(_native_state(s, inplace))
             out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
             sr_hash = 0
             if sr is not None:
@@ -287,39 +369,32 @@ def run_step(
 
                 sr_hash = rounding_hash(sr, leaf.index)
             p_in = p if write else (p.contiguous() if spec.needs_param else None)
-            jobs.append(native.NativeJob(
-                rows, r, p_in, g.contiguous(), out, spec, write, sr is not None, sr_hash, hyper,
-                tuple(ns for ns, _ in pairs)))
+            job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, sr is not None, sr_hash, hyper,
+                                   tuple(ns for ns, _ in pairs))
             outs[i] = None if write else out
-            news[i] = tuple(leaf_ for _, leaf_ in pairs)
+            news[i] = [leaf_ for _, leaf_ in pairs]
+            if has_rank1:
+                rank1_jobs.append(job)
+                rank1_numel += rows * r
+                if rank1_numel >= _RANK1_CHUNK:
+                    finish_waits()
+            else:
+                jobs.append(job)
         else:
             if which == "native":
                 which = "eager"
-            outs[i], news[i] = _torch_leaf(spec, hyper, leaf, write, inplace, sr, which == "compiled")
-    if jobs:
-        hyper_c = hyper if hyper.dtype is torch.float32 and hyper.is_contiguous() else hyper.float().contiguous()
-        if hyper_c is not hyper:
-            jobs = [j._replace(hyper=hyper_c) for j in jobs]
-        native.run_jobs(jobs)
-    return outs, news
+            outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
+    native.run_jobs(_hyper_jobs(jobs, hyper))
+    finish_waits()
+    return outs, [tuple(n) for n in news]
 
 
-def _empty_shard_rank1(states, inplace: bool) -> tuple:
-    """An empty shard's rank-1 records requantized all the same: their ``reduce`` is a
-    collective the other shards' steps join, and it leaves the global maxima in the record."""
-    from .. import moments
-
-    new = []
-    for s in states:
-        if getattr(s, "reduce", None) is None:
-            new.append(s if inplace else _clone_leaf(s))
-            continue
-        n = moments.store(moments.load(s), s)
-        if inplace:
-            _copy_leaf_(s, n)
-            n = s
-        new.append(n)
-    return tuple(new)
+def _hyper_jobs(jobs: list, hyper: torch.Tensor) -> list:
+    """``jobs`` with ``hyper`` as the contiguous float32 vector the C kernel reads."""
+    if jobs and not (hyper.dtype is torch.float32 and hyper.is_contiguous()):
+        hyper_c = hyper.float().contiguous()
+        return [j._replace(hyper=hyper_c) for j in jobs]
+    return jobs
 
 
 def _clone_leaf(s):

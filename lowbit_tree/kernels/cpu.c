@@ -8,6 +8,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -874,6 +877,100 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
 }
 
 /* ------------------------------------------------------------------------
+ * Rank-1 normalized 4-bit records (lowbit_tree/rank1.py): element (i, j) of the
+ * row view is coded by the count of thresholds <= x / safe, safe = min(row_max[i],
+ * col_max[j]) if that is > 0 (NaN if either is), else 1, and decodes to
+ * decode(code) * min(row_max[i], col_max[j]). Three calls, because a shard's maxima
+ * are completed across shards between the last two: decode, maxima, encode.
+ * ------------------------------------------------------------------------ */
+#define LBT_NAN_BITS 0x7FC00000
+
+static inline float rank1_norm(float rm, float cm) { return (rm != rm || cm != cm) ? NAN : (cm < rm ? cm : rm); }
+
+/* n values of one row from its codes (starting at an even element), its row maximum
+ * and the column maxima of its elements */
+static void rank1_decode_run(const uint8_t *restrict c, int64_t n, float rm, const float *restrict cm,
+                             const float *restrict dec, float *restrict o) {
+    int64_t q = 0, np = n >> 1;
+#ifdef __AVX2__
+    q = decode4_avx2(c, np, dec, 1.0f, o); /* the values times 1: exact */
+#endif
+    for (; q < np; q++) o[2 * q] = dec[c[q] & 0x0F], o[2 * q + 1] = dec[c[q] >> 4];
+    if (n & 1) o[n - 1] = dec[c[np] & 0x0F];
+    for (int64_t j = 0; j < n; j++) o[j] = o[j] * rank1_norm(rm, cm[j]);
+}
+
+/* out = decode(codes) * min(row_max, col_max), float32 (rows, R) */
+void lbt_rank1_decode(int64_t rows, int64_t R, const uint8_t *codes, const float *row_max, const float *col_max,
+                      const lbt_format *f, float *out, int nthreads) {
+    const int64_t cc = (R + 1) / 2;
+    const float *restrict dec = f->decode;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t i = 0; i < rows; i++) rank1_decode_run(codes + i * cc, R, row_max[i], col_max, dec, out + i * R);
+}
+
+/* The row and column maxima of x (float32 (rows, R)); a negative or NaN element
+ * makes its row's and column's maximum NaN (0x7FC00000). On the bits of x:
+ * monotone for non-negative floats, and NaN's bits are above every other's. */
+void lbt_rank1_maxima(int64_t rows, int64_t R, const float *x, float *row_max, float *col_max, int nthreads) {
+    if (rows < 2 * (int64_t)nthreads) nthreads = 1;
+    int32_t *part = (int32_t *)calloc((size_t)nthreads * (size_t)(R > 0 ? R : 1), sizeof(int32_t));
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        int32_t *restrict cb = part + (int64_t)tid * R;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows; i++) {
+            const float *restrict xi = x + i * R;
+            int32_t rb = 0;
+            for (int64_t j = 0; j < R; j++) {
+                float v = xi[j];
+                int32_t b = (v >= 0.0f) ? (f2i(v) & 0x7FFFFFFF) : LBT_NAN_BITS; /* false for NaN and v < 0 */
+                rb = b > rb ? b : rb;
+                cb[j] = b > cb[j] ? b : cb[j];
+            }
+            row_max[i] = bits2f(rb);
+        }
+    }
+    for (int64_t j = 0; j < R; j++) {
+        int32_t m = 0;
+        for (int t = 0; t < nthreads; t++) m = part[(int64_t)t * R + j] > m ? part[(int64_t)t * R + j] : m;
+        col_max[j] = bits2f(m);
+    }
+    free(part);
+}
+
+/* codes (uint8 (rows, ceil(R / 2)), two a byte) of x with the given maxima */
+void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_max, const float *col_max,
+                      const lbt_format *f, uint8_t *codes, int nthreads) {
+    const int64_t T = 2048, tiles = (R + T - 1) / T, cc = (R + 1) / 2;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc(sizeof(float) * T);
+        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * T);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows * tiles; t++) {
+            const int64_t i = t / tiles, j0 = (t % tiles) * T, len = R - j0 < T ? R - j0 : T;
+            const float *restrict xi = x + i * R + j0, *restrict cm = col_max + j0;
+            float *restrict q = buf;
+            const float rm = row_max[i];
+            for (int64_t j = 0; j < len; j++) {
+                float nm = rank1_norm(rm, cm[j]);
+                q[j] = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f); /* negative: NaN, as in maxima */
+            }
+            if (f->lin) lin_pass(buf, len, 1.0f, f, idx); /* x / 1 == x: the threshold count of q */
+            else count_pass(buf, len, 1.0f, f, idx);
+            pack_nibbles(idx, len, codes + i * cc + j0 / 2);
+        }
+        free(buf);
+        free(idx);
+    }
+}
+
+/* ------------------------------------------------------------------------
  * Update rules: one transition per rule, for every state format and param dtype.
  *
  * A job is one leaf (a parameter's view (rows, R)) and up to three states. Its
@@ -906,10 +1003,14 @@ enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
 #define LBT_NESTEROV 32
 #define LBT_WRITE_PARAM 64
 #define LBT_STOCHASTIC 128
+#define LBT_RANK1 (-1)
 /* hyper: float32 [b1 (or momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2] */
 #define LBT_NHYPER 13
 
-/* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows). */
+/* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows).
+ * A rank-1 record (bs == LBT_RANK1): in its codes, scale_in its row maxima, scale_out
+ * its column maxima (read only), out the float32 new values (encoded by the caller,
+ * once the maxima of the new values are complete: lbt_rank1_maxima / _encode). */
 typedef struct {
     void *in;                /* codes (row layout) or plain values */
     void *out;               /* where the new state goes; may be ``in`` (in place) */
@@ -1213,7 +1314,11 @@ static int job_quantized(const lbt_job *J) { return J->nstates > 0 && J->st[0].f
 static int64_t job_tile(const lbt_job *J) {
     if (!job_quantized(J)) return LBT_PLAIN_TILE;
     int64_t l = 2;
-    for (int64_t i = 0; i < J->nstates; i++) { int64_t b = J->st[i].bs; l = l / gcd64(l, b) * b; }
+    for (int64_t i = 0; i < J->nstates; i++) {
+        if (!J->st[i].f || J->st[i].bs == LBT_RANK1) continue; /* plain values beside quantized states */
+        int64_t b = J->st[i].bs;
+        l = l / gcd64(l, b) * b;
+    }
     return l * ((2048 + l - 1) / l);
 }
 
@@ -1294,7 +1399,7 @@ static void plain_tile(const lbt_job *J, int64_t t, scratch *B) {
 static int job_block_path(const lbt_job *J) {
     const int64_t bs = J->st[0].bs;
     if (bs % 2) return 0;
-    for (int64_t i = 1; i < J->nstates; i++) if (J->st[i].bs != bs) return 0;
+    for (int64_t i = 1; i < J->nstates; i++) if (J->st[i].bs != bs) return 0; /* also plain and rank-1 ones */
     return J->st[0].f->is_signed && !J->st[0].f->sqrt_; /* the first state is a signed first moment */
 }
 
@@ -1369,11 +1474,24 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
         return;
     }
     /* any block sizes: each state a pass over the tile (nr > 1 only with j0 == 0,
-     * len == R: the tile's elements are contiguous) */
+     * len == R: the tile's elements are contiguous); plain states (the float32
+     * values of rank-1 records) are read and written at the tile's elements */
     run_io io;
+    const int64_t off = r0 * R + j0;
     for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
     for (int64_t i = 0; i < ns; i++) {
         const lbt_state *S = &J->st[i];
+        if (!S->f) {
+            if (S->bs == LBT_F32 && S->in == S->out) io.s[i] = (float *)S->out + off;
+            else load_plain((const char *)S->in + off * dt_size(S->bs), S->bs, nr * len, io.s[i]);
+            continue;
+        }
+        if (S->bs == LBT_RANK1) {
+            for (int64_t q = 0; q < nr; q++)
+                rank1_decode_run((const uint8_t *)S->in + (r0 + q) * ((R + 1) / 2) + j0 / 2, len, S->scale_in[r0 + q],
+                                 S->scale_out + j0, S->f->decode, io.s[i] + q * len);
+            continue;
+        }
         const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
         const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
         for (int64_t q = 0; q < nr; q++) {
@@ -1382,9 +1500,14 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
                                S->f, io.s[i] + q * len);
         }
     }
-    run_elements(J, r0 * R + j0, nr * len, &io, B, 0, NULL); /* raw states: quantize_segment transforms */
+    run_elements(J, off, nr * len, &io, B, 0, NULL); /* raw states: quantize_segment transforms */
     for (int64_t i = 0; i < ns; i++) {
         const lbt_state *S = &J->st[i];
+        if (!S->f || S->bs == LBT_RANK1) {
+            store_plain(io.s[i], nr * len, S->f ? LBT_F32 : S->bs, (char *)S->out + off * dt_size(S->f ? LBT_F32 : S->bs),
+                        0, 0, 0);
+            continue;
+        }
         const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
         const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
         for (int64_t q = 0; q < nr; q++) {

@@ -35,7 +35,10 @@ from ..formats import FORMATS as _FORMATS
 from .spec import NHYPER, StepSpec
 from .tables import cpu_code_table
 
-__all__ = ["available", "build_error", "library", "quantize", "dequantize", "NativeState", "NativeJob", "run_jobs", "RULE_IDS"]
+__all__ = [
+    "available", "build_error", "library", "quantize", "dequantize", "rank1_decode", "rank1_maxima", "rank1_encode",
+    "NativeState", "NativeJob", "run_jobs", "RULE_IDS",
+]
 
 _SOURCE = Path(__file__).with_name("cpu.c")
 # -ffp-contract=off: no FMA contraction (GCC's default for GNU C is "fast"), so
@@ -216,6 +219,11 @@ def _build_and_load() -> ctypes.CDLL:
         f.restype = None
     lib.lbt_step_jobs.argtypes = [i64, ptr, i32]
     lib.lbt_step_jobs.restype = None
+    lib.lbt_rank1_decode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
+    lib.lbt_rank1_maxima.argtypes = [i64, i64, ptr, ptr, ptr, i32]
+    lib.lbt_rank1_encode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
+    for f in (lib.lbt_rank1_decode, lib.lbt_rank1_maxima, lib.lbt_rank1_encode):
+        f.restype = None
     lib.lbt_prepare.argtypes = [fptr]
     lib.lbt_prepare.restype = ctypes.c_int
     lib.lbt_check_tables.argtypes = [fptr]
@@ -289,6 +297,42 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_si
     library().lbt_dequantize(rows, r, _ptr(codes), _ptr(scale), _ptr(out), _format_struct(fmt_name), block_size, _threads(rows * r))
 
 
+def _rank1_check(rows: int, r: int, codes: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor,
+                 x: torch.Tensor) -> None:
+    _check_size(codes, torch.uint8, rows * ((r + 1) // 2), "rank-1 codes")
+    _check_size(row_max, torch.float32, rows, "rank-1 row_max")
+    _check_size(col_max, torch.float32, r, "rank-1 col_max")
+    _check_size(x, torch.float32, rows * r, "rank-1 values")
+
+
+def rank1_decode(codes, row_max, col_max, fmt_name: str, out: torch.Tensor) -> None:
+    """A rank-1 record's codes and maxima -> fills float32 ``out`` ``(rows, r)`` (sizes checked),
+    bit-identical to :func:`lowbit_tree.rank1.rank1_dequantize`."""
+    rows, r = out.shape
+    _rank1_check(rows, r, codes, row_max, col_max, out)
+    library().lbt_rank1_decode(rows, r, _ptr(codes), _ptr(row_max), _ptr(col_max), _format_struct(fmt_name),
+                               _ptr(out), _threads(rows * r))
+
+
+def rank1_maxima(x: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor) -> None:
+    """Fills ``row_max`` / ``col_max`` with the maxima of float32 ``x`` ``(rows, r)`` (a negative or
+    NaN element: NaN), as :func:`lowbit_tree.rank1.rank1_quantize` computes them."""
+    rows, r = x.shape
+    _check(x, torch.float32, "rank-1 values")
+    _check_size(row_max, torch.float32, rows, "rank-1 row_max")
+    _check_size(col_max, torch.float32, r, "rank-1 col_max")
+    library().lbt_rank1_maxima(rows, r, _ptr(x), _ptr(row_max), _ptr(col_max), _threads(rows * r))
+
+
+def rank1_encode(x: torch.Tensor, row_max, col_max, fmt_name: str, codes: torch.Tensor) -> None:
+    """Fills ``codes`` with float32 ``x`` ``(rows, r)`` coded against the given maxima,
+    bit-identical to :func:`lowbit_tree.rank1.rank1_quantize`'s codes."""
+    rows, r = x.shape
+    _rank1_check(rows, r, codes, row_max, col_max, x)
+    library().lbt_rank1_encode(rows, r, _ptr(x), _ptr(row_max), _ptr(col_max), _format_struct(fmt_name),
+                               _ptr(codes), _threads(rows * r))
+
+
 # --------------------------------------------------------------------------- steps
 
 RULE_IDS = {"adam": 0, "lion": 1, "momentum": 2, "ademamix": 3, "muon": 4}
@@ -298,10 +342,17 @@ DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PLAIN_STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+RANK1_BLOCK = -1
+"""The ``block_size`` of a :class:`NativeState` that is a rank-1 record."""
+
+
 class NativeState(NamedTuple):
     """One state of a leaf as the kernel sees it. Quantized: ``src``/``dst`` are the
     codes (uint8 views) and ``scale_src``/``scale_dst`` the scales; plain: float32
-    or bfloat16 values and no scales. ``dst`` may be ``src`` (in place)."""
+    or bfloat16 values and no scales. ``dst`` may be ``src`` (in place). A rank-1 record
+    (``block_size`` :data:`RANK1_BLOCK`): ``src`` its codes, ``scale_src``/``scale_dst`` its
+    row and column maxima (read), ``dst`` a float32 tensor for its new values, which the
+    caller encodes (:func:`rank1_maxima`, :func:`rank1_encode`)."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -385,9 +436,8 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
     row = [rows, r, p, g, o, RULE_IDS[spec.rule], _flags(job),
            DTYPE_IDS[job.param.dtype] if job.param is not None else 0, DTYPE_IDS[job.grad.dtype], h,
            job.sr_hash & 0xFFFFFFFF, len(job.states)]
-    kinds = {st.format is None for st in job.states}
-    if len(kinds) > 1:
-        raise ValueError("native CPU kernel: a leaf's states are all quantized or all plain")
+    if job.states and job.states[0].format is None and any(st.format is not None for st in job.states):
+        raise ValueError("native CPU kernel: plain states go beside quantized ones only after a quantized first state")
     for i, st in enumerate(job.states):
         what = f"state {i}"
         if st.format is None:
@@ -397,6 +447,14 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             src = _addr(st.src, (dt,), n, what, rows, r)
             dst = src if st.dst is st.src else _addr(st.dst, (dt,), n, what + " out", rows, r)
             row += [src, dst, 0, 0, 0, DTYPE_IDS[dt]]
+        elif st.block_size == RANK1_BLOCK:  # a rank-1 record: codes and maxima in, float32 values out
+            if _FORMATS[st.format].bits != 4 or st.dst is st.src:
+                raise ValueError(f"native CPU kernel: rank-1 {what} needs 4-bit codes and a separate values tensor")
+            src = _addr(st.src, _U8, rows * ((r + 1) // 2), what + " codes", rows, r)
+            dst = _addr(st.dst, _F32, n, what + " values", rows, r)
+            rmax = _addr(st.scale_src, _F32, rows, what + " row_max", rows, r)
+            cmax = _addr(st.scale_dst, _F32, r, what + " col_max", rows, r)
+            row += [src, dst, rmax, cmax, _format_address(st.format), RANK1_BLOCK]
         else:
             fmt = _FORMATS[st.format]
             cols = (r + 1) // 2 if fmt.bits == 4 else r
