@@ -153,7 +153,7 @@ def main(argv=None) -> int:
                         row = KC.job_row(KC.NativeJob(rows, cols, pp, g, target, spec, not args.functional, False, 0,
                                                       hyper, sts))
                         for i, s in enumerate(new if not plain else ()):  # this build's own format structs
-                            row[12 + 6 * i + 4] = lib_format(libs[li], s.format)
+                            row[KC.JOB_FIELDS + KC.STATE_FIELDS * i + 4] = lib_format(libs[li], s.format)
                         out = (target,) + (new if plain else tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale)))
                         # the row holds raw addresses: keep every tensor it names alive (pp is not in out
                         # with --functional)

@@ -446,3 +446,24 @@ def test_rank1_maxima_are_completed_in_leaf_order(monkeypatch, chunk):
     for k, lf in enumerate(leaves):
         o1, n1 = run_step(spec, hyper, [lf], backend="eager")
         assert same(outs[k], o1[0]) and all(same(a, b) for a, b in zip(news[k], n1[0])), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank1_step_with_nonfinite_gradients_matches_reference(backend):
+    """A NaN and an inf in the gradient: the new second moment's maxima of their row and column
+    become NaN and inf (the kernel takes them in its tiles), codes and params as the reference's."""
+    spec, states, p, g, hyper = make_case("adam", {}, dict(decay=True, lr=True), "4bit-rank1", torch.float32,
+                                          (37, 301), None, 11)
+    g = g.clone()
+    g[5, 7] = float("nan")
+    g[20, 300] = float("inf")
+    want_out, want_states = reference_step(spec, hyper, p, g, states, write=True)
+    pp = p.clone()
+    _, news = run_step(spec, hyper, [StepLeaf(pp, g, tuple(clone_state(s) for s in states))], write=True,
+                       backend=backend)
+    assert same(pp, want_out)
+    assert all(same(a, b) for a, b in zip(news[0], want_states))
+    v = news[0][1]
+    assert torch.isnan(v.row_max[5]) and torch.isnan(v.col_max[7])
+    assert v.row_max[20] == float("inf") and v.col_max[300] == float("inf")
+    assert torch.isfinite(v.row_max[0]) and torch.isfinite(v.col_max[0])

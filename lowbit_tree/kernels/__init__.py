@@ -12,8 +12,10 @@ chooses. ``auto``: native on CPU, compiled elsewhere (inside a caller's
 ``torch.compile``, the torch code is traced into the caller's graph); on a CPU where the C kernel
 cannot be built, eager (said once, with a warning naming the switch), never
 inductor, which needs the same C compiler. Leaves the native kernel does not take
-(rank-1 records, float64 params, non-contiguous params written in place) run on
-the torch backend of their device, with the same float operations.
+(float64 params, non-contiguous params written in place) run on the torch backend of
+their device, with the same float operations. Rank-1 records (:mod:`lowbit_tree.rank1`)
+are stepped as float32 values and encoded after the step, once their maxima are complete
+(``_Rank1Wait``; design.md, "Rank-1 normalization").
 
 Also here: the fast quantize / dequantize (``quantize_rows_fast``, ...), with codes
 bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
@@ -198,22 +200,19 @@ class _Rank1Wait(NamedTuple):
     slot: int
     values: torch.Tensor
     old: Rank1QTensor
-    native: bool
+    maxima: Optional[tuple] = None  # (row_max, col_max) of the values, from the native step
 
 
 def _rank1_finish(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
     """The new record of ``w.values`` (written into ``w.old`` with ``inplace``)."""
     old = w.old
-    if not w.native:
+    if w.maxima is None:  # the torch backend's values
         new = rank1_quantize(w.values.reshape(old.shape), old.reduce)
         if inplace:
             _copy_leaf_(old, new)
             return old
         return new
-    rows, r = w.values.shape
-    row_max = torch.empty(rows, dtype=torch.float32)
-    col_max = torch.empty(r, dtype=torch.float32)
-    native.rank1_maxima(w.values, row_max, col_max)
+    row_max, col_max = w.maxima
     if old.reduce is not None:
         row_max, col_max = old.reduce(row_max, col_max)
         row_max, col_max = row_max.float().contiguous(), col_max.float().contiguous()
@@ -257,7 +256,7 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
         for k, s in enumerate(states):
             if rank1[k]:
                 rows, r = row_layout(s.shape)
-                waits.append(_Rank1Wait(i, k, new[k].reshape(rows, r), s, False))
+                waits.append(_Rank1Wait(i, k, new[k].reshape(rows, r), s))
                 new[k] = s
     else:
         out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
@@ -345,7 +344,7 @@ def run_step(
                 if _is_rank1(s) and s.reduce is not None:
                     # an empty shard's record is requantized all the same: its reduce is a
                     # collective the other shards' steps join, and leaves the global maxima in it
-                    waits.append(_Rank1Wait(i, k, rank1_dequantize(s).reshape(row_layout(s.shape)), s, False))
+                    waits.append(_Rank1Wait(i, k, rank1_dequantize(s).reshape(row_layout(s.shape)), s))
             continue
         which = backends.get(g.device)
         if which is None:
@@ -354,11 +353,13 @@ def run_step(
             rows, r = row_layout(g.shape)
             pairs, has_rank1 = [], False
             for k, s in enumerate(leaf.states):
-                if _is_rank1(s):  # the kernel decodes it and writes its new values; encoded after
+                if _is_rank1(s):  # the kernel decodes it, writes its new values and their maxima
                     values = buffers.empty((rows, r), torch.float32, g.device)
-                    waits.append(_Rank1Wait(i, k, values, s, True))
+                    maxima = (torch.empty(rows, dtype=torch.float32, device=g.device),
+                              torch.empty(r, dtype=torch.float32, device=g.device))
+                    waits.append(_Rank1Wait(i, k, values, s, maxima))
                     pairs.append((native.NativeState(s.codes, values, s.row_max, s.col_max, s.format,
-                                                     native.RANK1_BLOCK), s))
+                                                     native.RANK1_BLOCK, *maxima), s))
                     has_rank1 = True
                 else:
                     pairs.append(_native_state(s, inplace))

@@ -881,7 +881,8 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
  * row view is coded by the count of thresholds <= x / safe, safe = min(row_max[i],
  * col_max[j]) if that is > 0 (NaN if either is), else 1, and decodes to
  * decode(code) * min(row_max[i], col_max[j]). Three calls, because a shard's maxima
- * are completed across shards between the last two: decode, maxima, encode.
+ * are completed across shards between them: the step (decode, and the maxima of the new
+ * values: rank1_tile_maxima), then encode.
  * ------------------------------------------------------------------------ */
 #define LBT_NAN_BITS 0x7FC00000
 
@@ -900,49 +901,6 @@ static void rank1_decode_run(const uint8_t *restrict c, int64_t n, float rm, con
     for (int64_t j = 0; j < n; j++) o[j] = o[j] * rank1_norm(rm, cm[j]);
 }
 
-/* out = decode(codes) * min(row_max, col_max), float32 (rows, R) */
-void lbt_rank1_decode(int64_t rows, int64_t R, const uint8_t *codes, const float *row_max, const float *col_max,
-                      const lbt_format *f, float *out, int nthreads) {
-    const int64_t cc = (R + 1) / 2;
-    const float *restrict dec = f->decode;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t i = 0; i < rows; i++) rank1_decode_run(codes + i * cc, R, row_max[i], col_max, dec, out + i * R);
-}
-
-/* The row and column maxima of x (float32 (rows, R)); a negative or NaN element
- * makes its row's and column's maximum NaN (0x7FC00000). On the bits of x:
- * monotone for non-negative floats, and NaN's bits are above every other's. */
-void lbt_rank1_maxima(int64_t rows, int64_t R, const float *x, float *row_max, float *col_max, int nthreads) {
-    if (rows < 2 * (int64_t)nthreads) nthreads = 1;
-    int32_t *part = (int32_t *)calloc((size_t)nthreads * (size_t)(R > 0 ? R : 1), sizeof(int32_t));
-    #pragma omp parallel num_threads(nthreads)
-    {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
-        int32_t *restrict cb = part + (int64_t)tid * R;
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < rows; i++) {
-            const float *restrict xi = x + i * R;
-            int32_t rb = 0;
-            for (int64_t j = 0; j < R; j++) {
-                float v = xi[j];
-                int32_t b = (v >= 0.0f) ? (f2i(v) & 0x7FFFFFFF) : LBT_NAN_BITS; /* false for NaN and v < 0 */
-                rb = b > rb ? b : rb;
-                cb[j] = b > cb[j] ? b : cb[j];
-            }
-            row_max[i] = bits2f(rb);
-        }
-    }
-    for (int64_t j = 0; j < R; j++) {
-        int32_t m = 0;
-        for (int t = 0; t < nthreads; t++) m = part[(int64_t)t * R + j] > m ? part[(int64_t)t * R + j] : m;
-        col_max[j] = bits2f(m);
-    }
-    free(part);
-}
-
 /* codes (uint8 (rows, ceil(R / 2)), two a byte) of x with the given maxima */
 void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_max, const float *col_max,
                       const lbt_format *f, uint8_t *codes, int nthreads) {
@@ -957,12 +915,24 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
             const float *restrict xi = x + i * R + j0, *restrict cm = col_max + j0;
             float *restrict q = buf;
             const float rm = row_max[i];
-            for (int64_t j = 0; j < len; j++) {
-                float nm = rank1_norm(rm, cm[j]);
-                q[j] = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f); /* negative: NaN, as in maxima */
+            if (f->lin) { /* lin_pass's index of q = x / safe, in the same loop (one division) */
+                const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
+                int32_t *restrict k = idx;
+                for (int64_t j = 0; j < len; j++) {
+                    float nm = rank1_norm(rm, cm[j]);
+                    float qj = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f); /* negative: NaN, as in maxima */
+                    float y = qj * a - b;
+                    y = y < last ? y : last; /* also NaN */
+                    y = y > 0.0f ? y : 0.0f;
+                    k[j] = (int32_t)y;
+                }
+            } else {
+                for (int64_t j = 0; j < len; j++) {
+                    float nm = rank1_norm(rm, cm[j]);
+                    q[j] = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f);
+                }
+                count_pass(buf, len, 1.0f, f, idx); /* x / 1 == x: the threshold count of q */
             }
-            if (f->lin) lin_pass(buf, len, 1.0f, f, idx); /* x / 1 == x: the threshold count of q */
-            else count_pass(buf, len, 1.0f, f, idx);
             pack_nibbles(idx, len, codes + i * cc + j0 / 2);
         }
         free(buf);
@@ -1009,8 +979,9 @@ enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
 
 /* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows).
  * A rank-1 record (bs == LBT_RANK1): in its codes, scale_in its row maxima, scale_out
- * its column maxima (read only), out the float32 new values (encoded by the caller,
- * once the maxima of the new values are complete: lbt_rank1_maxima / _encode). */
+ * its column maxima (read only), out the float32 new values, rmax_out / cmax_out their
+ * row and column maxima (the caller completes them across shards and encodes the values
+ * with lbt_rank1_encode). */
 typedef struct {
     void *in;                /* codes (row layout) or plain values */
     void *out;               /* where the new state goes; may be ``in`` (in place) */
@@ -1018,6 +989,8 @@ typedef struct {
     float *scale_out;        /* may be ``scale_in`` */
     const lbt_format *f;     /* NULL: plain values */
     int64_t bs;              /* quantized: block size; plain: LBT_F32 or LBT_BF16 */
+    float *rmax_out;         /* rank-1: the row maxima of the new values (a negative or NaN value: NaN) */
+    float *cmax_out;         /* rank-1: their column maxima */
 } lbt_state;
 
 typedef struct {
@@ -1298,6 +1271,8 @@ static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const
 typedef struct {
     float *g, *p, *o, *u, *s[3];
     int32_t *s1, *s2;
+    int32_t *r1;                /* rank-1 maxima of this thread's tiles (bits), at r1off[state] */
+    const int64_t *r1off;       /* the current job's three offsets into r1 (-1: not rank-1) */
 } scratch;
 
 static inline int state_tr(const lbt_format *f) { return !f ? 0 : (f->sqrt_ ? 1 : (!f->is_signed ? 2 : 0)); }
@@ -1445,6 +1420,25 @@ static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, 
     }
 }
 
+/* A tile's contribution to a rank-1 state's maxima, on the bits of the values (monotone for
+ * non-negative floats; a negative or NaN value counts as NaN, whose bits are above all): nr rows
+ * r0.. of len elements from column j0; m holds the rows' maxima, then the columns'. */
+static void rank1_tile_maxima(const float *restrict v, int64_t r0, int64_t nr, int64_t j0, int64_t len,
+                              int32_t *restrict m, int64_t rows) {
+    int32_t *restrict cm = m + rows + j0;
+    for (int64_t q = 0; q < nr; q++) {
+        const float *restrict vq = v + q * len;
+        int32_t rb = m[r0 + q];
+        for (int64_t j = 0; j < len; j++) {
+            float x = vq[j];
+            int32_t b = (x >= 0.0f) ? (f2i(x) & 0x7FFFFFFF) : LBT_NAN_BITS; /* false for NaN and x < 0 */
+            rb = b > rb ? b : rb;
+            cm[j] = b > cm[j] ? b : cm[j];
+        }
+        m[r0 + q] = rb;
+    }
+}
+
 static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
     const int64_t R = J->R, T = job_tile(J), ns = J->nstates;
     int64_t r0, nr, j0, len;
@@ -1502,6 +1496,9 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
     }
     run_elements(J, off, nr * len, &io, B, 0, NULL); /* raw states: quantize_segment transforms */
     for (int64_t i = 0; i < ns; i++) {
+        if (J->st[i].bs == LBT_RANK1) rank1_tile_maxima(io.s[i], r0, nr, j0, len, B->r1 + B->r1off[i], J->rows);
+    }
+    for (int64_t i = 0; i < ns; i++) {
         const lbt_state *S = &J->st[i];
         if (!S->f || S->bs == LBT_RANK1) {
             store_plain(io.s[i], nr * len, S->f ? LBT_F32 : S->bs, (char *)S->out + off * dt_size(S->f ? LBT_F32 : S->bs),
@@ -1532,9 +1529,24 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
     }
     const int64_t total = start[njobs];
     if (total < 2) nthreads = 1;
+    /* rank-1 states: each thread's maxima (bits; 0 is neutral for non-negative values), rows
+     * then columns of each, merged after the tiles */
+    int64_t *r1off = (int64_t *)malloc(sizeof(int64_t) * 3 * njobs), r1n = 0;
+    for (int64_t j = 0; j < njobs; j++)
+        for (int64_t i = 0; i < 3; i++) {
+            int r1 = i < jobs[j].nstates && jobs[j].st[i].bs == LBT_RANK1;
+            r1off[3 * j + i] = r1 ? r1n : 0;
+            r1n += r1 ? jobs[j].rows + jobs[j].R : 0;
+        }
+    int32_t *r1all = r1n ? (int32_t *)calloc((size_t)nthreads * (size_t)r1n, sizeof(int32_t)) : NULL;
     #pragma omp parallel num_threads(nthreads)
     {
         scratch B;
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        B.r1 = r1all ? r1all + (int64_t)tid * r1n : NULL;
         float *mem = (float *)malloc(sizeof(float) * 7 * Tmax);
         B.g = mem, B.p = mem + Tmax, B.o = mem + 2 * Tmax, B.u = mem + 3 * Tmax;
         for (int i = 0; i < 3; i++) B.s[i] = mem + (4 + i) * Tmax;
@@ -1551,11 +1563,29 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
                 }
                 j = lo;
             }
+            B.r1off = r1off + 3 * j;
             if (job_quantized(&jobs[j])) quantized_tile(&jobs[j], t - start[j], &B);
             else plain_tile(&jobs[j], t - start[j], &B);
         }
         free(mem);
         free(B.s1);
     }
+    for (int64_t j = 0; r1all && j < njobs; j++)
+        for (int64_t i = 0; i < jobs[j].nstates; i++) {
+            const lbt_state *S = &jobs[j].st[i];
+            if (S->bs != LBT_RANK1) continue;
+            const int64_t rows = jobs[j].rows, n = rows + jobs[j].R;
+            for (int64_t k = 0; k < n; k++) {
+                int32_t m = 0;
+                for (int t = 0; t < nthreads; t++) {
+                    int32_t b = r1all[(int64_t)t * r1n + r1off[3 * j + i] + k];
+                    m = b > m ? b : m;
+                }
+                if (k < rows) S->rmax_out[k] = bits2f(m);
+                else S->cmax_out[k - rows] = bits2f(m);
+            }
+        }
+    free(r1all);
+    free(r1off);
     free(start);
 }

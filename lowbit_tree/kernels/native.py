@@ -36,7 +36,7 @@ from .spec import NHYPER, StepSpec
 from .tables import cpu_code_table
 
 __all__ = [
-    "available", "build_error", "library", "quantize", "dequantize", "rank1_decode", "rank1_maxima", "rank1_encode",
+    "available", "build_error", "library", "quantize", "dequantize", "rank1_encode",
     "NativeState", "NativeJob", "run_jobs", "RULE_IDS",
 ]
 
@@ -219,11 +219,8 @@ def _build_and_load() -> ctypes.CDLL:
         f.restype = None
     lib.lbt_step_jobs.argtypes = [i64, ptr, i32]
     lib.lbt_step_jobs.restype = None
-    lib.lbt_rank1_decode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
-    lib.lbt_rank1_maxima.argtypes = [i64, i64, ptr, ptr, ptr, i32]
     lib.lbt_rank1_encode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
-    for f in (lib.lbt_rank1_decode, lib.lbt_rank1_maxima, lib.lbt_rank1_encode):
-        f.restype = None
+    lib.lbt_rank1_encode.restype = None
     lib.lbt_prepare.argtypes = [fptr]
     lib.lbt_prepare.restype = ctypes.c_int
     lib.lbt_check_tables.argtypes = [fptr]
@@ -305,25 +302,6 @@ def _rank1_check(rows: int, r: int, codes: torch.Tensor, row_max: torch.Tensor, 
     _check_size(x, torch.float32, rows * r, "rank-1 values")
 
 
-def rank1_decode(codes, row_max, col_max, fmt_name: str, out: torch.Tensor) -> None:
-    """A rank-1 record's codes and maxima -> fills float32 ``out`` ``(rows, r)`` (sizes checked),
-    bit-identical to :func:`lowbit_tree.rank1.rank1_dequantize`."""
-    rows, r = out.shape
-    _rank1_check(rows, r, codes, row_max, col_max, out)
-    library().lbt_rank1_decode(rows, r, _ptr(codes), _ptr(row_max), _ptr(col_max), _format_struct(fmt_name),
-                               _ptr(out), _threads(rows * r))
-
-
-def rank1_maxima(x: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor) -> None:
-    """Fills ``row_max`` / ``col_max`` with the maxima of float32 ``x`` ``(rows, r)`` (a negative or
-    NaN element: NaN), as :func:`lowbit_tree.rank1.rank1_quantize` computes them."""
-    rows, r = x.shape
-    _check(x, torch.float32, "rank-1 values")
-    _check_size(row_max, torch.float32, rows, "rank-1 row_max")
-    _check_size(col_max, torch.float32, r, "rank-1 col_max")
-    library().lbt_rank1_maxima(rows, r, _ptr(x), _ptr(row_max), _ptr(col_max), _threads(rows * r))
-
-
 def rank1_encode(x: torch.Tensor, row_max, col_max, fmt_name: str, codes: torch.Tensor) -> None:
     """Fills ``codes`` with float32 ``x`` ``(rows, r)`` coded against the given maxima,
     bit-identical to :func:`lowbit_tree.rank1.rank1_quantize`'s codes."""
@@ -342,6 +320,9 @@ DTYPE_IDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _PLAIN_STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+JOB_FIELDS, STATE_FIELDS = 12, 8
+"""An ``lbt_job`` row: 12 int64 of the job, then 8 per state (three states)."""
+
 RANK1_BLOCK = -1
 """The ``block_size`` of a :class:`NativeState` that is a rank-1 record."""
 
@@ -352,7 +333,9 @@ class NativeState(NamedTuple):
     or bfloat16 values and no scales. ``dst`` may be ``src`` (in place). A rank-1 record
     (``block_size`` :data:`RANK1_BLOCK`): ``src`` its codes, ``scale_src``/``scale_dst`` its
     row and column maxima (read), ``dst`` a float32 tensor for its new values, which the
-    caller encodes (:func:`rank1_maxima`, :func:`rank1_encode`)."""
+    kernel fills ``row_max_dst`` / ``col_max_dst`` with their maxima (those of
+    :func:`lowbit_tree.rank1.rank1_quantize`),
+    and the caller encodes them (:func:`rank1_encode`) once the maxima are complete."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -360,6 +343,8 @@ class NativeState(NamedTuple):
     scale_dst: Optional[torch.Tensor]
     format: Optional[str]
     block_size: int
+    row_max_dst: Optional[torch.Tensor] = None  # rank-1: the new values' row maxima go here
+    col_max_dst: Optional[torch.Tensor] = None  # and their column maxima
 
 
 class NativeJob(NamedTuple):
@@ -411,7 +396,7 @@ _DTS = tuple(DTYPE_IDS)
 
 
 def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
-    """Checks one job's tensors and returns its ``lbt_job`` row (30 int64). The C
+    """Checks one job's tensors and returns its ``lbt_job`` row (36 int64). The C
     code trusts these sizes: they are checked here, so it never reads or writes out
     of bounds. A tensor passed twice (in place) is checked once; ``hyper_ptr``: the
     address of a hyperparameter vector the caller checked already."""
@@ -446,7 +431,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
                 raise ValueError(f"native CPU kernel: plain {what} must be float32 or bfloat16, got {dt}")
             src = _addr(st.src, (dt,), n, what, rows, r)
             dst = src if st.dst is st.src else _addr(st.dst, (dt,), n, what + " out", rows, r)
-            row += [src, dst, 0, 0, 0, DTYPE_IDS[dt]]
+            row += [src, dst, 0, 0, 0, DTYPE_IDS[dt], 0, 0]
         elif st.block_size == RANK1_BLOCK:  # a rank-1 record: codes and maxima in, float32 values out
             if _FORMATS[st.format].bits != 4 or st.dst is st.src:
                 raise ValueError(f"native CPU kernel: rank-1 {what} needs 4-bit codes and a separate values tensor")
@@ -454,7 +439,11 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             dst = _addr(st.dst, _F32, n, what + " values", rows, r)
             rmax = _addr(st.scale_src, _F32, rows, what + " row_max", rows, r)
             cmax = _addr(st.scale_dst, _F32, r, what + " col_max", rows, r)
-            row += [src, dst, rmax, cmax, _format_address(st.format), RANK1_BLOCK]
+            if st.row_max_dst is None or st.col_max_dst is None:
+                raise ValueError(f"native CPU kernel: rank-1 {what} needs tensors for its new maxima")
+            rnew = _addr(st.row_max_dst, _F32, rows, what + " new row_max", rows, r)
+            cnew = _addr(st.col_max_dst, _F32, r, what + " new col_max", rows, r)
+            row += [src, dst, rmax, cmax, _format_address(st.format), RANK1_BLOCK, rnew, cnew]
         else:
             fmt = _FORMATS[st.format]
             cols = (r + 1) // 2 if fmt.bits == 4 else r
@@ -463,14 +452,14 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             dst = src if st.dst is st.src else _addr(st.dst, _U8, rows * cols, what + " codes out", rows, r)
             ssrc = _addr(st.scale_src, _F32, nb, what + " scale", rows, r)
             sdst = ssrc if st.scale_dst is st.scale_src else _addr(st.scale_dst, _F32, nb, what + " scale out", rows, r)
-            row += [src, dst, ssrc, sdst, _format_address(st.format), int(st.block_size)]
-    row += [0] * (6 * (3 - len(job.states)))
+            row += [src, dst, ssrc, sdst, _format_address(st.format), int(st.block_size), 0, 0]
+    row += [0] * (STATE_FIELDS * (3 - len(job.states)))
     return row
 
 
 def run_jobs(jobs: list) -> None:
     """Many leaves' steps in one call and one parallel region (the tiles of all jobs
-    are shared out among the threads): per leaf, one row of 30 integers, not one
+    are shared out among the threads): per leaf, one row of 36 integers, not one
     foreign call and one thread wake-up. All jobs are checked before any runs."""
     if not jobs:
         return
