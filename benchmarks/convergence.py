@@ -3,12 +3,15 @@
 The task is the demo's (``bridge/demo.py``): a byte-level GPT on the Python standard
 library's source. For each seed every variant starts from the same initial weights and
 sees the same batches; the figure of merit is the final held-out loss relative to fp32
-AdamW *of the same seed*, with the spread over seeds. Acceptance (issue 7): within +1%
-for 8-bit, +2% for FP8 and 4-bit.
+AdamW *of the same seed*, with the spread over seeds. Acceptance: within +1% for 8-bit and
+4-bit (issue 17, with rank-1 second moments, 4-bit's default since), +2% for FP8 and
+block-normalized 4-bit (issue 7).
 
 Variants:
-  fp32, 8bit, 4bit, fp8   bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
-  4bit-rank1              bridge.AdamW4bit(rank1_normalization=True)
+  fp32, 8bit, 4bit, fp8   bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8 (4bit: its default, rank-1
+                          normalized second moments)
+  4bit-block              bridge.AdamW4bit(rank1_normalization=False): v normalized per block
+                          (the 4-bit default before state-dict version 3)
   torchao-8bit            torchao.optim.AdamW8bit, when installed
   bnb-8bit                bitsandbytes.optim.AdamW8bit, when installed (CPU works in 0.50)
   ademamix-fp32, -8bit,   bridge.AdEMAMix / AdEMAMix8bit / AdEMAMix4bit, betas (0.9, 0.99, 0.999),
@@ -38,10 +41,10 @@ import torch
 
 from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, train
 
-ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-rank1", "fp8", "torchao-8bit", "bnb-8bit",
+ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-block", "fp8", "torchao-8bit", "bnb-8bit",
                 "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
                 "muon-fp32", "muon-8bit", "muon-4bit")
-TOLERANCE = {"8bit": 1.0, "4bit": 2.0, "4bit-rank1": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
+TOLERANCE = {"8bit": 1.0, "4bit": 1.0, "4bit-block": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
              "ademamix-8bit": 1.0, "ademamix-4bit": 2.0, "ademamix-4bit-slow8": 2.0, "muon-8bit": 1.0, "muon-4bit": 2.0}
 
 
@@ -70,11 +73,11 @@ def make(variant: str, params, args, model=None) -> tuple[torch.optim.Optimizer,
         return make_optimizer(variant.split("-")[1], params, args.lr, wd, args.min_quant_size, "muon", model=model), "lr"
     if variant in ("fp32", "8bit", "4bit", "fp8"):
         return make_optimizer(variant, params, args.lr, wd, args.min_quant_size), "lr"
-    if variant == "4bit-rank1":
+    if variant == "4bit-block":
         import bridge
 
         return bridge.AdamW4bit(params, lr=args.lr, betas=betas, weight_decay=wd, min_quant_size=args.min_quant_size,
-                                rank1_normalization=True), "lr"
+                                rank1_normalization=False), "lr"
     if variant.startswith("ademamix-"):
         import bridge
 

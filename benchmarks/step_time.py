@@ -17,8 +17,9 @@ the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic round
   bridge-sgd-8bit, ...              bridge.SGD8bit / SGD(state_format=...), momentum 0.9
   functional-8bit, ...              lowbit_tree.adamw: tx.update + apply_updates, eager
   functional-lion-8bit, -sgd-8bit   lowbit_tree.lion / lowbit_tree.sgd(momentum=0.9)
-  functional-4bit-rank1             lowbit_tree.adamw(state_format="4bit", rank1_normalization=True)
-  bridge-4bit-rank1                 bridge.AdamW4bit(rank1_normalization=True)
+  functional-4bit-block             lowbit_tree.adamw(state_format="4bit", rank1_normalization=False)
+  bridge-4bit-block                 bridge.AdamW4bit(rank1_normalization=False)
+                                    (every other 4-bit Adam row: 4-bit's default, rank-1 second moments)
   torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
   bnb-8bit                          bitsandbytes.optim.AdamW8bit
   bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / AdEMAMix4bit (8-bit slow EMA) / AdEMAMix (fp32)
@@ -64,7 +65,7 @@ IMPLS = (
     + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
     + [f"bridge-lion-{f}" for f in LOW] + [f"bridge-sgd-{f}" for f in LOW]
     + ["functional-fp32"] + [f"functional-{f}" for f in LOW]
-    + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-rank1", "bridge-4bit-rank1"]
+    + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-block", "bridge-4bit-block"]
     + ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bnb-8bit"]
     + [f"bridge-ademamix-{f}" for f in ("8bit", "4bit", "fp32")] + ["functional-ademamix-8bit"]
     + ["bnb-ademamix-8bit", "bnb-ademamix-32bit"]
@@ -159,7 +160,7 @@ def make_optimizer(impl, params):
             tx = lt.muon(MUON_HP["lr"], MUON_HP["momentum"], MUON_HP["weight_decay"], ns_steps=MUON_HP["ns_steps"],
                          state_format=fmt)
         else:
-            tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=impl.endswith("rank1"))
+            tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=False if impl.endswith("block") else None)
         return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
     if fam == "bridge":
         try:
@@ -179,8 +180,8 @@ def make_optimizer(impl, params):
         fmt, extra = parts[1], parts[2:]
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, state_format=fmt,
                   amsgrad="amsgrad" in extra, bf16_stochastic_round="bf16sr" in extra)
-        if "rank1" in extra:
-            kw["rank1_normalization"] = True
+        if "block" in extra:
+            kw["rank1_normalization"] = False
         return bridge.AdamW(params, **kw), ""
     if fam == "torchao":
         try:

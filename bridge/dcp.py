@@ -29,8 +29,11 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
     reader = dcp.FileSystemReader(checkpoint_id) if isinstance(checkpoint_id, (str, bytes)) or hasattr(
         checkpoint_id, "__fspath__") else checkpoint_id
     saved = reader.read_metadata().state_dict_metadata
+    _keep_group_keys_the_checkpoint_lacks(osd, saved, key)
     for fqn, states in osd.get("state", {}).items():
         for name, value in states.items():
+            if isinstance(value, dict):
+                _check_record_kind(value, saved, f"{key}.state.{fqn}.{name}", f"{fqn} {name}")
             if not isinstance(value, dict) or set(value) != {"codes", "scale"}:
                 continue
             prefix = f"{key}.state.{fqn}.{name}"
@@ -44,3 +47,27 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
                             for part in ("codes", "scale")}
     dcp.load({key: osd}, checkpoint_id=checkpoint_id)
     set_optimizer_state_dict(model, optimizer, osd)
+
+
+def _keep_group_keys_the_checkpoint_lacks(osd: dict, saved: dict, key: str) -> None:
+    """Leave out of the load target the group entries the checkpoint has no value for (a key added
+    since it was written, e.g. an explicit ``rank1_normalization``): ``dcp.load`` would stop with
+    "Missing key", and loading keeps this optimizer's values for them (as ``load_state_dict`` does)."""
+    for i, group in enumerate(osd.get("param_groups", [])):
+        for k in [k for k, v in group.items() if k != "params" and not isinstance(v, (list, tuple, dict))]:
+            if f"{key}.param_groups.{i}.{k}" not in saved:
+                del group[k]
+
+
+def _check_record_kind(value: dict, saved: dict, prefix: str, what: str) -> None:
+    """A 4-bit second moment saved per block where this optimizer keeps a rank-1 record, or the
+    other way round: say so and what to build (``dcp.load`` would name a missing key)."""
+    if set(value) == {"codes", "row_max", "col_max"} and f"{prefix}.scale" in saved and f"{prefix}.row_max" not in saved:
+        raise ValueError(
+            f"{what}: the checkpoint holds a block-normalized 4-bit state (the 4-bit default before lowbit-tree's "
+            "state-dict version 3) and this optimizer a rank-1 normalized one (today's 4-bit default); build the "
+            "optimizer with rank1_normalization=False to load it")
+    if set(value) == {"codes", "scale"} and f"{prefix}.row_max" in saved and f"{prefix}.scale" not in saved:
+        raise ValueError(
+            f"{what}: the checkpoint holds a rank-1 normalized 4-bit state and this optimizer a block-normalized "
+            "one; build the optimizer with rank1_normalization=True (or leave it unset: 4-bit's default) to load it")

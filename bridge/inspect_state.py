@@ -3,7 +3,7 @@
 Reads, without running any pickled code (``torch.load(weights_only=True)``, DCP metadata):
 
 - a ``torch.save``d ``LowBitOptimizer.state_dict()`` (or a plain torch.optim one): each
-  quantized state is a nested dict ``{"codes", "scale"}`` under its torch name (version 2;
+  quantized state is a nested dict ``{"codes", "scale"}`` under its torch name (versions 2 and 3;
   version 1 wrote ``name::codes`` / ``name::scale`` keys, also read); the format comes from
   the param group's ``state_format`` (first or second moment by state name) and the block
   size from its ``block_size`` (or the format's default), checked against the tensors' shapes;
@@ -38,7 +38,7 @@ SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, 
                  "exp_avg_slow": True}
 GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
 OWN_FORMAT_KEYS = {"exp_avg_slow": "slow_state_format"}  # states a group may store in a format of their own
-RECORD_PARTS = ("codes", "scale", "row_max", "col_max")  # the tensors of a quantized state (version 2 nesting)
+RECORD_PARTS = ("codes", "scale", "row_max", "col_max")  # the tensors of a quantized state (versions 2 and 3 nest them)
 
 
 class InspectError(Exception):
@@ -157,7 +157,7 @@ def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
 
 
 def _versions(groups: list[dict], layout: int | None = None) -> str:
-    """``layout``: the version the state keys show (2: nested records, 1: ``name::part`` keys)."""
+    """``layout``: the version the state keys show (3: nested records, 1: ``name::part`` keys)."""
     vs = sorted({str(g.get("lowbit_tree_version")) for g in groups} - {"None"})
     reads = f"this lowbit-tree reads {', '.join(map(str, _readable_versions()))}"
     if not vs and layout is not None:
@@ -178,7 +178,9 @@ def _layout(entries: dict) -> int | None:
     if any("::" in k for k in keys):
         return 1
     if any("." in k and k.rsplit(".", 1)[1] in RECORD_PARTS for k in keys):
-        return 2
+        from .state_dict import STATE_DICT_VERSION
+
+        return STATE_DICT_VERSION  # versions 2 and 3 nest records alike; the loader takes it as 3
     return None
 
 
@@ -213,7 +215,7 @@ def inspect_optimizer_state_dict(sd: dict) -> Report:
         if not isinstance(st, dict):
             raise InspectError(f"state of param {pid!r} is a {type(st).__name__}, not a dict")
         for key, t in st.items():
-            if isinstance(t, dict):  # version 2: a quantized state's tensors under its name
+            if isinstance(t, dict):  # versions 2, 3: a quantized state's tensors under its name
                 for part, tt in t.items():
                     if isinstance(tt, torch.Tensor):
                         entries[(pid, f"{key}.{part}")] = (tuple(tt.shape), tt.dtype, tt.numel() * tt.element_size())
@@ -243,7 +245,7 @@ def inspect_dcp(path: str) -> Report:
         if ".state." in f".{key}":
             prefix, rest = f".{key}".split(".state.", 1)
             pid, name = rest.rsplit(".", 1)
-            if name in RECORD_PARTS and "." in pid:  # version 2: "<param>.<name>.codes"
+            if name in RECORD_PARTS and "." in pid:  # versions 2, 3: "<param>.<name>.codes"
                 pid, state_name = pid.rsplit(".", 1)
                 name = f"{state_name}.{name}"
             entries[(prefix.lstrip(".") + ("/" if prefix.strip(".") else "") + pid, name)] = info

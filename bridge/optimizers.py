@@ -164,7 +164,7 @@ class _TorchOptimizer(LowBitOptimizer):
 
 
 def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=False):
+            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None):
     """torch.optim.Adam: L2 ``weight_decay`` added to the gradient before the moments."""
     return alias.adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                       state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
@@ -172,7 +172,7 @@ def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize
 
 
 def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=False):
+                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None):
     """torch.optim.AdamW: decoupled decay, ``p - lr * (adam + wd * p)``."""
     return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
                        state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
@@ -199,7 +199,7 @@ def _adam_kwargs(group):
                 amsgrad=group["amsgrad"], maximize=bool(group.get("maximize", False)),
                 state_format=group["state_format"], block_size=group["block_size"],
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
-                rank1_normalization=bool(group.get("rank1_normalization", False)))
+                rank1_normalization=group.get("rank1_normalization"))
 
 
 class _AdamBase(_TorchOptimizer):
@@ -209,7 +209,7 @@ class _AdamBase(_TorchOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
-                 skip_nonfinite=False, rank1_normalization=False):
+                 skip_nonfinite=False, rank1_normalization=None):
         weight_decay = self._default_wd if weight_decay is None else weight_decay
         _betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -217,9 +217,10 @@ class _AdamBase(_TorchOptimizer):
                         fused=fused, state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
-        if rank1_normalization is not False:
-            # only when asked for: a group key that older checkpoints lack would make DCP's load of
-            # them fail ("Missing key ... rank1_normalization")
+        if rank1_normalization is not None:
+            # only when given: a group key that older checkpoints lack would make DCP's load of
+            # them fail ("Missing key ... rank1_normalization"); absent, the format decides
+            # (lowbit_tree.moments.default_rank1: rank-1 for "4bit")
             defaults["rank1_normalization"] = rank1_normalization
         super().__init__(params, type(self)._factory_fn, defaults, group_to_kwargs=_adam_kwargs)
 
@@ -229,7 +230,7 @@ class _AdamBase(_TorchOptimizer):
         _in_range(owner, "eps", group["eps"], 0.0)
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _flag(owner, "amsgrad", group["amsgrad"])
-        _flag(owner, "rank1_normalization", group.get("rank1_normalization", False))
+        _flag(owner, "rank1_normalization", group.get("rank1_normalization"), allow_none=True)
         if group.get("rank1_normalization") and group["state_format"] != "4bit":
             raise ValueError(
                 f"{owner}: rank1_normalization=True is a 4-bit second moment (row and column maxima instead of "

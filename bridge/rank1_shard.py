@@ -69,7 +69,7 @@ def rank1_reduce(p, local: torch.Tensor):
         raise ValueError(
             f"rank-1 normalized 4-bit state of the param of shape {tuple(p.shape)} placed {tuple(p.placements)}: "
             f"this rank's {local.shape[1]} columns are an odd number, and a 4-bit byte holds two; use an even "
-            "tensor-parallel split, or rank1_normalization=False"
+            "tensor-parallel split, or 8-bit states for this param"
         )
     return Rank1Reduce(p) if rows or cols else None
 

@@ -33,18 +33,20 @@ from .qstate import QState
 from .rank1_shard import rank1_local_part, rank1_state_tensors
 from .state_tree import Rank1Holder as _Rank1Holder
 
-STATE_DICT_VERSION = 2
-"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it."""
+STATE_DICT_VERSION = 3
+"""Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it. Version 3: a
+group without ``rank1_normalization`` has its format's default (rank-1 for ``"4bit"``); in
+versions 1 and 2 it meant ``False`` (block-normalized, the 4-bit default then)."""
 
 VERSION_KEY = "lowbit_tree_version"
 
-# group keys that shape the state: fixed per param, compared on load
+RANK1_KEY = "rank1_normalization"
+# group keys that shape the state: fixed per param, compared on load (RANK1_KEY: _rank1_on_load)
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round",
-               "rank1_normalization")
-STATIC_DEFAULTS = {"rank1_normalization": False}  # a group or state dict without the key: the default
+               RANK1_KEY)
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 NEW_IN_VERSION_2 = ("foreach", "maximize", "capturable", "differentiable", "fused")  # group keys
 
 
@@ -95,8 +97,9 @@ def as_version_1(state_dict: dict) -> dict:
 
     Takes the nested layout (``{"state": ..., "param_groups": ...}``) or torch's flattened one
     (``state.<fqn>.<name>.codes`` keys). Group keys version 1 did not write (torch.optim's
-    ``foreach``, ``fused``, ... arguments) are left out, so that DCP does not look for them;
-    loading keeps this optimizer's values for them."""
+    ``foreach``, ``fused``, ... arguments, and ``rank1_normalization=False``: its default then)
+    are left out, so that DCP does not look for them; loading keeps this optimizer's values for
+    them."""
     if "state" in state_dict and "param_groups" in state_dict:
         state = {}
         for pid, st in state_dict["state"].items():
@@ -106,27 +109,35 @@ def as_version_1(state_dict: dict) -> dict:
                     state[pid].update({f"{name}::{part}": t for part, t in v.items()})
                 else:
                     state[pid][name] = v
-        groups = [{k: v for k, v in g.items() if k not in NEW_IN_VERSION_2} for g in state_dict["param_groups"]]
+        groups = [{k: v for k, v in g.items() if k not in NEW_IN_VERSION_2 and not _false_rank1(k, v)}
+                  for g in state_dict["param_groups"]]
         return {"state": state, "param_groups": groups}
     out = {}
     for key, v in state_dict.items():
         head, _, part = key.rpartition(".")
-        if key.startswith("param_groups.") and part in NEW_IN_VERSION_2:
+        if key.startswith("param_groups.") and (part in NEW_IN_VERSION_2 or _false_rank1(part, v)):
             continue
         out[f"{head}::{part}" if key.startswith("state.") and f"::{part}" in STATE_SUFFIXES else key] = v
     return out
 
 
+def _false_rank1(key: str, value) -> bool:
+    """``rank1_normalization=False``, which version 1 never wrote (it was the default)."""
+    return key == RANK1_KEY and value is False
+
+
 def _saved_version(saved_group: dict, state_dict: dict):
     """The group's format version. torch's ``flatten_optimizer_state_dict`` rebuilds
     param groups from the live groups' keys and so drops ours; nested state dicts are
-    written by version 2 only, ``::`` keys by version 1 only."""
+    written by versions 2 and 3 (taken as 3: the two differ only in what a missing
+    ``rank1_normalization`` means, and :func:`_saved_rank1` reads that off the records),
+    ``::`` keys by version 1 only."""
 
     if VERSION_KEY in saved_group:
         return saved_group[VERSION_KEY]
     states = [st for st in state_dict.get("state", {}).values() if isinstance(st, dict)]
     if any(isinstance(v, dict) for st in states for v in st.values()):
-        return 2
+        return STATE_DICT_VERSION
     if any(isinstance(k, str) and k.endswith(STATE_SUFFIXES) for st in states for k in st):
         return 1
     return None
@@ -150,8 +161,10 @@ def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> None:
-
+def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> dict:
+    """Checks the saved groups against this optimizer's; returns ``{group index: rank-1 choice}``
+    for the groups that take the saved one (:func:`_rank1_on_load`)."""
+    adopted: dict = {}
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has {len(opt.param_groups)}"
@@ -171,14 +184,67 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
                 "lowbit-tree release that wrote it and export it with torch_state_dict(), which any version can load"
             )
         for key in STATIC_KEYS:
-            value, mine = saved.get(key, STATIC_DEFAULTS.get(key)), group.get(key, STATIC_DEFAULTS.get(key))
-            if (key in group or key in STATIC_DEFAULTS) and value != mine:
-                raise ValueError(
-                    f"param group {gi}: the state dict has {key}={value!r} but this optimizer has "
-                    f"{key}={mine!r}; build the optimizer with {key}={value!r}, or convert: "
-                    "load it into a matching optimizer, then new_opt.load_state_dict(old_opt.torch_state_dict()) "
-                    "re-quantizes its fp32 export"
-                )
+            if key == RANK1_KEY:
+                continue
+            value, mine = saved.get(key), group.get(key)
+            if key in group and value != mine:
+                raise ValueError(_static_mismatch(gi, key, value, mine))
+        if _takes_rank1(opt):
+            value = _rank1_on_load(gi, saved, group, version, state_dict)
+            if value is not None:
+                adopted[gi] = value
+    return adopted
+
+
+def _static_mismatch(gi: int, key: str, value, mine) -> str:
+    return (f"param group {gi}: the state dict has {key}={value!r} but this optimizer has "
+            f"{key}={mine!r}; build the optimizer with {key}={value!r}, or convert: "
+            "load it into a matching optimizer, then new_opt.load_state_dict(old_opt.torch_state_dict()) "
+            "re-quantizes its fp32 export")
+
+
+def _takes_rank1(opt) -> bool:
+    import inspect
+
+    return RANK1_KEY in inspect.signature(opt._factory).parameters
+
+
+def _saved_rank1(saved: dict, state_dict: dict, version):
+    """The saved group's rank-1 choice: its key; else what its second-moment records are
+    (a flattened round trip drops group keys torch.optim does not know); else, with no record
+    to say, ``False`` for versions 1 and 2 (block-normalized 4-bit was the default then) and
+    ``None`` (the format's default) for version 3."""
+    if RANK1_KEY in saved:
+        return saved[RANK1_KEY]
+    for i in saved["params"]:
+        st = state_dict["state"].get(i)
+        for k, v in (st.items() if isinstance(st, dict) else ()):
+            name, _, part = str(k).partition("::")  # version 1: "exp_avg_sq::row_max"
+            parts = set(v) if isinstance(v, dict) else {part}
+            if "row_max" in parts:
+                return True
+            if name in ("exp_avg_sq", "max_exp_avg_sq") and "scale" in parts:
+                return False
+    return False if version in (1, 2) else None
+
+
+def _rank1_on_load(gi: int, saved: dict, group: dict, version, state_dict: dict):
+    """The saved group's rank-1 choice against this group's: ``None`` if they agree; the saved
+    value if this group has the format's default (no key, or ``None``: the checkpoint's layout is
+    kept, as torch.optim restores a group's hyperparameters; the group then says so); a
+    ValueError if this group chose otherwise explicitly."""
+    from lowbit_tree.moments import STATE_FORMAT_NAMES, resolve_rank1
+
+    fmt = saved.get("state_format", group.get("state_format"))
+    if fmt not in STATE_FORMAT_NAMES:
+        return None  # the format check names it
+    value = resolve_rank1(_saved_rank1(saved, state_dict, version), fmt)
+    mine = group.get(RANK1_KEY)
+    if value == resolve_rank1(mine, group.get("state_format", fmt)):
+        return None
+    if mine is not None:
+        raise ValueError(_static_mismatch(gi, RANK1_KEY, value, mine))
+    return value
 
 
 def _is_ours(state_dict: dict) -> bool:
@@ -195,11 +261,13 @@ def load_into(opt, state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
     migrating = not _is_ours(state_dict)
-    _check_groups(opt, state_dict["param_groups"], migrating, state_dict)
+    adopted = _check_groups(opt, state_dict["param_groups"], migrating, state_dict)
 
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
-    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    # the groups as they will be: a group on its format's default takes the saved rank-1 choice
+    as_loaded = [dict(g, **{RANK1_KEY: adopted[gi]}) if gi in adopted else g for gi, g in enumerate(opt.param_groups)]
+    group_of = {id(p): g for g in as_loaded for p in g["params"]}
 
     # Build every new state first: nothing changes unless all of it loads.
     new_states = {}
@@ -249,7 +317,7 @@ def load_into(opt, state_dict: dict) -> None:
 
     # torch restores the groups (hyperparameters from the state dict, as torch.optim does)
     groups = []
-    for saved, group in zip(state_dict["param_groups"], opt.param_groups):
+    for saved, group in zip(state_dict["param_groups"], as_loaded):
         g = {k: v for k, v in saved.items() if k != VERSION_KEY}
         # keys the saved group lacks (a torch.optim dict has none of our static keys; an older
         # dict lacks keys added since) keep this optimizer's values

@@ -61,7 +61,7 @@ def adam(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
-    rank1_normalization: bool = False,
+    rank1_normalization: bool | None = None,
     stochastic_round: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
@@ -95,7 +95,7 @@ def adamw(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
-    rank1_normalization: bool = False,
+    rank1_normalization: bool | None = None,
     stochastic_round: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:

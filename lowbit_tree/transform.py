@@ -148,7 +148,7 @@ def scale_by_adam(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
-    rank1_normalization: bool = False,
+    rank1_normalization: bool | None = None,
 ) -> GradientTransformation:
     """Rescale updates by Adam's ``m_hat / (sqrt(v_hat) + eps)``.
 
@@ -162,13 +162,15 @@ def scale_by_adam(
       block_size: block size of quantized leaves (``None``: the format's default).
       min_quant_size: smaller (or 1-D) leaves keep a float32 state.
       rank1_normalization: with ``"4bit"``, store ``nu`` as a
-        :class:`~lowbit_tree.moments.Rank1QTensor` (arXiv 2309.01507).
+        :class:`~lowbit_tree.moments.Rank1QTensor` (arXiv 2309.01507: each element normalized
+        by its row's and column's maxima) instead of per block. ``None`` (default): the
+        format's choice, :func:`~lowbit_tree.moments.default_rank1` (``True`` for ``"4bit"``,
+        chosen by measurement: design.md, "The 4-bit default").
     Returns:
       A transformation with state :class:`ScaleByAdamState`.
     """
     moments.check_state_format(state_format)
-    if rank1_normalization and state_format != "4bit":
-        raise ValueError(f"rank1_normalization needs state_format='4bit', got {state_format!r}")
+    rank1_normalization = moments.resolve_rank1(rank1_normalization, state_format)
 
     def moment(signed):
         return lambda p: moments.init_moment(

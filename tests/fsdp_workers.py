@@ -146,10 +146,10 @@ def batch(step: int, rank: int = 0) -> torch.Tensor:
 
 OPTIMIZERS = {
     "8bit": "AdamW8bit",
-    "4bit": "AdamW4bit",
+    "4bit": "AdamW4bit",  # its default: rank-1 normalized second moments, maxima all-reduced across shards
+    "4bitblock": "AdamW4bit",  # rank1_normalization=False: second moments per block
     "fp8": "AdamWFp8",
     "ademamix8bit": "AdEMAMix8bit",  # three states, the third a signed slow EMA
-    "4bitr1": "AdamW4bit",  # rank-1 normalized second moments: maxima all-reduced across shards
     "muon8bit": "Muon",  # Muon on the 2-D params (distributed Newton-Schulz), AdamW on the rest
     "muon4bit": "Muon",
     "muonfp32": "Muon",
@@ -162,8 +162,8 @@ def make_opt(params, fmt: str, **kw):
     cls = getattr(bridge, OPTIMIZERS[fmt])
     kw.setdefault("block_size", 8)      # rows of 12 and 21: blocks 8+4 and 8+8+5
     kw.setdefault("min_quant_size", 1)  # quantize every 2-D state of the tiny model
-    if fmt == "4bitr1":
-        kw["rank1_normalization"] = True
+    if fmt == "4bitblock":
+        kw["rank1_normalization"] = False
     if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
         ps = list(params)
         if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
@@ -310,7 +310,7 @@ def _check_quantized_like_global(opt, min_quant_size):
 
 
 def parity_worker(rank, world):
-    for fmt in ("8bit", "4bit", "4bitr1", "fp8", "ademamix8bit", "muon8bit", "muon4bit", "muonfp32"):
+    for fmt in ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bit", "muonfp32"):
         _, opt = _parity_run(rank, world, fmt, offload=False)
         if fmt != "muonfp32":
             _check_quantized_like_global(opt, 1)
@@ -437,7 +437,7 @@ def rank1_exact_worker(rank, world, steps=4):
     size. Returns the bytes this rank sent for the maxima per step."""
     from bridge.state_tree import Rank1Holder
 
-    opt = _exact_run(rank, world, "4bitr1", steps)
+    opt = _exact_run(rank, world, "4bit", steps)
     holders = [v for st in opt.state.values() for v in st.values() if isinstance(v, Rank1Holder)]
     assert holders
     return sum(h.record.reduce.sent for h in holders if h.record.reduce is not None) // steps
@@ -453,7 +453,7 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bit", "4bitr1", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three
+FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three
 # formats and with rank-1 4-bit second moments, AdEMAMix and Muon 8-bit
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84

@@ -37,7 +37,7 @@ def _functional(name, kw):
     b1, b2 = kw.get("betas", default_betas)[:2]
     common = dict(state_format=kw["state_format"], block_size=kw.get("block_size"),
                   min_quant_size=kw.get("min_quant_size", 4096), stochastic_round=kw.get("bf16_stochastic_round", False))
-    rank1 = dict(rank1_normalization=kw.get("rank1_normalization", False))
+    rank1 = dict(rank1_normalization=kw.get("rank1_normalization"))  # None: the format's default, as the bridge
     if name == "AdamW":
         return lt.adamw(lr, b1, b2, kw.get("eps", 1e-8), kw.get("weight_decay", 1e-2), amsgrad=kw.get("amsgrad", False),
                         maximize=kw.get("maximize", False), **common, **rank1)
@@ -83,6 +83,7 @@ CASES = [
     ("AdamW", dict(state_format="8bit", dtype=torch.bfloat16, bf16_stochastic_round=True)),
     ("AdamW", dict(state_format="4bit", dtype=torch.float16)),
     ("AdamW", dict(state_format="4bit", rank1_normalization=True, weight_decay=0.1)),
+    ("AdamW", dict(state_format="4bit", rank1_normalization=False, weight_decay=0.1)),
     ("Adam", dict(state_format="4bit", rank1_normalization=True, amsgrad=True)),
     ("Adam", dict(state_format="8bit", weight_decay=0.05)),
     ("Adam", dict(state_format="8bit_bnb", amsgrad=True, maximize=True, weight_decay=0.01)),

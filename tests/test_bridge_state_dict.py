@@ -8,6 +8,7 @@ import torch
 
 import bridge
 from bridge import QState
+from bridge.state_tree import Rank1Holder as _Rank1Holder
 from test_bridge_optimizer import data, mlp, train
 
 
@@ -38,6 +39,9 @@ def test_round_trip_bit_for_bit_weights_only_and_training_continues_identically(
                 assert sorted(v) == ["codes", "scale"]
                 assert type(v["codes"]) is torch.Tensor and v["codes"].dtype == torch.uint8
                 assert type(v["scale"]) is torch.Tensor and v["scale"].dtype == torch.float32
+            elif isinstance(live[k], _Rank1Holder):  # AdamW4bit's second moment
+                assert sorted(v) == ["codes", "col_max", "row_max"] and v["codes"].dtype == torch.uint8
+                assert all(type(t) is torch.Tensor for t in v.values())
             else:
                 assert type(v) is torch.Tensor, (k, type(v))
     m2 = copy.deepcopy(m1)
@@ -51,6 +55,9 @@ def test_round_trip_bit_for_bit_weights_only_and_training_continues_identically(
                 assert torch.equal(w.codes.view(torch.uint8), v.codes.view(torch.uint8))
                 assert torch.equal(w.scale, v.scale)
                 assert w.codes.dtype == v.codes.dtype  # not cast to the param dtype
+            elif isinstance(v, _Rank1Holder):
+                assert isinstance(w, _Rank1Holder)
+                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(w.tensors().values(), v.tensors().values()))
             else:
                 assert torch.equal(w, v) and w.dtype == v.dtype
     l1, l2 = train(m1, o1, 3), train(m2, o2, 3)
@@ -216,20 +223,26 @@ def _assert_loaded_exactly(opt, params, saved_state):
                 assert torch.equal(v, saved[name]) and v.dtype == saved[name].dtype
 
 
-def test_version_1_state_dict_loads_bit_for_bit_and_saves_as_version_2():
-    """tests/data/v1_state_dict.pt was written by the version-1 code (tests/data/make_v1_state_dict.py)."""
+def test_version_1_state_dict_loads_bit_for_bit_and_saves_as_version_3():
+    """tests/data/v1_state_dict.pt was written by the version-1 code (tests/data/make_v1_state_dict.py).
+    Its 4-bit group is block-normalized (the 4-bit default then): a group on today's default
+    (rank-1) takes the checkpoint's choice, and says so."""
     v1, data = _v1_fixture()
     sd = data["optim"]
     assert sd["param_groups"][0]["lowbit_tree_version"] == 1 and "exp_avg::codes" in sd["state"][0]
     ps = v1.params(5)  # other values than the saved run: loading must not depend on them
     opt = bridge.AdamW(v1.groups(ps), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    assert "rank1_normalization" not in opt.param_groups[1]  # the format's default: rank-1
     opt.load_state_dict(sd)
+    assert opt.param_groups[1]["rank1_normalization"] is False
     params = list(ps.values())
     assert [opt.state[p]["exp_avg"].format for p in (params[0], params[2], params[3])] == ["dynamic8", "dynamic4", "e4m3"]
+    assert isinstance(opt.state[params[2]]["exp_avg_sq"], QState)
     _assert_loaded_exactly(opt, params, sd["state"])
-    # saved again, it is version 2 with the same tensors under torch's names
+    # saved again, it is version 3 with the same tensors under torch's names
     again = save_load(opt.state_dict())
-    assert {g["lowbit_tree_version"] for g in again["param_groups"]} == {2}
+    assert {g["lowbit_tree_version"] for g in again["param_groups"]} == {3}
+    assert again["param_groups"][1]["rank1_normalization"] is False
     for i, st in sd["state"].items():
         for key, t in st.items():
             name, _, part = key.partition("::")
@@ -304,7 +317,9 @@ def test_a_version_1_dcp_checkpoint_loads_through_as_version_1(tmp_path):
         warnings.simplefilter("ignore")  # DCP without a process group
         dcp.save({"optim": data["optim"]}, checkpoint_id=str(tmp_path / "v1"))  # what version 1 wrote
     ps = v1.params(5)
-    opt = bridge.AdamW(v1.groups(ps), lr=1e-2, weight_decay=0.1, min_quant_size=0)
+    groups = v1.groups(ps)
+    groups[1]["rank1_normalization"] = False  # DCP loads into the live layout: the checkpoint's 4-bit is per block
+    opt = bridge.AdamW(groups, lr=1e-2, weight_decay=0.1, min_quant_size=0)
     v1.steps(ps, opt, 1, 4)  # states exist (get_optimizer_state_dict would do this step itself)
     target = as_version_1(opt.state_dict())
     assert "exp_avg::codes" in target["state"][0] and "exp_avg" not in target["state"][0]
@@ -353,6 +368,103 @@ def test_rank1_normalized_4bit_classes_save_and_load():
     assert all(torch.equal(getattr(a, k), getattr(b, k)) for k in ("codes", "row_max", "col_max"))
 
     with pytest.raises(ValueError, match="rank1_normalization=True but this optimizer has rank1_normalization=False"):
-        bridge.AdamW4bit([torch.nn.Parameter(w.clone())], min_quant_size=1024).load_state_dict(saved)
+        bridge.AdamW4bit([torch.nn.Parameter(w.clone())], min_quant_size=1024,
+                         rank1_normalization=False).load_state_dict(saved)
     with pytest.raises(ValueError, match="rank1_normalization=True is a 4-bit second moment"):
         bridge.AdamW8bit([torch.nn.Parameter(w.clone())], rank1_normalization=True)
+
+
+@pytest.mark.parametrize("how", ["v2-no-key", "v3-explicit", "flattened-no-version"])
+def test_block_4bit_checkpoint_loads_into_the_rank1_default(how):
+    """A block-normalized 4-bit state dict (written before rank-1 became 4-bit's default, or by
+    ``rank1_normalization=False``) loads into ``AdamW4bit()`` as it was saved: the group takes the
+    checkpoint's choice (visible in the group and the states), and training continues bit for
+    bit as in the optimizer that wrote it. An explicit ``rank1_normalization=True`` refuses it."""
+    torch.manual_seed(7)
+    w = torch.randn(40, 300)
+    grads = [torch.randn(40, 300) for _ in range(5)]
+    p = torch.nn.Parameter(w.clone())
+    opt = bridge.AdamW4bit([p], rank1_normalization=False, min_quant_size=1024)
+    for g in grads[:2]:
+        p.grad = g.clone()
+        opt.step()
+    saved = save_load(opt.state_dict())
+    assert set(saved["state"][0]["exp_avg_sq"]) == {"codes", "scale"}
+    if how == "v2-no-key":  # what version 2 wrote for AdamW4bit(): no key, version 2
+        for g in saved["param_groups"]:
+            del g["rank1_normalization"]
+            g["lowbit_tree_version"] = 2
+    elif how == "flattened-no-version":  # torch's flatten_optimizer_state_dict drops both keys
+        for g in saved["param_groups"]:
+            del g["rank1_normalization"], g["lowbit_tree_version"]
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = bridge.AdamW4bit([q], min_quant_size=1024)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["rank1_normalization"] is False and isinstance(opt2.state[q]["exp_avg_sq"], QState)
+    for g in grads[2:]:
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        opt2.step()
+    assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="rank1_normalization=False but this optimizer has rank1_normalization=True"):
+        bridge.AdamW4bit([torch.nn.Parameter(w.clone())], min_quant_size=1024,
+                         rank1_normalization=True).load_state_dict(saved)
+
+
+def test_4bit_default_is_rank1_and_saves_without_the_key():
+    """``AdamW4bit()`` keeps rank-1 second moments (the measured default) and writes no
+    ``rank1_normalization`` key (DCP checkpoints of older versions then still match the groups);
+    a version-3 dict without it means the default again."""
+    p = torch.nn.Parameter(torch.randn(40, 300))
+    opt = bridge.AdamW4bit([p], min_quant_size=1024)
+    p.grad = torch.randn(40, 300)
+    opt.step()
+    assert isinstance(opt.state[p]["exp_avg_sq"], _Rank1Holder) and isinstance(opt.state[p]["exp_avg"], QState)
+    saved = save_load(opt.state_dict())
+    assert "rank1_normalization" not in saved["param_groups"][0] and saved["param_groups"][0]["lowbit_tree_version"] == 3
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = bridge.AdamW4bit([q], min_quant_size=1024)
+    opt2.load_state_dict(saved)
+    assert "rank1_normalization" not in opt2.param_groups[0] and isinstance(opt2.state[q]["exp_avg_sq"], _Rank1Holder)
+
+
+def test_dcp_load_optimizer_and_an_older_block_4bit_checkpoint(tmp_path):
+    """A DCP checkpoint of block-normalized 4-bit states as version 2 wrote it (no
+    ``rank1_normalization`` key): ``bridge.dcp.load_optimizer`` into today's default (rank-1)
+    says what to build; built with ``rank1_normalization=False`` (a group key the checkpoint
+    lacks, which DCP would report missing) it loads exactly."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from bridge.dcp import load_optimizer
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 40), torch.nn.Linear(40, 8))
+    opt = bridge.AdamW4bit(model.parameters(), rank1_normalization=False, min_quant_size=64)
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    osd = get_optimizer_state_dict(model, opt)
+    for g in osd["param_groups"]:
+        del g["rank1_normalization"]
+        g["lowbit_tree_version"] = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group
+        dcp.save({"optim": osd}, checkpoint_id=str(tmp_path / "ckpt"))
+        default = copy.deepcopy(model)
+        opt2 = bridge.AdamW4bit(default.parameters(), min_quant_size=64)
+        with pytest.raises(ValueError, match=r"0\.weight exp_avg_sq: the checkpoint holds a block-normalized 4-bit "
+                                             r"state .* rank1_normalization=False to load it"):
+            load_optimizer(default, opt2, str(tmp_path / "ckpt"))
+        block = copy.deepcopy(model)
+        opt3 = bridge.AdamW4bit(block.parameters(), rank1_normalization=False, min_quant_size=64)
+        load_optimizer(block, opt3, str(tmp_path / "ckpt"))
+    assert opt3.param_groups[0]["rank1_normalization"] is False
+    for p, q in zip(model.parameters(), block.parameters()):
+        for k, v in opt.state[p].items():
+            w = opt3.state[q][k]
+            if isinstance(v, QState):
+                assert torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale), k
+            else:
+                assert torch.equal(v, w), k

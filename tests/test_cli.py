@@ -29,21 +29,22 @@ def _inspect(path, capsys):
     return rc, out.out, out.err
 
 
-@pytest.mark.parametrize("fmt, first, second, block", [
-    ("8bit", "dynamic8", "dynamic8_sqrt", "256"),
-    ("4bit", "dynamic4", "linear4_unsigned", "128"),
-    ("fp8", "e4m3", "e4m3_sqrt", "256"),
+@pytest.mark.parametrize("fmt, kw, first, second, block, second_block", [
+    ("8bit", {}, "dynamic8", "dynamic8_sqrt", "256", "256"),
+    ("4bit", {}, "dynamic4", "rank1_linear4_unsigned", "128", "-"),  # 4-bit's default: rank-1 second moments
+    ("4bit", {"rank1_normalization": False}, "dynamic4", "linear4_unsigned", "128", "128"),
+    ("fp8", {}, "e4m3", "e4m3_sqrt", "256", "256"),
 ])
-def test_inspect_optimizer_state_dict(tmp_path, capsys, fmt, first, second, block):
-    opt = _stepped(bridge.AdamW, state_format=fmt, min_quant_size=0)
+def test_inspect_optimizer_state_dict(tmp_path, capsys, fmt, kw, first, second, block, second_block):
+    opt = _stepped(bridge.AdamW, state_format=fmt, min_quant_size=0, **kw)
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     rc, out, err = _inspect(tmp_path / "opt.pt", capsys)
     assert rc == 0, err
     lines = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert lines["0/exp_avg"][1:3] == [first, block]
-    assert lines["0/exp_avg_sq"][1:3] == [second, block]
+    assert lines["0/exp_avg_sq"][1:3] == [second, second_block]
     assert lines["1/exp_avg"][1] == "fp32"  # bias: never quantized
-    assert "format version: 2" in out
+    assert f"format version: {bridge.STATE_DICT_VERSION}" in out
     assert f"total: 8 states, {opt.state_bytes()} bytes" in out
 
 
@@ -78,8 +79,8 @@ def test_inspect_dcp_directory(tmp_path, capsys):
     assert out.startswith("DCP checkpoint directory")
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("optim/")}
     assert rows["optim/0/exp_avg"][1:3] == ["dynamic4", "128"]
-    assert rows["optim/2/exp_avg_sq"][1:3] == ["linear4_unsigned", "128"]
-    assert "format version: 2" in out
+    assert rows["optim/2/exp_avg_sq"][1:3] == ["rank1_linear4_unsigned", "-"]  # 4-bit's default
+    assert f"format version: {bridge.STATE_DICT_VERSION}" in out
     assert f"{opt.state_bytes()} bytes" in out
 
 
@@ -140,7 +141,7 @@ def test_inspect_reads_a_version_1_state_dict(tmp_path, capsys):
     torch.save(data["optim"], tmp_path / "v1.pt")
     rc, out, err = _inspect(tmp_path / "v1.pt", capsys)
     assert rc == 0, err
-    assert "format version: 1 (this lowbit-tree reads 1, 2)" in out
+    assert "format version: 1 (this lowbit-tree reads 1, 2, 3)" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert rows["0/exp_avg"][1:3] == ["dynamic8", "256"] and rows["1/exp_avg"][1] == "fp32"
     assert rows["2/exp_avg_sq"][1:3] == ["linear4_unsigned", "16"] and rows["3/exp_avg"][1:3] == ["e4m3", "256"]
@@ -170,7 +171,7 @@ def test_inspect_flattened_dcp_checkpoint(tmp_path, capsys):
     assert rows["optimizer/0.weight/exp_avg"][1:3] == ["e4m3", "32"]
     assert rows["optimizer/1.weight/exp_avg_sq"][1:3] == ["e4m3_sqrt", "32"]
     assert rows["optimizer/1.bias/exp_avg"][1] == "fp32"
-    assert "format version: 2 (this lowbit-tree reads 1, 2)" in out
+    assert f"format version: {bridge.STATE_DICT_VERSION} (this lowbit-tree reads 1, 2, 3)" in out
     assert f"{opt.state_bytes()} bytes" in out
 
 
@@ -181,6 +182,6 @@ def test_inspect_infers_the_version_a_flattened_load_dropped(tmp_path, capsys):
     torch.save(sd, tmp_path / "opt.pt")
     rc, out, err = _inspect(tmp_path / "opt.pt", capsys)
     assert rc == 0, err
-    assert "format version: 2 (inferred from the state layout" in out
+    assert f"format version: {bridge.STATE_DICT_VERSION} (inferred from the state layout" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert rows["0/exp_avg"][1:3] == ["dynamic8", "256"]

@@ -436,7 +436,7 @@ def test_hf_trainer_checkpoint_and_resume_bit_for_bit(tmp_path):
     assert isinstance(opt, bridge.AdamW8bit)
     assert any(r.format == "dynamic8" for r in opt.state_report())
     saved = torch.load(tmp_path / "a" / "checkpoint-3" / "optimizer.pt", weights_only=True)
-    assert {g["lowbit_tree_version"] for g in saved["param_groups"]} == {2}
+    assert {g["lowbit_tree_version"] for g in saved["param_groups"]} == {bridge.STATE_DICT_VERSION}
 
     resumed = hf_trainer(tmp_path / "b", tiny_gpt2(), 6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))

@@ -65,7 +65,9 @@ def test_matches_torchao_low_bit_adamw(name, fmt):
 
         cls = getattr(torchao.optim, name)
         pt, _, p0 = run(lambda ps: cls(ps, lr=1e-3, weight_decay=1e-2, block_size=256 if fmt != "4bit" else 128))
-    po, _, _ = run(lambda ps: bridge.AdamW(ps, lr=1e-3, weight_decay=1e-2, state_format=fmt, min_quant_size=0))
+    # torchao's 4-bit normalizes the second moment per block: compared with ours doing the same
+    kw = {"rank1_normalization": False} if fmt == "4bit" else {}
+    po, _, _ = run(lambda ps: bridge.AdamW(ps, lr=1e-3, weight_decay=1e-2, state_format=fmt, min_quant_size=0, **kw))
     ref = reference()
     moved = (ref - p0).abs().max().item()
     ours, theirs = (po.detach() - ref).abs().max().item(), (pt.detach() - ref).abs().max().item()

@@ -495,6 +495,8 @@ def _all_states(opt) -> list[torch.Tensor]:
         for name, v in sorted(opt.state[p].items()):
             if isinstance(v, bridge.QState):
                 out += [v.codes.view(torch.uint8), v.scale]
+            elif hasattr(v, "record"):  # a rank-1 record (AdamW4bit's second moment)
+                out += list(v.tensors().values())
             else:
                 out.append(v)
     return out
@@ -540,13 +542,17 @@ def test_nonfinite_storm_is_skipped_bit_for_bit(cls):
     assert any(isinstance(v, bridge.QState) for st in opt_s.state.values() for v in st.values())
 
 
-@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
-def test_nan_without_skip_poisons_only_its_block(cls):
+@pytest.mark.parametrize("cls,rank1", [("AdamW8bit", None), ("AdamW4bit", False), ("AdamW4bit", True),
+                                       ("AdamWFp8", None)], ids=["AdamW8bit", "AdamW4bit-block", "AdamW4bit", "AdamWFp8"])
+def test_nan_without_skip_poisons_only_its_block(cls, rank1):
     """skip_nonfinite=False: one NaN in one element of one param's gradient. The other params
     equal a clean run bit for bit; in the hit param exactly the elements of the NaN's block are
-    NaN after the step, the rest equal the clean run."""
+    NaN after the step, the rest equal the clean run. With a rank-1 second moment the NaN
+    poisons its row's and column's maxima, the next step every column's: the whole param."""
     make = getattr(bridge, cls)
     kw = dict(lr=3e-3, weight_decay=0.1, min_quant_size=64, block_size=32)
+    if rank1 is not None:
+        kw["rank1_normalization"] = rank1
     hit, clean = _storm_params(), _storm_params()
     opt_h, opt_c = make(hit, **kw), make(clean, **kw)
     row, col = 3, 250  # param 3, shape (5, 300): block 250 // 32 = 7 of row 3
@@ -563,6 +569,9 @@ def test_nan_without_skip_poisons_only_its_block(cls):
     nan = torch.isnan(hit[3].detach())
     block = torch.zeros_like(nan)
     block[row, 7 * 32: 8 * 32] = True
+    if rank1:
+        assert nan.all()
+        return
     assert torch.equal(nan, block), nan.nonzero()
     assert torch.equal(hit[3][~block], clean[3][~block])
     assert torch.isfinite(clean[3]).all()
@@ -633,7 +642,7 @@ def test_inspect_header_block_size_matches_rows(tmp_path, cls, block_size):
     shown = re.search(r"block_size=(\d+)", header)
     assert shown, header
     row_blocks = {line.split()[2] for line in text.splitlines()[3:] if re.match(r"^\d+/exp_avg", line)
-                  and not line.split()[1] == "fp32"}
+                  and not line.split()[1] == "fp32" and not line.split()[1].startswith("rank1_")}  # rank-1: no blocks
     expected = {block_size or lt.get_format(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"].format).default_block_size}
     assert row_blocks == {str(b) for b in expected} == {shown[1]}, (header, row_blocks)
 
