@@ -13,7 +13,7 @@ states in every variant):
   4bit-rank1                   bridge.AdamW4bit(rank1_normalization=True)
   4bit-block64                 block-normalized, blocks of 64
 
-Needs scikit-learn (``pip install scikit-learn``) for the data.
+Needs scikit-learn for the data (``pip install -e ".[bench]"``).
 
     python benchmarks/digits_mlp.py                      # 300 steps x 5 seeds, about a minute
 """
