@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .base import GradientTransformation
-from .kernels import buffers
+from . import kernels
+from .kernels import buffers, native
 from .tree_utils import flatten
 
 __all__ = [
@@ -103,6 +104,18 @@ def _compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
+def _native_apply(p: torch.Tensor, u: torch.Tensor) -> bool:
+    """Whether the C kernel adds this update (CPU float32 / bfloat16 param, float32 update, both
+    contiguous, of one shape, the native backend in use): the same bits as ``torch.add``."""
+    return (p.device.type == "cpu" and u.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16)
+            and u.dtype is torch.float32 and p.shape == u.shape and p.is_contiguous() and u.is_contiguous()
+            and not (p.requires_grad or u.requires_grad) and not torch.compiler.is_compiling() and p.numel() >= _NATIVE_APPLY_MIN
+            and kernels.backend_for(p.device) == "native")
+
+
+_NATIVE_APPLY_MIN = 1 << 16  # smaller: torch.add's own loop, no ctypes call
+
+
 def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, key: torch.Tensor | None = None) -> Any:
     """``params + updates`` as new tensors, each in its param's dtype (pure).
 
@@ -128,7 +141,12 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
             x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
             out.append(_stochastic_round(x, p.dtype, key, i))
         else:  # computed in the promoted dtype, rounded once into the param's dtype
-            out.append(torch.add(p, u.to(_compute_dtype(p)), out=buffers.empty(tuple(p.shape), p.dtype, p.device)))
+            new = buffers.empty(tuple(p.shape), p.dtype, p.device)
+            if _native_apply(p, u):
+                native.apply(p, u, new)
+            else:
+                torch.add(p, u.to(_compute_dtype(p)), out=new)
+            out.append(new)
     return spec.unflatten(out)
 
 

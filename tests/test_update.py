@@ -4,6 +4,7 @@ import io
 import pytest
 import torch
 
+import lowbit_tree as lt
 from lowbit_tree.alias import adamw, sgd
 from lowbit_tree.update import apply_updates, rounding_key, stochastic_round
 
@@ -106,3 +107,23 @@ def test_apply_updates_with_key_matches_the_transformation():
     s = tx.init(p)
     u2, _ = tx.update(u, s, p)
     assert torch.equal(apply_updates(p, u2)["w"], apply_updates(p, u, stochastic_round=True, key=rounding_key(s))["w"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(2048, 2048), (300, 301), (70001,)])
+def test_apply_updates_on_the_native_kernel_equals_torch_add(dtype, shape):
+    """Large CPU params take the C kernel's add (non-temporal stores): the same bits as
+    ``torch.add(p, u)`` rounded once to the param's dtype, with NaN, inf and -0 updates."""
+    from lowbit_tree.kernels import native
+    from lowbit_tree.update import _native_apply
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    p = torch.randn(shape, generator=gen).to(dtype)
+    u = torch.randn(shape, generator=gen) * torch.exp(torch.randn(shape, generator=gen) * 4)
+    u.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    got = lt.apply_updates({"w": p}, {"w": u})["w"]
+    want = torch.add(p, u, out=torch.empty_like(p))
+    assert _native_apply(p, u) == native.available()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(bits), want[~nan].view(bits))

@@ -36,7 +36,7 @@ from .spec import NHYPER, StepSpec
 from .tables import cpu_code_table
 
 __all__ = [
-    "available", "build_error", "library", "quantize", "dequantize", "rank1_encode",
+    "available", "build_error", "library", "quantize", "dequantize", "apply", "rank1_encode",
     "NativeState", "NativeJob", "run_jobs", "RULE_IDS",
 ]
 
@@ -219,6 +219,8 @@ def _build_and_load() -> ctypes.CDLL:
         f.restype = None
     lib.lbt_step_jobs.argtypes = [i64, ptr, i32]
     lib.lbt_step_jobs.restype = None
+    lib.lbt_apply.argtypes = [i64, ptr, i64, ptr, ptr, i32]
+    lib.lbt_apply.restype = None
     lib.lbt_rank1_encode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
     lib.lbt_rank1_encode.restype = None
     lib.lbt_prepare.argtypes = [fptr]
@@ -292,6 +294,17 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_si
     _check_size(scale, torch.float32, rows * -(-r // block_size), "scale")
     _check_size(out, torch.float32, rows * r, "out")
     library().lbt_dequantize(rows, r, _ptr(codes), _ptr(scale), _ptr(out), _format_struct(fmt_name), block_size, _threads(rows * r))
+
+
+def apply(p: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = p + u`` rounded once to ``p``'s dtype (float32 or bfloat16; ``u`` float32), as
+    ``torch.add(p, u, out=out)`` computes it, with non-temporal stores into ``out``."""
+    _check(u, torch.float32, "update")
+    if p.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native CPU kernel: apply takes float32 or bfloat16 params, got {p.dtype}")
+    _check_size(p, p.dtype, u.numel(), "param")
+    _check_size(out, p.dtype, u.numel(), "out")
+    library().lbt_apply(u.numel(), _ptr(p), DTYPE_IDS[p.dtype], _ptr(u), _ptr(out), _threads(u.numel()))
 
 
 def _rank1_check(rows: int, r: int, codes: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor,
