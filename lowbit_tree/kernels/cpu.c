@@ -602,6 +602,13 @@ static void code_pass(const int32_t *restrict entry, const int32_t *restrict low
  * power of two (linear4_unsigned: a = 16, c = 1.5): the number of thresholds
  * <= n is floor(n * a - (c - 1)), clamped to [0, last], NaN -> last.
  * lbt_prepare checks it against the thresholds (lin_matches). */
+static inline int32_t lin_index(float q, float a, float b, float last) {
+    float y = q * a - b;
+    y = y < last ? y : last; /* also NaN */
+    y = y > 0.0f ? y : 0.0f;
+    return (int32_t)y;
+}
+
 static void lin_pass(const float *restrict x, int64_t n, float safe, const lbt_format *f, int32_t *restrict idx) {
     const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
     int64_t i = 0;
@@ -614,12 +621,7 @@ static void lin_pass(const float *restrict x, int64_t n, float safe, const lbt_f
         _mm256_storeu_si256((__m256i *)(idx + i), k);
     }
 #endif
-    for (; i < n; i++) {
-        float y = (x[i] / safe) * a - b;
-        y = y < last ? y : last; /* also NaN */
-        y = y > 0.0f ? y : 0.0f;
-        idx[i] = (int32_t)y;
-    }
+    for (; i < n; i++) idx[i] = lin_index(x[i] / safe, a, b, last);
 }
 
 /* 4-bit formats: the index is the number of thresholds <= x[i] / safe (NaN ->
@@ -920,11 +922,7 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
                 int32_t *restrict k = idx;
                 for (int64_t j = 0; j < len; j++) {
                     float nm = rank1_norm(rm, cm[j]);
-                    float qj = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f); /* negative: NaN, as in maxima */
-                    float y = qj * a - b;
-                    y = y < last ? y : last; /* also NaN */
-                    y = y > 0.0f ? y : 0.0f;
-                    k[j] = (int32_t)y;
+                    k[j] = lin_index(xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f), a, b, last); /* negative: NaN */
                 }
             } else {
                 for (int64_t j = 0; j < len; j++) {
