@@ -171,8 +171,9 @@ def make_optimizer(impl, params):
             return bridge.Lion(params, lr=1e-4, weight_decay=wd, state_format=parts[2]), ""
         if parts[1] == "sgd":
             return bridge.SGD(params, lr=1e-2, momentum=0.9, state_format=parts[2]), ""
-        if parts[1] == "muon":
-            return bridge.Muon(params, state_format=parts[2], **MUON_HP), ""
+        if parts[1] == "muon":  # the named classes (Muon4bit: "nf4")
+            cls = {"8bit": bridge.Muon8bit, "4bit": bridge.Muon4bit}.get(parts[2])
+            return (cls(params, **MUON_HP) if cls else bridge.Muon(params, state_format=parts[2], **MUON_HP)), ""
         if parts[1] == "ademamix":  # the named classes (AdEMAMix4bit: its slow EMA in 8-bit)
             cls = {"8bit": bridge.AdEMAMix8bit, "4bit": bridge.AdEMAMix4bit}.get(parts[2], bridge.AdEMAMix)
             kw = {"state_format": parts[2]} if cls is bridge.AdEMAMix else {}

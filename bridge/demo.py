@@ -143,7 +143,8 @@ def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_s
     alpha 5, alpha and b3 warmed up over the run's ``steps``); with ``optimizer="muon"``,
     bridge.Muon on ``model``'s hidden matrices and AdamW (betas (0.9, 0.99)) on the embeddings,
     head, norms and biases, both with this ``lr`` and decay (``adjust_lr_fn="match_rms_adamw"``,
-    Moonshot's rule for sharing AdamW's), momentum in that format."""
+    Moonshot's rule for sharing AdamW's), momentum in that format (``"8bit"``, ``"4bit"``: the
+    named classes Muon8bit, Muon4bit, whose 4-bit is ``"nf4"``)."""
     import bridge
 
     if optimizer == "muon":
@@ -153,8 +154,10 @@ def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_s
             raise ValueError("make_optimizer(optimizer='muon') needs model= (to tell hidden matrices by name)")
         groups = bridge.muon_param_groups(model, exclude=("tok", "pos", "head"), betas=(0.9, 0.99))
         kw = {} if fmt == "fp32" else {"min_quant_size": min_quant_size}
-        return bridge.Muon(groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw", state_format=fmt,
-                           **kw)
+        cls = {"8bit": bridge.Muon8bit, "4bit": bridge.Muon4bit}.get(fmt)  # the named classes' formats
+        if cls is None:
+            cls, kw = bridge.Muon, {**kw, "state_format": fmt}
+        return cls(groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw", **kw)
     if optimizer == "ademamix":
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")

@@ -31,7 +31,7 @@ import numbers
 import torch
 
 from lowbit_tree import alias
-from lowbit_tree.moments import STATE_FORMAT_NAMES, check_state_format
+from lowbit_tree.moments import RANK1_STATE_FORMATS, STATE_FORMAT_NAMES, check_state_format
 
 from .optimizer import LowBitOptimizer
 
@@ -231,11 +231,11 @@ class _AdamBase(_TorchOptimizer):
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _flag(owner, "amsgrad", group["amsgrad"])
         _flag(owner, "rank1_normalization", group.get("rank1_normalization"), allow_none=True)
-        if group.get("rank1_normalization") and group["state_format"] != "4bit":
+        if group.get("rank1_normalization") and group["state_format"] not in RANK1_STATE_FORMATS:
             raise ValueError(
                 f"{owner}: rank1_normalization=True is a 4-bit second moment (row and column maxima instead of "
                 f"block scales); this group's state_format is {group['state_format']!r}: use state_format='4bit' "
-                "(bridge.AdamW4bit / Adam4bit)"
+                "(bridge.AdamW4bit / Adam4bit) or 'nf4'"
             )
 
 

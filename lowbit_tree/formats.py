@@ -6,7 +6,7 @@ block's absolute maximum into its scale, whether zero is representable, and
 whether the values are stored as their square root.
 
 Formats are concrete and static: ``"dynamic8"`` is always the signed 8-bit
-dynamic map. The optimizer-level names (``"8bit"``, ``"4bit"``, ``"fp8"``) pick a
+dynamic map. The optimizer-level names (``"8bit"``, ``"4bit"``, ``"nf4"``, ``"fp8"``) pick a
 pair of formats, one for signed first moments and one for non-negative second
 moments (see :data:`STATE_FORMATS`).
 """
@@ -26,6 +26,7 @@ __all__ = [
     "STATE_FORMATS",
     "get_format",
     "dynamic_map",
+    "normal_map",
     "float8_e4m3_values",
 ]
 
@@ -63,6 +64,35 @@ def dynamic_map(signed: bool, max_exponent_bits: int, total_bits: int) -> torch.
     if len(values) != 2**total_bits:
         raise ValueError(f"dynamic map has {len(values)} values, expected {2**total_bits}")
     return torch.tensor(sorted(values), dtype=torch.float32, device=_CPU)
+
+
+# normal_map() rounded to float32 once (checked against the construction by the tests): the
+# table is a constant of every checkpoint that holds "normal4" codes, so it must not depend
+# on a platform's ndtri.
+_NORMAL4 = (
+    -1.0, -0.6961928009986877, -0.5250729322433472, -0.39491742849349976, -0.2844413220882416,
+    -0.18477340042591095, -0.09104997664690018, 0.0, 0.07958031445741653, 0.16093014180660248,
+    0.24611225724220276, 0.3379151225090027, 0.4407097399234772, 0.5626168847084045, 0.722956657409668, 1.0,
+)
+
+
+def normal_map() -> torch.Tensor:
+    """The 4-bit normal-float map (NF4, arXiv 2305.14314): quantiles of a standard normal, 8
+    positive and 7 negative, plus zero, scaled so the extremes are exactly -1 and 1.
+
+    The quantiles are taken at ``linspace(o, 0.5, 9)`` (positive side, the 0.5 dropped) and
+    ``linspace(o, 0.5, 8)`` (negative side), ``o`` the mean of ``1 - 1/(2*15)`` and
+    ``1 - 1/(2*16)`` (the outermost quantile, kept finite). For values of one block divided by
+    the block's absmax this spends the codes where a roughly normal block puts its mass, where
+    the dynamic map spends three of its 16 on values below 0.04. Computed in float64; returns
+    a sorted float32 tensor of 16 values (the table itself is the rounded constant
+    ``_NORMAL4``).
+    """
+    o = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))
+    pos = torch.special.ndtri(torch.linspace(o, 0.5, 9, dtype=torch.float64, device=_CPU))[:-1]
+    neg = -torch.special.ndtri(torch.linspace(o, 0.5, 8, dtype=torch.float64, device=_CPU))[:-1]
+    v = torch.cat([pos, neg, torch.zeros(1, dtype=torch.float64, device=_CPU)])
+    return (v / v.abs().max()).sort().values.float()
 
 
 def float8_e4m3_values(signed: bool) -> torch.Tensor:
@@ -136,6 +166,8 @@ def _build_table(name: str) -> torch.Tensor:
         return m
     if name == "dynamic4_signed":
         return dynamic_map(signed=True, max_exponent_bits=3, total_bits=4)
+    if name == "normal4_signed":
+        return torch.tensor(_NORMAL4, dtype=torch.float32, device=_CPU)
     if name == "linear4_unsigned_zero_free":
         return torch.arange(1, 17, dtype=torch.float32, device=_CPU) / 16
     if name == "e4m3_signed":
@@ -150,6 +182,7 @@ _TABLE_NAMES = (
     "dynamic8_unsigned",
     "dynamic8_unsigned_zero_free",
     "dynamic4_signed",
+    "normal4_signed",
     "linear4_unsigned_zero_free",
     "e4m3_signed",
     "e4m3_unsigned_zero_free",
@@ -172,6 +205,8 @@ FORMATS: dict[str, Format] = {
         # 4-bit (arXiv 2309.01507): signed dynamic exponent / zero-free linear.
         Format("dynamic4", 4, True, "dynamic4_signed", 1.0, False, 128),
         Format("linear4_unsigned", 4, False, "linear4_unsigned_zero_free", 1.0, False, 128),
+        # 4-bit normal-float map on blocks of 32 ("nf4"): Muon's 4-bit momentum (design.md, "Muon").
+        Format("normal4", 4, True, "normal4_signed", 1.0, False, 32),
         # FP8 e4m3: scale = absmax / 448.
         Format("e4m3", 8, True, "e4m3_signed", 448.0, False, 256, float8=True),
         Format("e4m3_sqrt", 8, False, "e4m3_unsigned_zero_free", 448.0, True, 256, float8=True),
@@ -183,6 +218,7 @@ STATE_FORMATS: dict[str, tuple[str, str]] = {
     "8bit": ("dynamic8", "dynamic8_sqrt"),
     "8bit_bnb": ("dynamic8", "dynamic8_unsigned"),
     "4bit": ("dynamic4", "linear4_unsigned"),
+    "nf4": ("normal4", "linear4_unsigned"),
     "fp8": ("e4m3", "e4m3_sqrt"),
 }
 

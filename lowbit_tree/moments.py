@@ -42,7 +42,10 @@ __all__ = [
     "format_state_report",
 ]
 
-STATE_FORMAT_NAMES = ("fp32", "bf16", "8bit", "4bit", "fp8", "8bit_bnb")
+STATE_FORMAT_NAMES = ("fp32", "bf16", "8bit", "4bit", "nf4", "fp8", "8bit_bnb")
+
+RANK1_STATE_FORMATS = ("4bit", "nf4")
+"""The state formats whose second moment may be rank-1 normalized (their ``linear4_unsigned``)."""
 
 
 def is_record(x: Any) -> bool:
@@ -69,20 +72,22 @@ def check_state_format(state_format: str) -> None:
 
 def default_rank1(state_format: str) -> bool:
     """Whether second moments in ``state_format`` are rank-1 normalized unless told otherwise:
-    ``"4bit"`` yes (a held-out loss within 1% of fp32 AdamW where per-block normalization
-    loses up to 5%: design.md, "The 4-bit default"); other formats have no rank-1 record."""
-    return state_format == "4bit"
+    ``"4bit"`` and ``"nf4"`` yes (a held-out loss within 1% of fp32 AdamW where per-block
+    normalization loses up to 5%: design.md, "The 4-bit default"); other formats have no
+    rank-1 record."""
+    return state_format in RANK1_STATE_FORMATS
 
 
 def resolve_rank1(rank1_normalization: bool | None, state_format: str) -> bool:
-    """``rank1_normalization`` as given (``None``: :func:`default_rank1`); ``True`` needs ``"4bit"``."""
+    """``rank1_normalization`` as given (``None``: :func:`default_rank1`); ``True`` needs a 4-bit
+    state format (``"4bit"``, ``"nf4"``)."""
     if rank1_normalization is None:
         return default_rank1(state_format)
     if not isinstance(rank1_normalization, bool):
         raise ValueError(f"rank1_normalization must be True, False or None (the format's default), "
                          f"got {rank1_normalization!r}")
-    if rank1_normalization and state_format != "4bit":
-        raise ValueError(f"rank1_normalization=True needs state_format='4bit', got {state_format!r}")
+    if rank1_normalization and state_format not in RANK1_STATE_FORMATS:
+        raise ValueError(f"rank1_normalization=True needs state_format='4bit' or 'nf4', got {state_format!r}")
     return rank1_normalization
 
 

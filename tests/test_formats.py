@@ -6,6 +6,7 @@ import torch
 
 import golden_maps
 from lowbit_tree import FORMATS, STATE_FORMATS, get_format
+from lowbit_tree import formats
 from lowbit_tree.formats import TABLES
 
 
@@ -26,6 +27,27 @@ def test_8bit_maps_equal_installed_bitsandbytes():
 
     assert torch.equal(TABLES["dynamic8_signed"], F.create_dynamic_map(signed=True).cpu())
     assert torch.equal(TABLES["dynamic8_unsigned"], F.create_dynamic_map(signed=False).cpu())
+
+
+def test_normal4_table_is_the_normal_float_construction():
+    """The stored constant equals its construction (so a platform's ndtri cannot change what a
+    checkpoint's codes mean without this failing), and the construction is what it says:
+    standard-normal quantiles, 8 positive and 7 negative plus zero, extremes exactly -1 and 1."""
+    t = TABLES["normal4_signed"]
+    assert torch.equal(formats.normal_map(), t)
+    assert t.numel() == 16 and t[0].item() == -1.0 and t[-1].item() == 1.0 and (t == 0).sum() == 1
+    assert int((t > 0).sum()) == 8 and int((t < 0).sum()) == 7
+    # scipy-free check: the normal CDF of each value times the outermost quantile's z is the
+    # evenly spaced probability it was taken at
+    o = 0.5 * ((1 - 1 / 30) + (1 - 1 / 32))
+    z = torch.special.ndtri(torch.tensor(o, dtype=torch.float64))
+    cdf = torch.special.ndtr(t.double() * z)
+    pos = torch.linspace(o, 0.5, 9, dtype=torch.float64)[:-1].flip(0)
+    neg = 1 - torch.linspace(o, 0.5, 8, dtype=torch.float64)[:-1]
+    assert torch.allclose(cdf[t > 0], pos, atol=1e-7)
+    assert torch.allclose(cdf[t < 0], neg, atol=1e-7)
+    assert get_format("nf4").name == "normal4" and get_format("nf4").default_block_size == 32
+    assert get_format("nf4", signed=False).name == "linear4_unsigned"
 
 
 def test_e4m3_tables_are_all_finite_e4m3_values():

@@ -31,7 +31,7 @@ RULES = [
     ("ademamix", {}), ("muon", {}), ("muon", {"nesterov": True}),
 ]
 RULE_IDS = ["adam", "amsgrad", "lion", "momentum", "nesterov", "ademamix", "muon", "muon-nesterov"]
-STATE_FORMATS = ["8bit", "4bit", "fp8", "8bit_bnb", "fp32", "bf16"]
+STATE_FORMATS = ["8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LINKS = [dict(), dict(decay=True, lr=True), dict(maximize=True, l2=True, lr=True)]
 SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64)]

@@ -19,7 +19,7 @@ from lowbit_tree.kernels.torch_backend import _fma
 from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, newton_schulz
 from test_kernels_step import np_fma, np_lerp, same
 
-FORMATS = ["fp32", "bf16", "8bit", "4bit", "fp8"]
+FORMATS = ["fp32", "bf16", "8bit", "4bit", "nf4", "fp8"]
 
 
 def _rel(a, b) -> float:
@@ -129,7 +129,7 @@ def test_update_is_pure():
                 assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "nf4", "fp8"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_low_bit_update_is_newton_schulz_of_the_stored_form(fmt, nesterov):
     """The definition, from independent pieces: the momentum by numpy's lerp (float32, one
@@ -256,6 +256,61 @@ def test_state_dict_round_trip_and_torch_muon_state():
         assert _rel(got, t_opt.state[r]["momentum_buffer"]) < 0.02
     with pytest.raises(ValueError, match="state_format|format"):
         bridge.Muon4bit(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1).load_state_dict(sd)
+
+
+def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
+    """Muon4bit keeps its momentum on the normal-float map, blocks of 32; a Muon4bit state dict
+    from before (``state_format="4bit"``: the dynamic map, blocks of 128) is refused with the
+    format named, and loads bit for bit into ``bridge.Muon(state_format="4bit")``."""
+    model = MLP()
+    opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
+    assert opt.defaults["state_format"] == "nf4"
+    _train(model, opt, steps=2)
+    rows = opt.state_report()
+    assert {r[2] for r in rows if r[1] == "momentum_buffer"} == {"normal4"}
+    buf = opt.state[next(model.parameters())]["momentum_buffer"]
+    assert buf.block_size == 32 and lt.get_format(buf.format).values.equal(lt.formats.normal_map())
+    old_model = MLP()
+    old = bridge.Muon(old_model.parameters(), lr=0.02, min_quant_size=1, state_format="4bit")
+    _train(old_model, old, steps=2)
+    sd = old.state_dict()
+    with pytest.raises(ValueError, match="state_format='4bit' but this optimizer has state_format='nf4'"):
+        bridge.Muon4bit(copy.deepcopy(old_model).parameters(), lr=0.02, min_quant_size=1).load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"bridge.Muon\(params, state_format='4bit'\)"):
+        bridge.Muon4bit(old_model.parameters(), state_format="4bit")
+    twin = copy.deepcopy(old_model)
+    again = bridge.Muon(twin.parameters(), lr=0.02, min_quant_size=1, state_format="4bit")
+    again.load_state_dict(sd)
+    for p, q in zip(old_model.parameters(), twin.parameters()):
+        a, b = old.state[p]["momentum_buffer"], again.state[q]["momentum_buffer"]
+        assert a.format == b.format == "dynamic4" and torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+    _train(old_model, old, steps=2, seed=5)
+    _train(twin, again, steps=2, seed=5)
+    for p, q in zip(old_model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
+    """``"nf4"`` is the momentum's map; an AdamW group without its own format gets ``"4bit"``
+    (written into the group), one with its own keeps it, and the step is lt.adamw's in that format."""
+    emb = torch.randn(40, 24, requires_grad=True)
+    mat = torch.randn(24, 24, requires_grad=True)
+    opt = bridge.Muon4bit([{"params": [mat]}, {"params": [emb], "use_muon": False}], lr=0.01, min_quant_size=1)
+    assert [g["state_format"] for g in opt.param_groups] == ["nf4", "4bit"]
+    mine = bridge.Muon(
+        [{"params": [mat]}, {"params": [emb], "use_muon": False, "state_format": "8bit"}], state_format="nf4")
+    assert [g["state_format"] for g in mine.param_groups] == ["nf4", "8bit"]
+    assert [g["state_format"] for g in bridge.Muon([mat], state_format="4bit").param_groups] == ["4bit"]
+    gen = torch.Generator().manual_seed(2)
+    g = torch.randn(40, 24, generator=gen)
+    emb.grad, mat.grad = g.clone(), torch.randn(24, 24, generator=gen)
+    e0 = emb.detach().clone()
+    opt.step()
+    kinds = {r[1]: r[2] for r in opt.state_report() if r[0] == 1}
+    assert kinds == {"exp_avg": "dynamic4", "exp_avg_sq": "linear4_rank1"}
+    tx = lt.adamw(0.01, 0.9, 0.999, 1e-8, 0.1, state_format="4bit", min_quant_size=1)
+    u, _ = tx.update([g], tx.init([e0]), [e0])
+    assert torch.equal(emb.detach(), lt.apply_updates([e0], u)[0])
 
 
 def test_argument_errors():

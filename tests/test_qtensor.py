@@ -159,7 +159,7 @@ def test_round_trip_error_within_map_bound(name, device):
 # as measured (design.md quotes them); the assert keeps them from regressing.
 MEASURED_BOUNDS = {
     "dynamic8": (0.0071, 0.0029), "dynamic8_unsigned": (0.0036, 0.0015),
-    "dynamic8_sqrt": (0.0071, 0.0017), "dynamic4": (0.1126, 0.042),
+    "dynamic8_sqrt": (0.0071, 0.0017), "dynamic4": (0.1126, 0.042), "normal4": (0.1520, 0.0275),
     "linear4_unsigned": (0.0626, 0.018), "e4m3": (0.0358, 0.0064), "e4m3_sqrt": (0.0701, 0.013),
 }
 
