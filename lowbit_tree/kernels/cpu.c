@@ -1092,7 +1092,11 @@ typedef struct {
 static inline __attribute__((always_inline)) void rule_run(
     const float *restrict hyper, int64_t n, const float *restrict g, const float *restrict p, float *restrict o,
     float *restrict s0, float *restrict s1, float *restrict s2, const int RULE, const int VAR, const int TR,
-    const int DEC, const int EPW, const block_codes *D, int32_t *amax) {
+    const int DEC, const int EPW, const block_codes *D, int32_t *amax, const int SEP,
+    const float *restrict i0, const float *restrict i1, const float *restrict i2) {
+    /* SEP: plain states read from i0..i2 (the old states, another buffer) and written to s0..s2,
+     * instead of read and written in s0..s2 */
+    const float *restrict r0 = SEP ? i0 : s0, *restrict r1 = SEP ? i1 : s1, *restrict r2 = SEP ? i2 : s2;
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
@@ -1112,7 +1116,7 @@ static inline __attribute__((always_inline)) void rule_run(
                 m0 = dm[mc[k]] * sm;
                 v0 = TR == 1 ? t * t : t;
             } else {
-                m0 = s0[k], v0 = s1[k];
+                m0 = r0[k], v0 = r1[k];
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
@@ -1122,7 +1126,7 @@ static inline __attribute__((always_inline)) void rule_run(
                     float t = dw[wc[k]] * sws;
                     w0 = TR == 1 ? t * t : t;
                 } else {
-                    w0 = s2[k];
+                    w0 = r2[k];
                 }
                 float w = (v > w0 || v != v) ? v : w0;
                 sr = sqrtf(w);
@@ -1143,7 +1147,7 @@ static inline __attribute__((always_inline)) void rule_run(
                 v0 = TR == 1 ? t * t : t;
                 l0 = dw[wc[k]] * sws;
             } else {
-                m0 = s0[k], v0 = s1[k], l0 = s2[k];
+                m0 = r0[k], v0 = r1[k], l0 = r2[k];
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi), sl = b3 * l0 + omb3 * gi;
             float sv = sqrtf(v);
@@ -1155,18 +1159,18 @@ static inline __attribute__((always_inline)) void rule_run(
             s1[k] = t1;
             s2[k] = t2;
         } else if (RULE == LBT_LION) {
-            float m0 = s0[k], c = b1 * m0 + omb1 * gi;
+            float m0 = r0[k], c = b1 * m0 + omb1 * gi;
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
             t0 = b2 * m0 + omb2 * gi;
             s0[k] = t0;
         } else if (RULE == LBT_MUON) { /* torch.optim.Muon's momentum: torch.lerp's fused multiply-adds */
-            float b0 = s0[k];
+            float b0 = r0[k];
             float b = fabsf(omb1) < 0.5f ? fmaf(omb1, gi - b0, b0) : fmaf(omb1 - 1.0f, gi - b0, gi);
             u = VAR ? (fabsf(b1) < 0.5f ? fmaf(b1, b - gi, gi) : fmaf(b1 - 1.0f, b - gi, b)) : b;
             t0 = b;
             s0[k] = t0;
         } else { /* momentum */
-            float b = b1 * s0[k] + gi;
+            float b = b1 * r0[k] + gi;
             u = VAR ? gi + b1 * b : b;
             t0 = b;
             s0[k] = t0;
@@ -1215,6 +1219,8 @@ static void epilogue_pass(const float *hyper, int64_t n, const float *u, const f
 typedef struct {
     const float *g, *p;
     float *o, *u, *s[3];
+    const float *in[3]; /* sep: the old plain states, read from here (s[] gets the new ones) */
+    int sep;
     int32_t amax[3];
 } run_io;
 
@@ -1226,11 +1232,15 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
     const float *h = J->hyper, *g = io->g, *p = io->p;
     float *s0 = io->s[0], *s1 = io->s[1], *s2 = io->s[2];
     int32_t *am = io->amax;
-#define LBT_RUN(R, V, T, DC, E)                                                        \
-    if (rule == R && var == V && tr == T && !!D == DC && epw == E) {                   \
-        rule_run(h, n, g, p, uo, s0, s1, s2, R, V, T, DC, E, D, am);                   \
+    const float *i0 = io->in[0], *i1 = io->in[1], *i2 = io->in[2];
+    const int sep = io->sep;
+#define LBT_RUN_S(R, V, T, DC, E, S)                                                   \
+    if (rule == R && var == V && tr == T && !!D == DC && epw == E && sep == S) {       \
+        rule_run(h, n, g, p, uo, s0, s1, s2, R, V, T, DC, E, D, am, S, i0, i1, i2);     \
         return 1;                                                                      \
     }
+    /* plain float32 states read from their old buffers: the same rules, twice (sep 0 and 1) */
+#define LBT_RUN(R, V, T, DC, E) LBT_RUN_S(R, V, T, DC, E, 0) if (!(DC) && (T) == 0) { LBT_RUN_S(R, V, T, DC, E, 1) }
 #define LBT_RUN5(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2) \
     LBT_RUN(R, V, T, DC, 3) LBT_RUN(R, V, T, DC, 4)
 #define LBT_RUN3(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2)
@@ -1247,6 +1257,7 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
 #undef LBT_RUN3
 #undef LBT_RUN5
 #undef LBT_RUN
+#undef LBT_RUN_S
     return 0;
 }
 
@@ -1369,10 +1380,13 @@ static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, s
 static void plain_tile(const lbt_job *J, int64_t t, scratch *B) {
     const int64_t N = J->rows * J->R, off = t * LBT_PLAIN_TILE, n = N - off < LBT_PLAIN_TILE ? N - off : LBT_PLAIN_TILE;
     run_io io;
-    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+    io.sep = J->nstates > 0;
+    for (int64_t i = 0; i < J->nstates; i++) io.sep &= J->st[i].bs == LBT_F32 && J->st[i].in != J->st[i].out;
+    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i], io.in[i] = NULL;
     for (int64_t i = 0; i < J->nstates; i++) {
         const lbt_state *S = &J->st[i];
-        if (S->bs == LBT_F32 && S->in == S->out) io.s[i] = (float *)S->out + off; /* in place */
+        if (io.sep) io.in[i] = (const float *)S->in + off; /* out of place: read where they are */
+        else if (S->bs == LBT_F32 && S->in == S->out) io.s[i] = (float *)S->out + off; /* in place */
         else load_plain((const char *)S->in + off * dt_size(S->bs), S->bs, n, io.s[i]);
     }
     run_elements(J, off, n, &io, B, 0, NULL, 1);
@@ -1414,6 +1428,7 @@ static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, 
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         run_io io;
+        io.sep = 0, io.in[0] = io.in[1] = io.in[2] = NULL;
         for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
         block_codes D;
         if (dec) {
@@ -1487,6 +1502,7 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
      * len == R: the tile's elements are contiguous); plain states (the float32
      * values of rank-1 records) are read and written at the tile's elements */
     run_io io;
+    io.sep = 0, io.in[0] = io.in[1] = io.in[2] = NULL;
     const int64_t off = r0 * R + j0;
     for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
     for (int64_t i = 0; i < ns; i++) {
@@ -1624,10 +1640,18 @@ void lbt_apply(int64_t n, const void *p, int64_t pdt, const float *u, void *out,
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t off = t * T, len = n - off < T ? n - off : T;
-            if (pdt == LBT_F32) {
+            if (pdt == LBT_F32) { /* the sum streamed straight from registers where out is 32-byte aligned */
                 const float *restrict pp = (const float *)p + off, *restrict uu = u + off;
-                for (int64_t k = 0; k < len; k++) buf[k] = pp[k] + uu[k];
-                stream_store((float *)out + off, buf, len);
+                float *restrict oo = (float *)out + off;
+                int64_t k = 0;
+#ifdef __AVX2__
+                if (((uintptr_t)oo & 3) == 0) {
+                    for (; k < len && ((uintptr_t)(oo + k) & 31); k++) oo[k] = pp[k] + uu[k];
+                    for (; k + 8 <= len; k += 8)
+                        _mm256_stream_ps(oo + k, _mm256_add_ps(_mm256_loadu_ps(pp + k), _mm256_loadu_ps(uu + k)));
+                }
+#endif
+                for (; k < len; k++) oo[k] = pp[k] + uu[k];
             } else {
                 load_plain((const char *)p + off * dt_size(pdt), pdt, len, buf);
                 for (int64_t k = 0; k < len; k++) buf[k] = buf[k] + u[off + k];
