@@ -335,7 +335,7 @@ def test_argument_errors():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("fmt", ["fp32", "8bit", "4bit"])
+@pytest.mark.parametrize("fmt", ["fp32", "8bit", "4bit", "nf4"])
 def test_cuda_bridge_equals_functional_and_torch_momentum(fmt):
     """On CUDA (compiled backend): bridge == functional bit for bit; fp32 momentum buffers equal
     torch.optim.Muon's on the same device, params within 1e-6."""
