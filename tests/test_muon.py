@@ -290,6 +290,25 @@ def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("block_size", [None, 128])
+def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
+    """Through DCP too (one process): an old Muon4bit checkpoint is refused by its state_format,
+    also where an explicit block size makes the saved and live shapes agree (its dynamic-map codes
+    would otherwise be read on the normal-float map)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from bridge.dcp import load_optimizer
+
+    model = MLP()
+    old = bridge.Muon(model.parameters(), lr=0.02, min_quant_size=1, state_format="4bit", block_size=block_size)
+    _train(model, old, steps=2)
+    dcp.save({"optim": get_optimizer_state_dict(model, old)}, checkpoint_id=str(tmp_path))
+    new = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1, block_size=block_size)
+    with pytest.raises(ValueError, match="state_format='4bit' but this optimizer has state_format='nf4'"):
+        load_optimizer(model, new, str(tmp_path))
+
+
 def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
     """``"nf4"`` is the momentum's map; an AdamW group without its own format gets ``"4bit"``
     (written into the group), one with its own keeps it, and the step is lt.adamw's in that format."""
