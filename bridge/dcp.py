@@ -30,6 +30,7 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
         checkpoint_id, "__fspath__") else checkpoint_id
     saved = reader.read_metadata().state_dict_metadata
     _keep_group_keys_the_checkpoint_lacks(osd, saved, key)
+    _check_groups_first(optimizer, osd, key, checkpoint_id)
     for fqn, states in osd.get("state", {}).items():
         for name, value in states.items():
             if isinstance(value, dict):
@@ -47,6 +48,26 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
                             for part in ("codes", "scale")}
     dcp.load({key: osd}, checkpoint_id=checkpoint_id)
     set_optimizer_state_dict(model, optimizer, osd)
+
+
+def _check_groups_first(optimizer, osd: dict, key: str, checkpoint_id: Any) -> None:
+    """The checkpoint's param-group entries checked against this optimizer's (state format, block
+    size, ...: ``load_state_dict``'s checks) *before* the states load. ``dcp.load`` writes into
+    the tensors of ``osd``, which are the optimizer's own states, so a checkpoint refused only
+    afterwards (by ``set_optimizer_state_dict``) would already have overwritten them (e.g. codes
+    of another map read as this one's)."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+
+    from .state_dict import VERSION_KEY, _check_groups
+
+    groups = copy.deepcopy(osd.get("param_groups", []))
+    if not groups:
+        return
+    dcp.load({key: {"param_groups": groups}}, checkpoint_id=checkpoint_id)
+    if any(VERSION_KEY in g for g in groups):  # ours (a torch.optim checkpoint migrates: nothing to compare)
+        _check_groups(optimizer, groups, False, {"state": {}, "param_groups": groups})
 
 
 def _keep_group_keys_the_checkpoint_lacks(osd: dict, saved: dict, key: str) -> None:

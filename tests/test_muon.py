@@ -294,7 +294,8 @@ def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
 def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
     """Through DCP too (one process): an old Muon4bit checkpoint is refused by its state_format,
     also where an explicit block size makes the saved and live shapes agree (its dynamic-map codes
-    would otherwise be read on the normal-float map)."""
+    would otherwise be read on the normal-float map), and before ``dcp.load`` writes into the
+    optimizer's own state tensors."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -305,8 +306,14 @@ def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
     _train(model, old, steps=2)
     dcp.save({"optim": get_optimizer_state_dict(model, old)}, checkpoint_id=str(tmp_path))
     new = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1, block_size=block_size)
+    _train(model, new, steps=1, seed=3)
+    before = {id(p): (new.state[p]["momentum_buffer"].codes.clone(), new.state[p]["momentum_buffer"].scale.clone())
+              for p in model.parameters()}
     with pytest.raises(ValueError, match="state_format='4bit' but this optimizer has state_format='nf4'"):
         load_optimizer(model, new, str(tmp_path))
+    for p in model.parameters():  # refused before any state was read: the live states are untouched
+        buf = new.state[p]["momentum_buffer"]
+        assert torch.equal(buf.codes, before[id(p)][0]) and torch.equal(buf.scale, before[id(p)][1])
 
 
 def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
