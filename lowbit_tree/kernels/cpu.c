@@ -1095,8 +1095,9 @@ static inline __attribute__((always_inline)) void rule_run(
     const int DEC, const int EPW, const block_codes *D, int32_t *amax, const int SEP,
     const float *restrict i0, const float *restrict i1, const float *restrict i2) {
     /* SEP: plain states read from i0..i2 (the old states, another buffer) and written to s0..s2,
-     * instead of read and written in s0..s2 */
-    const float *restrict r0 = SEP ? i0 : s0, *restrict r1 = SEP ? i1 : s1, *restrict r2 = SEP ? i2 : s2;
+     * instead of read and written in s0..s2 (OLD: the literal SEP picks the pointer, so no two
+     * restrict pointers ever name one buffer) */
+#define OLD(j) (SEP ? i##j[k] : s##j[k])
     const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
     const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
@@ -1116,7 +1117,7 @@ static inline __attribute__((always_inline)) void rule_run(
                 m0 = dm[mc[k]] * sm;
                 v0 = TR == 1 ? t * t : t;
             } else {
-                m0 = r0[k], v0 = r1[k];
+                m0 = OLD(0), v0 = OLD(1);
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
@@ -1126,7 +1127,7 @@ static inline __attribute__((always_inline)) void rule_run(
                     float t = dw[wc[k]] * sws;
                     w0 = TR == 1 ? t * t : t;
                 } else {
-                    w0 = r2[k];
+                    w0 = OLD(2);
                 }
                 float w = (v > w0 || v != v) ? v : w0;
                 sr = sqrtf(w);
@@ -1147,7 +1148,7 @@ static inline __attribute__((always_inline)) void rule_run(
                 v0 = TR == 1 ? t * t : t;
                 l0 = dw[wc[k]] * sws;
             } else {
-                m0 = r0[k], v0 = r1[k], l0 = r2[k];
+                m0 = OLD(0), v0 = OLD(1), l0 = OLD(2);
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi), sl = b3 * l0 + omb3 * gi;
             float sv = sqrtf(v);
@@ -1159,18 +1160,18 @@ static inline __attribute__((always_inline)) void rule_run(
             s1[k] = t1;
             s2[k] = t2;
         } else if (RULE == LBT_LION) {
-            float m0 = r0[k], c = b1 * m0 + omb1 * gi;
+            float m0 = OLD(0), c = b1 * m0 + omb1 * gi;
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
             t0 = b2 * m0 + omb2 * gi;
             s0[k] = t0;
         } else if (RULE == LBT_MUON) { /* torch.optim.Muon's momentum: torch.lerp's fused multiply-adds */
-            float b0 = r0[k];
+            float b0 = OLD(0);
             float b = fabsf(omb1) < 0.5f ? fmaf(omb1, gi - b0, b0) : fmaf(omb1 - 1.0f, gi - b0, gi);
             u = VAR ? (fabsf(b1) < 0.5f ? fmaf(b1, b - gi, gi) : fmaf(b1 - 1.0f, b - gi, b)) : b;
             t0 = b;
             s0[k] = t0;
         } else { /* momentum */
-            float b = b1 * r0[k] + gi;
+            float b = b1 * OLD(0) + gi;
             u = VAR ? gi + b1 * b : b;
             t0 = b;
             s0[k] = t0;
@@ -1187,6 +1188,7 @@ static inline __attribute__((always_inline)) void rule_run(
     }
     amax[0] = a0, amax[1] = a1, amax[2] = a2;
 }
+#undef OLD
 
 /* The epilogue on u (float32): EPI 0 u; 1 (-lr) u; 2 (-lr) (u + wd p); 3 u + wd p;
  * then o = d, or o = p + d when writing the param (o then holds p). One loop per
