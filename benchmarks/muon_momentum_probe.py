@@ -8,8 +8,8 @@ Muon4bit also quantizes it; on the benchmark that changed the loss by less than 
 spread). Schemes:
 
   fp32        nothing replaced (the reference)
-  nf4         the normal-float map on blocks of 32 along rows, by the kernels' own
-              quantizer (what Muon4bit stores)
+  nf4         nearest code of the normal-float map on blocks of 32 along rows (what
+              Muon4bit's kernel stores: the same bits, rounded here in Python)
   grid        the normal-float map on rank-1 scales, min(row absmax, column absmax)
   lrK-nf4     the top-K factor ``P R^T`` of the buffer (one power iteration a step,
               warm-started from last step's row space) kept in float32, the residual
@@ -34,9 +34,7 @@ import torch
 
 import bridge
 from bridge.demo import Batches, CharGPT, eval_batches, load_corpus, train
-from lowbit_tree import kernels
 from lowbit_tree.formats import normal_map
-from lowbit_tree.qtensor import QTensor
 
 _CODES = normal_map().float()
 _MIDPOINTS = (_CODES[1:] + _CODES[:-1]) / 2
@@ -48,10 +46,12 @@ def nearest_normal(y: torch.Tensor) -> torch.Tensor:
 
 
 def round_blocks(e: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """``e`` stored as Muon4bit stores its momentum (``normal4``, row-aligned absmax blocks),
-    dequantized: the kernels' own quantizer, so the probe measures what the class stores."""
-    codes, scale = kernels.quantize_rows_fast(e, "normal4", block)
-    return kernels.dequantize_fast(QTensor._trusted(codes, scale, e.shape, block, "normal4"))
+    """``e`` stored on the normal-float map in row-aligned absmax blocks, dequantized."""
+    m, n = e.shape
+    x = torch.nn.functional.pad(e, (0, (-n) % block)).view(m, -1, block)
+    s = x.abs().amax(-1, keepdim=True)
+    y = torch.where(s > 0, x / s.clamp_min(1e-30), torch.zeros_like(x))
+    return (nearest_normal(y) * s).view(m, -1)[:, :n]
 
 
 def round_grid(e: torch.Tensor) -> torch.Tensor:

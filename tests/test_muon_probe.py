@@ -1,6 +1,6 @@
-"""benchmarks/muon_momentum_probe.py: its stored forms are the nearest normal-float code by
-brute force (blocks: the kernels' quantizer; rank-1 scales: the probe's own rounding); its
-low-rank split keeps a low-rank buffer whole; a short run prints its JSON line."""
+"""benchmarks/muon_momentum_probe.py: its simulated nf4 storage is the kernel's, bit for bit
+(and both are the nearest normal-float code by brute force); its low-rank split keeps a
+low-rank buffer whole; a short run prints its JSON line."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowbit_tree import kernels
 from lowbit_tree.formats import normal_map
+from lowbit_tree.qtensor import QTensor
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "muon_momentum_probe.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
@@ -23,38 +25,30 @@ def load():
     return mod
 
 
-def brute_force(e: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each value's nearest normal-float code times its scale, by trying every code."""
+def brute_force_blocks(e: torch.Tensor, block: int = 32) -> torch.Tensor:
     codes = normal_map().double()
-    s = scale.double()
-    y = torch.where(s > 0, e.double() / s.clamp_min(1e-300), torch.zeros_like(s))
-    return codes[(y[..., None] - codes).abs().argmin(-1)] * s
+    out = torch.empty_like(e, dtype=torch.float64)
+    for i in range(e.shape[0]):
+        for j0 in range(0, e.shape[1], block):
+            x = e[i, j0:j0 + block].double()
+            s = x.abs().max()
+            y = x / s if s > 0 else torch.zeros_like(x)
+            out[i, j0:j0 + block] = codes[(y[:, None] - codes[None, :]).abs().argmin(1)] * s
+    return out
 
 
-def odd_input(shape):
+@pytest.mark.parametrize("shape", [(1, 1), (3, 33), (7, 45), (16, 64)])
+def test_probe_nf4_is_the_kernels_stored_momentum(shape):
+    mod = load()
     g = torch.Generator().manual_seed(shape[0] * 100 + shape[1])
     x = torch.randn(*shape, generator=g) * torch.logspace(-4, 2, shape[1])
     x[0, : min(5, shape[1])] = 0  # a zero run; a whole-zero block when the row is short
-    return x
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 33), (7, 45), (16, 64)])
-def test_probe_nf4_blocks_are_the_nearest_codes(shape):
-    mod = load()
-    x = odd_input(shape)
-    pad = (-shape[1]) % 32
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True).expand_as(blocks)
-    ref = brute_force(blocks, scale).reshape(shape[0], -1)[:, : shape[1]]
-    assert torch.allclose(mod.round_blocks(x).double(), ref, rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (3, 33), (7, 45), (16, 64)])
-def test_probe_rank1_scaled_rounding_is_the_nearest_codes(shape):
-    mod = load()
-    x = odd_input(shape)
-    scale = torch.minimum(x.abs().amax(1, keepdim=True), x.abs().amax(0, keepdim=True))
-    assert torch.allclose(mod.round_grid(x).double(), brute_force(x, scale), rtol=1e-6, atol=0)
+    codes, scale = kernels.quantize_rows_fast(x, "normal4", 32)
+    stored = kernels.dequantize_fast(QTensor._trusted(codes, scale, x.shape, 32, "normal4"))
+    probe = mod.round_blocks(x)
+    assert torch.equal(probe, stored)
+    ref = brute_force_blocks(x)
+    assert torch.allclose(probe.double(), ref, rtol=1e-6, atol=0)
 
 
 def test_low_rank_split_keeps_a_low_rank_buffer():
