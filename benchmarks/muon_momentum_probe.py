@@ -9,7 +9,8 @@ spread). Schemes:
 
   fp32        nothing replaced (the reference)
   nf4         nearest code of the normal-float map on blocks of 32 along rows (what
-              Muon4bit's kernel stores: the same bits, rounded here in Python)
+              Muon4bit's kernel stores, rounded here in Python: the same bits on the
+              tests' inputs, not on every value of a run)
   grid        the normal-float map on rank-1 scales, min(row absmax, column absmax)
   lrK-nf4     the top-K factor ``P R^T`` of the buffer (one power iteration a step,
               warm-started from last step's row space) kept in float32, the residual
