@@ -13,13 +13,14 @@ about a quarter of the bytes of gathering float32 rows. One collective at a time
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor, alias
-from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, check_ns_args, ns_matrix
+from lowbit_tree.lowrank import LowRankQTensor
+from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, check_ns_args, ns_matrix, refresh_record
 
 from .distributed import is_dtensor
 from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
@@ -27,13 +28,50 @@ from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
 __all__ = ["ADAMW_FORMATS", "Muon", "Muon8bit", "Muon4bit", "ShardedNS", "muon_param_groups"]
 
 
+class _Layout(NamedTuple):
+    """Where every rank's block of a sharded matrix lies, and which rank owns the matrix."""
+
+    pg: Any  # the process group (None: the default group)
+    blocks: dict  # global rank -> (rows, cols, row offset, col offset) of its block
+    group_rank: dict  # global rank -> rank in pg
+    me: int
+    owner: int
+    shape: tuple  # the whole matrix's (rows, cols)
+
+
+def _geometry(kind: str, width=None):
+    """A part's place in the whole: ``(nr, nc, r0, c0) -> (row0, nrows, col0, ncols)`` in that part's
+    own 2-D layout. ``"block"``: the block's rows and its columns through ``width`` (codes of 4-bit
+    values, scales of blocks); ``"rows"``: a factor over the rows (``(rows, K)``); ``"cols"``: one over
+    the columns (``(cols, K)``, whole on every rank that holds all columns)."""
+    if kind == "block":
+        return lambda nr, nc, r0, c0: (r0, nr, width(c0), width(nc))
+    if kind == "rows":
+        return lambda nr, nc, r0, c0, k=width: (r0, nr, 0, k)
+    return lambda nr, nc, r0, c0, k=width: (c0, nc, 0, k)
+
+
+def _record_parts(x) -> list:
+    """``(local tensor, geometry)`` for each tensor of a Newton-Schulz input or stored buffer."""
+    if isinstance(x, (QTensor, LowRankQTensor)):
+        bits4 = lt.get_format(x.format).bits == 4
+        bs = x.block_size
+        parts = [(x.codes, _geometry("block", (lambda c: (c + 1) // 2) if bits4 else (lambda c: c))),
+                 (x.scale, _geometry("block", lambda c: -(-c // bs)))]
+        if isinstance(x, LowRankQTensor):
+            parts += [(x.row_factor, _geometry("rows", x.rank)), (x.col_factor, _geometry("cols", x.rank))]
+        return parts
+    return [(x, _geometry("block", lambda c: c))]
+
+
 class ShardedNS:
     """The ``orthogonalize`` hook of :func:`lowbit_tree.scale_by_muon` for a param group whose
-    params may be DTensors (FSDP2 rows, tensor-parallel columns, both on a 2-D mesh). ``params`` (the group's params, by leaf index) is set before
-    each step. ``sent`` counts the bytes this rank sent since :meth:`reset`: ``gather`` (Newton-Schulz
-    inputs in storage form, to the owners), ``scatter`` (the owners' bfloat16 results), and
-    ``gather_float32`` (the same gathered rows as float32: what gathering the float32 momentum
-    or update would move)."""
+    params may be DTensors (FSDP2 rows, tensor-parallel columns, both on a 2-D mesh). ``params``
+    (the group's params, by leaf index) is set before each step. ``sent`` counts the bytes this
+    rank sent since :meth:`reset`: ``gather`` (Newton-Schulz inputs in storage form, to the
+    owners, and with ``momentum_rank`` the new buffers' residuals), ``scatter`` (the owners'
+    bfloat16 results, and the refreshed factors' rows), ``gather_float32`` (the same gathered
+    rows as float32: what gathering the float32 momentum or update would move)."""
 
     def __init__(self):
         self.params: list = []
@@ -43,22 +81,29 @@ class ShardedNS:
     def reset(self) -> None:
         self.sent = {"gather": 0, "scatter": 0, "gather_float32": 0}
 
+    def _param(self, index: int):
+        p = self.params[index - self.offset]
+        sharded = is_dtensor(p) and not all(pl.is_replicate() for pl in p.placements)
+        return p, sharded
+
     def __call__(self, inputs, ns) -> list:
         out = []
         k = 0  # round-robin over this call's sharded matrices (the same sequence on every rank)
         for inp in inputs:
-            p = self.params[inp.index - self.offset]
-            if not is_dtensor(p) or all(pl.is_replicate() for pl in p.placements):
-                out.append((ns(ns_matrix(inp.x)), tuple(p.shape)))
+            p, sharded = self._param(inp.index)
+            if not sharded:
+                o = ns(ns_matrix(inp.x))
+                out.append((o, tuple(p.shape)) if inp.buffer is None else (o, tuple(p.shape), refresh_record(inp.buffer)))
                 continue
-            out.append((self._sharded(p, inp.x, ns, k), tuple(p.shape)))
+            out.append((*self._sharded(p, inp.x, inp.buffer, ns, k),) if inp.buffer is not None
+                       else (self._sharded(p, inp.x, None, ns, k), tuple(p.shape)))
             k += 1
         return out
 
-    def _sharded(self, p, x: Any, ns, k: int) -> torch.Tensor:
-        """Matrix ``p``'s Newton-Schulz result, rows and columns of this rank's block: every
-        rank's block of ``x`` (in storage form, as bytes: gloo has no float8) goes to the owner,
-        which assembles the whole ``x``, runs ``ns`` and sends each rank its block back."""
+    def _layout(self, p, k: int) -> _Layout:
+        """Every rank's block of matrix ``p`` (offsets from DTensor's own
+        ``_compute_local_shape_and_global_offset``: uneven, empty and strided shards place
+        themselves) and its owner, the ``k``-th rank round-robin."""
         import itertools
 
         import torch.distributed as dist
@@ -75,70 +120,124 @@ class ShardedNS:
                 f"{mesh.mesh.numel()} of {dist.get_world_size()} processes; distributed Newton-Schulz takes 1-D "
                 "meshes and meshes over all processes: give this param to a group with use_muon=False"
             )
-        rows, cols = p.shape
-        blocks = {}  # global rank -> (rows, cols, row offset, col offset) of its block
+        blocks = {}
         for coord in itertools.product(*(range(n) for n in mesh.shape)):
             shape, off = _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(coord), p.placements)
             blocks[int(mesh.mesh[coord])] = (shape[0], shape[1], off[0], off[1])
         group_rank = {g: (dist.get_group_rank(pg, g) if pg is not None else g) for g in blocks}
-        world = len(blocks)
-        me = dist.get_rank()
-        owner = sorted(blocks, key=group_rank.get)[k % world]
-        max_r, max_c = max(b[0] for b in blocks.values()), max(b[1] for b in blocks.values())
-        if isinstance(x, QTensor):
-            bits4 = lt.get_format(x.format).bits == 4
-            bs = x.block_size
-            parts = [(x.codes, (lambda c: (c + 1) // 2) if bits4 else (lambda c: c)), (x.scale, lambda c: -(-c // bs))]
-        else:
-            parts = [(x, lambda c: c)]
-        gathered = []
-        for t, width in parts:  # as bytes, padded to the largest block
+        owner = sorted(blocks, key=group_rank.get)[k % len(blocks)]
+        return _Layout(pg, blocks, group_rank, dist.get_rank(), owner, tuple(p.shape))
+
+    def _gather(self, lay: _Layout, parts: list, key: str):
+        """Each part's whole tensor on the owner (``None`` elsewhere): every rank's local part as
+        bytes, padded to the largest, gathered one part at a time."""
+        import torch.distributed as dist
+
+        rows, cols = lay.shape
+        whole = []
+        for t, geom in parts:
             unit = t.element_size()
+            where = {g: geom(*b) for g, b in lay.blocks.items()}
+            mr, mc = max(w[1] for w in where.values()), max(w[3] for w in where.values()) * unit
             b = t.contiguous().view(torch.uint8)
-            pad = torch.zeros(max_r, width(max_c) * unit, dtype=torch.uint8, device=t.device)
+            pad = torch.zeros(mr, mc, dtype=torch.uint8, device=t.device)
             pad[: b.shape[0], : b.shape[1]] = b
-            dst = [torch.empty_like(pad) for _ in range(world)] if me == owner else None
-            dist.gather(pad, dst, dst=owner, group=pg)
-            if me != owner:
-                self.sent["gather"] += pad.numel()
-            gathered.append((dst, width, unit))
-        if me != owner:
-            self.sent["gather_float32"] += max_r * max_c * 4
+            dst = [torch.empty_like(pad) for _ in lay.blocks] if lay.me == lay.owner else None
+            dist.gather(pad, dst, dst=lay.owner, group=lay.pg)
+            if lay.me != lay.owner:
+                self.sent[key] += pad.numel()
+                continue
+            _, nrows, _, ncols = geom(rows, cols, 0, 0)
+            out = torch.zeros(nrows, ncols * unit, dtype=torch.uint8, device=t.device)
+            for g, (r0, nr, c0, nc) in where.items():
+                out[r0:r0 + nr, c0 * unit:(c0 + nc) * unit] = dst[lay.group_rank[g]][:nr, :nc * unit]
+            whole.append(out.view(t.dtype))
+        return whole if lay.me == lay.owner else None
+
+    def _scatter(self, lay: _Layout, parts: list, key: str, device) -> list:
+        """Each rank's piece of each ``(whole tensor on the owner, geometry, dtype)`` part, in one
+        scatter of bytes (each piece padded to the largest rank's)."""
+        import torch.distributed as dist
+
+        specs, total = [], 0
+        for _, geom, dtype in parts:
+            unit = torch.empty((), dtype=dtype).element_size()
+            where = {g: geom(*b) for g, b in lay.blocks.items()}
+            mr, mc = max(w[1] for w in where.values()), max(w[3] for w in where.values())
+            specs.append((where, mr, mc, unit, dtype))
+            total += mr * mc * unit
         chunks = None
-        if me == owner:
-            full = []
-            for (dst, width, unit), (t, _) in zip(gathered, parts):
-                out = torch.zeros(rows, width(cols) * unit, dtype=torch.uint8, device=t.device)
-                for g, (nr, nc, r0, c0) in blocks.items():
-                    w0, w = width(c0) * unit, width(nc) * unit
-                    out[r0:r0 + nr, w0:w0 + w] = dst[group_rank[g]][:nr, :w]
-                full.append(out.view(t.dtype))
-            xf = QTensor._trusted(full[0], full[1], (rows, cols), x.block_size, x.format) \
-                if isinstance(x, QTensor) else full[0]
+        if lay.me == lay.owner:
+            chunks = [None] * len(lay.blocks)
+            for g in lay.blocks:
+                buf = torch.zeros(total, dtype=torch.uint8, device=device)
+                off = 0
+                for (whole, _, _), (where, mr, mc, unit, dtype) in zip(parts, specs):
+                    r0, nr, c0, nc = where[g]
+                    piece = torch.zeros(mr, mc, dtype=dtype, device=device)
+                    piece[:nr, :nc] = whole[r0:r0 + nr, c0:c0 + nc]
+                    buf[off:off + mr * mc * unit] = piece.view(torch.uint8).reshape(-1)
+                    off += mr * mc * unit
+                chunks[lay.group_rank[g]] = buf
+                if g != lay.owner:
+                    self.sent[key] += total
+        recv = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.scatter(recv, chunks, src=lay.owner, group=lay.pg)
+        out, off = [], 0
+        for where, mr, mc, unit, dtype in specs:
+            _, nr, _, nc = where[lay.me]
+            out.append(recv[off:off + mr * mc * unit].view(dtype).reshape(mr, mc)[:nr, :nc])
+            off += mr * mc * unit
+        return out
+
+    def _sharded(self, p, x: Any, buffer: Any, ns, k: int):
+        """Matrix ``p``'s Newton-Schulz result, rows and columns of this rank's block: every
+        rank's block of ``x`` (in storage form, as bytes: gloo has no float8) goes to the owner,
+        which assembles the whole ``x``, runs ``ns`` and sends each rank its block back. With a
+        low-rank ``buffer`` (``momentum_rank``) the owner also assembles it (its residual; its
+        factors are ``x``'s) and sends back each rank's rows of the refreshed factors:
+        ``(o, shape, (P rows, R rows))``."""
+        lay = self._layout(p, k)
+        parts = _record_parts(x)
+        if buffer is not None and buffer is not x:
+            parts += _record_parts(buffer)[:2]  # its codes and scales; the factors are x's
+        whole = self._gather(lay, parts, "gather")
+        if lay.me != lay.owner:
+            nr, nc = max(b[0] for b in lay.blocks.values()), max(b[1] for b in lay.blocks.values())
+            self.sent["gather_float32"] += nr * nc * 4
+        o = pf = rf = None
+        if whole is not None:
+            if isinstance(x, LowRankQTensor):
+                xf = LowRankQTensor(*whole[:4], lay.shape, x.block_size, x.format)
+            elif isinstance(x, QTensor):
+                xf = QTensor._trusted(whole[0], whole[1], lay.shape, x.block_size, x.format)
+            else:
+                xf = whole[0]
             o = ns(ns_matrix(xf))
-            chunks = [None] * world
-            for g, (nr, nc, r0, c0) in blocks.items():
-                piece = torch.zeros(max_r, max_c, dtype=o.dtype, device=o.device)
-                piece[:nr, :nc] = o[r0:r0 + nr, c0:c0 + nc]
-                chunks[group_rank[g]] = piece.view(torch.uint8)
-                if g != owner:
-                    self.sent["scatter"] += piece.numel() * piece.element_size()
-        recv = torch.empty(max_r, max_c * 2, dtype=torch.uint8, device=p.to_local().device)
-        dist.scatter(recv, chunks, src=owner, group=pg)
-        nr, nc = blocks[me][0], blocks[me][1]
-        return recv.view(torch.bfloat16)[:nr, :nc]
+            if buffer is not None:
+                bf = xf if buffer is x else LowRankQTensor(whole[4], whole[5], whole[2], whole[3], lay.shape,
+                                                           buffer.block_size, buffer.format)
+                pf, rf = refresh_record(bf)
+        dev = p.to_local().device
+        out = [(o, _geometry("block", lambda c: c), torch.bfloat16)]
+        if buffer is None:
+            return self._scatter(lay, out, "scatter", dev)[0]
+        out += [(pf, _geometry("rows", x.rank), x.row_factor.dtype), (rf, _geometry("cols", x.rank), x.col_factor.dtype)]
+        o, p_rows, r_rows = self._scatter(lay, out, "scatter", dev)
+        return o, tuple(p.shape), (p_rows, r_rows)
 
 
 def muon_or_adamw(learning_rate, momentum, weight_decay, eps, b1, b2, adamw_eps, *, use_muon=True, nesterov=True,
                   ns_coefficients=DEFAULT_NS_COEFFICIENTS, ns_steps=5, adjust_lr_fn=None, state_format="8bit",
-                  block_size=None, min_quant_size=4096, stochastic_round=False, orthogonalize=None):
+                  block_size=None, min_quant_size=4096, stochastic_round=False, momentum_rank=0,
+                  orthogonalize=None):
     """A Muon group's transformation (:func:`lowbit_tree.muon`), or an AdamW group's
-    (:func:`lowbit_tree.adamw` with ``betas`` and ``adamw_eps``)."""
+    (:func:`lowbit_tree.adamw` with ``betas`` and ``adamw_eps``; ``momentum_rank`` is Muon's)."""
     if use_muon:
         return alias.muon(learning_rate, momentum, weight_decay, nesterov, ns_coefficients, eps, ns_steps,
                           adjust_lr_fn, state_format=state_format, block_size=block_size,
-                          min_quant_size=min_quant_size, orthogonalize=orthogonalize,
-                          stochastic_round=stochastic_round)
+                          min_quant_size=min_quant_size, momentum_rank=momentum_rank,
+                          orthogonalize=orthogonalize, stochastic_round=stochastic_round)
     return alias.adamw(learning_rate, b1, b2, adamw_eps, weight_decay, state_format=state_format,
                        block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round)
 
@@ -162,19 +261,28 @@ class Muon(_TorchOptimizer):
     ``exp_avg`` / ``exp_avg_sq`` in the group's ``state_format`` (default: the optimizer's, or
     ``"4bit"`` for ``"nf4"``: :data:`ADAMW_FORMATS`). :func:`muon_param_groups` splits a model
     that way. Muon groups take 2-D params only (as torch).
+
+    ``momentum_rank=K`` (default 0; Muon4bit's 8) keeps each quantized momentum buffer as
+    bfloat16 factors of rank ``K`` plus a quantized residual (:mod:`lowbit_tree.lowrank`; the
+    state ``momentum_buffer`` is then a record of four tensors, ``codes``, ``scale``,
+    ``row_factor``, ``col_factor``); it needs a quantized ``state_format``.
     """
+
+    _default_momentum_rank = 0
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=DEFAULT_NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
                  adamw_betas=(0.9, 0.999), adamw_eps=1e-8, state_format=None, block_size=None,
-                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
+                 min_quant_size=4096, momentum_rank=None, bf16_stochastic_round=False, skip_nonfinite=False):
         self._ortho = ShardedNS()
+        if momentum_rank is None:
+            momentum_rank = self._default_momentum_rank
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         use_muon=True, betas=tuple(adamw_betas), adamw_eps=adamw_eps,
                         state_format=self._state_format(state_format), block_size=block_size,
-                        min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
-                        skip_nonfinite=skip_nonfinite)
+                        min_quant_size=min_quant_size, momentum_rank=momentum_rank,
+                        bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
         super().__init__(params, muon_or_adamw, defaults, group_to_kwargs=self._kwargs)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -195,6 +303,7 @@ class Muon(_TorchOptimizer):
                     ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
                     state_format=group["state_format"], block_size=group["block_size"],
                     min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
+                    momentum_rank=group["momentum_rank"] if group["use_muon"] else 0,
                     orthogonalize=self._ortho)
 
     def _check_group(self, owner, group):
@@ -206,6 +315,13 @@ class Muon(_TorchOptimizer):
         _betas(owner, group["betas"])
         _flag(owner, "nesterov", group["nesterov"])
         _flag(owner, "use_muon", group["use_muon"])
+        rank = group["momentum_rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"{owner}: momentum_rank must be an int >= 0, got {rank!r}")
+        if rank and group["use_muon"] and group["state_format"] in ("fp32", "bf16"):
+            raise ValueError(f"{owner}: momentum_rank={rank} splits a quantized momentum buffer; state_format="
+                             f"{group['state_format']!r} keeps it unquantized: use a quantized state_format "
+                             "('nf4', '8bit', ...) or momentum_rank=0")
         try:
             check_ns_args(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
         except ValueError as e:
@@ -248,6 +364,7 @@ class Muon4bit(Muon):
     README, "Convergence"; design.md, "Muon"."""
 
     _default_format = "nf4"
+    _default_momentum_rank = 8
 
 
 def muon_param_groups(model: torch.nn.Module, *, exclude: tuple = ("embed", "emb", "head", "lm_head", "wte", "wpe"),

@@ -25,6 +25,7 @@ import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor
+from lowbit_tree.lowrank import LowRankQTensor, lowrank_zeros
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
 
@@ -34,6 +35,7 @@ from .qstate import QState
 from .rank1_shard import rank1_reduce
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
+from .state_tree import LowRankHolder
 from .state_tree import Rank1Holder as _Rank1Holder  # noqa: F401  (the name state dicts and tests use)
 from .state_tree import binding, is_record
 
@@ -180,7 +182,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name, leaf in tmpl.items():
-            if isinstance(leaf, QTensor):
+            if isinstance(leaf, LowRankQTensor):  # Muon's momentum_rank: the local shard's record
+                bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
+                st[name] = LowRankHolder(lowrank_zeros(tuple(local.shape), leaf.rank, leaf.format, bs, local.device))
+            elif isinstance(leaf, QTensor):
                 bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
                 q = QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device))
                 st[name] = wrap_like(q, p)
@@ -197,7 +202,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for name, v in st.items():
             if name == "step":
                 continue
-            if isinstance(v, _Rank1Holder):
+            if isinstance(v, (_Rank1Holder, LowRankHolder)):
                 out[name] = v.record
                 continue
             v = to_local(v)

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 import torch
 
 import lowbit_tree as lt
+from lowbit_tree.lowrank import LowRankQTensor
 from lowbit_tree.moments import Rank1QTensor
 
 from .distributed import is_dtensor, to_local
@@ -63,6 +64,9 @@ def state_report(opt) -> list[StateReportRow]:
                     rows.append(StateReportRow(i, name, v.format, tuple(v.shape), v.state_nbytes))
                 elif isinstance(getattr(v, "record", None), Rank1QTensor):  # bridge.optimizer's rank-1 holder
                     rows.append(StateReportRow(i, name, "linear4_rank1", v.record.shape, v.nbytes))
+                elif isinstance(getattr(v, "record", None), LowRankQTensor):  # Muon's momentum_rank
+                    r = v.record
+                    rows.append(StateReportRow(i, name, f"{r.format}+rank{r.rank}", r.shape, v.nbytes))
                 elif isinstance(v, torch.Tensor):
                     fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype))
                     rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
@@ -101,12 +105,18 @@ def _whole_state_bytes(p, v) -> int:
     if isinstance(getattr(v, "record", None), Rank1QTensor):  # codes, a max per row and per column
         rows, r = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
         return rows * -(-r // 2) + (rows + r) * 4
+    rec = getattr(v, "record", None)
+    if isinstance(rec, LowRankQTensor):  # the residual's codes and scales, and both factors, of the whole matrix
+        rows, r = shape
+        ncols = -(-r // 2) if lt.get_format(rec.format).bits == 4 else r
+        return (rows * ncols * rec.codes.element_size() + rows * -(-r // rec.block_size) * 4
+                + (rows + r) * rec.rank * rec.row_factor.element_size())
     return _local_nbytes(v)
 
 
 def _local_nbytes(v) -> int:
     rec = getattr(v, "record", None)
-    if isinstance(rec, Rank1QTensor):
+    if isinstance(rec, (Rank1QTensor, LowRankQTensor)):
         return v.nbytes
     return v.numel() * v.element_size()
 

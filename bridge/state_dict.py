@@ -30,7 +30,9 @@ from lowbit_tree import QTensor
 
 from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
 from .qstate import QState
+from .lowrank_shard import LOWRANK_PARTS, lowrank_local_part, lowrank_state_tensors
 from .rank1_shard import rank1_local_part, rank1_state_tensors
+from .state_tree import LowRankHolder
 from .state_tree import Rank1Holder as _Rank1Holder
 
 STATE_DICT_VERSION = 3
@@ -41,9 +43,11 @@ versions 1 and 2 it meant ``False`` (block-normalized, the 4-bit default then)."
 VERSION_KEY = "lowbit_tree_version"
 
 RANK1_KEY = "rank1_normalization"
-# group keys that shape the state: fixed per param, compared on load (RANK1_KEY: _rank1_on_load)
+RANK_KEY = "momentum_rank"
+# group keys that shape the state: fixed per param, compared on load (RANK1_KEY: _rank1_on_load;
+# RANK_KEY: a group saved without it, written before it existed, had none: _load_lowrank)
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round",
-               RANK1_KEY)
+               RANK1_KEY, RANK_KEY)
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2, 3)
@@ -72,6 +76,8 @@ def save_state_dict(opt) -> dict:
                 out[name] = {"codes": row_dtensor(codes, p, ccols), "scale": row_dtensor(local.scale, p, scols)}
             elif isinstance(local, _Rank1Holder):
                 out[name] = rank1_state_tensors(local, p)
+            elif isinstance(local, LowRankHolder):
+                out[name] = lowrank_state_tensors(local, p)
             else:
                 out[name] = v
         new_state[idx] = out
@@ -187,6 +193,8 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
             if key == RANK1_KEY:
                 continue
             value, mine = saved.get(key), group.get(key)
+            if key == RANK_KEY and key not in saved:
+                continue  # written before momentum_rank: its buffers have no factors (_load_lowrank)
             if key in group and value != mine:
                 raise ValueError(_static_mismatch(gi, key, value, mine))
         if _takes_rank1(opt):
@@ -294,6 +302,8 @@ def load_into(opt, state_dict: dict) -> None:
                 st[name] = _load_quantized(saved, name, p, exp_local, expected, where, migrating)
             elif isinstance(exp_local, _Rank1Holder):
                 st[name] = _load_rank1(saved, name, exp_local, where, p)
+            elif isinstance(exp_local, LowRankHolder):
+                st[name] = _load_lowrank(saved, name, exp_local, where, p)
             else:
                 if name not in saved:
                     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
@@ -362,6 +372,8 @@ def _describe(t) -> str:
         return f"a {t.format!r} state with block size {t.block_size}"
     if isinstance(t, _Rank1Holder):
         return "a rank-1 normalized 4-bit state"
+    if isinstance(t, LowRankHolder):
+        return f"a low-rank {t.record.format!r} state of rank {t.record.rank}"
     return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
 
 
@@ -499,6 +511,49 @@ def _load_rank1(saved, name, holder, where, p):
     raise ValueError(f"{where}: the state dict has no {name!r}")
 
 
+def _load_lowrank(saved, name, holder, where, p):
+    """A low-rank momentum record (Muon's ``momentum_rank``): its four saved tensors; or a buffer
+    saved without factors, which is the same value as a record with zero factors and that
+    residual, so it loads exactly: a quantized one (``{"codes", "scale"}``: ``momentum_rank=0``,
+    e.g. Muon4bit before the low-rank split) or a float one (torch.optim.Muon's, our fp32
+    export), quantized here."""
+    from lowbit_tree.lowrank import LowRankQTensor
+
+    r = holder.record
+    value = saved.get(name)
+    live = {"codes": r.codes.view(torch.uint8) if r.codes.dtype != torch.uint8 else r.codes, "scale": r.scale,
+            "row_factor": r.row_factor, "col_factor": r.col_factor}
+    if isinstance(value, dict) or any(f"{name}{sfx}" in saved for sfx in STATE_SUFFIXES):
+        parts = (("codes", "scale") if isinstance(value, dict) and set(value) == {"codes", "scale"} else LOWRANK_PARTS)
+        found = _record_parts(saved, name, parts, where)
+        loaded = {}
+        for k, (label, t) in found.items():
+            t = to_local(lowrank_local_part(_tensor(label, t, where), p, k))
+            if tuple(t.shape) != tuple(live[k].shape) or t.dtype != live[k].dtype:
+                hint = (f" (factors of rank {r.rank}: the state dict was written with another momentum_rank)"
+                        if k.endswith("factor") else ": the state dict was written with another state format, "
+                        "block size or parameter shape")
+                raise ValueError(f"{where}: {label!r} is {_describe(t)}, this optimizer's low-rank "
+                                 f"{r.format!r} record (block size {r.block_size}) has {_describe(live[k])}{hint}")
+            if k == "scale":
+                _check_scales(t, f"{where}: {label!r}")
+            loaded[k] = t.detach().to(live[k].device).clone()
+        codes = loaded["codes"].view(r.codes.dtype)
+        pf = loaded.get("row_factor", torch.zeros_like(r.row_factor))
+        rf = loaded.get("col_factor", torch.zeros_like(r.col_factor))
+        holder.record = LowRankQTensor(codes, loaded["scale"], pf, rf, r.shape, r.block_size, r.format)
+        return holder
+    if name in saved:  # a float buffer: the residual, with zero factors
+        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
+        if not value.is_floating_point() or tuple(value.shape) != tuple(r.shape):
+            raise ValueError(f"{where}: {name!r} is {_describe(value)}, expected a float tensor of shape {r.shape}")
+        q = lt.quantize(value.detach().to(r.codes.device, torch.float32), r.format, r.block_size)
+        holder.record = LowRankQTensor(q.codes, q.scale, torch.zeros_like(r.row_factor), torch.zeros_like(r.col_factor),
+                                       r.shape, r.block_size, r.format)
+        return holder
+    raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
+
+
 def export_torch(opt) -> dict:
 
     sd = torch.optim.Optimizer.state_dict(opt)
@@ -515,6 +570,10 @@ def export_torch(opt) -> dict:
                 from lowbit_tree.moments import rank1_dequantize
 
                 out[name] = wrap_like(rank1_dequantize(local.record), params[idx])
+            elif isinstance(local, LowRankHolder):
+                from lowbit_tree.lowrank import lowrank_dequantize
+
+                out[name] = wrap_like(lowrank_dequantize(local.record), params[idx])
             else:
                 out[name] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         state[idx] = out

@@ -20,7 +20,7 @@ import torch
 from lowbit_tree.moments import is_record
 from lowbit_tree.rank1 import rank1_zeros
 
-__all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names", "Rank1Holder"]
+__all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names", "Rank1Holder", "LowRankHolder"]
 
 STATE_NAMES = {
     "mu": "exp_avg",
@@ -127,3 +127,26 @@ class Rank1Holder:
     def tensors(self) -> dict:
         r = self.record
         return {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
+
+
+class LowRankHolder:
+    """Holds a low-rank momentum record (:class:`~lowbit_tree.lowrank.LowRankQTensor`) in
+    ``state[p]``: of the local shard under sharding (the residual's rows and columns, the row
+    factor's rows for this shard's rows, the column factor's rows for its columns); the core's
+    in-place step writes its four tensors. Not a tensor subclass: its state-dict form is four
+    DTensors (``bridge.lowrank_shard.lowrank_state_tensors``)."""
+
+    def __init__(self, record):
+        self.record = record
+
+    @property
+    def nbytes(self) -> int:
+        return self.record.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.record.codes.device
+
+    def tensors(self) -> dict:
+        r = self.record
+        return {"codes": r.codes, "scale": r.scale, "row_factor": r.row_factor, "col_factor": r.col_factor}

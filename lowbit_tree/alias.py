@@ -210,6 +210,7 @@ def muon(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
+    momentum_rank: int = 0,
     orthogonalize=None,
     stochastic_round: bool = False,
     seed: int = 0,
@@ -221,6 +222,6 @@ def muon(
     return _finish(
         scale_by_muon(momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, learning_rate=learning_rate,
                       weight_decay=weight_decay, state_format=state_format, block_size=block_size,
-                      min_quant_size=min_quant_size, orthogonalize=orthogonalize),
+                      min_quant_size=min_quant_size, momentum_rank=momentum_rank, orthogonalize=orthogonalize),
         stochastic_round=stochastic_round, seed=seed,
     )

@@ -8,8 +8,8 @@ distributed checkpoints) and for loading into a state built elsewhere.
 Keys are path strings (``"0/mu/layer/weight/codes"``: NamedTuple field names,
 dict keys, sequence indices, record fields). Each quantized record at path
 ``P`` also writes ``P/__format__`` (uint8 bytes of its format name),
-``P/__shape__`` (int64) and, for QTensor, ``P/__block_size__`` (int64 0-d), so
-loading validates them. ``__lowbit_tree_version__`` (int64 0-d) names the layout.
+``P/__shape__`` (int64) and, for QTensor and LowRankQTensor, ``P/__block_size__`` (int64 0-d),
+so loading validates them (a low-rank record's rank is its factors' shape). ``__lowbit_tree_version__`` (int64 0-d) names the layout.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 import optree
 import torch
 
+from .lowrank import LowRankQTensor
 from .moments import Rank1QTensor
 from .qtensor import QTensor
 from .tree_utils import path_string
@@ -29,16 +30,16 @@ VERSION_KEY = "__lowbit_tree_version__"
 
 
 def _is_record(x: Any) -> bool:
-    return isinstance(x, (QTensor, Rank1QTensor))
+    return isinstance(x, (QTensor, Rank1QTensor, LowRankQTensor))
 
 
 def _record_meta(path: str, q: Any) -> dict[str, torch.Tensor]:
-    fmt = q.format if isinstance(q, QTensor) else "rank1:" + q.format
+    fmt = {QTensor: "", Rank1QTensor: "rank1:", LowRankQTensor: "lowrank:"}[type(q)] + q.format
     meta = {
         f"{path}/__format__": torch.tensor(list(fmt.encode()), dtype=torch.uint8, device="cpu"),
         f"{path}/__shape__": torch.tensor(q.shape, dtype=torch.int64, device="cpu"),
     }
-    if isinstance(q, QTensor):
+    if isinstance(q, (QTensor, LowRankQTensor)):
         meta[f"{path}/__block_size__"] = torch.tensor(q.block_size, dtype=torch.int64, device="cpu")
     return meta
 

@@ -23,6 +23,7 @@ import torch
 
 from .qtensor import QTensor, dequantize, quantize
 from .qtensor import zeros as qzeros
+from .lowrank import LowRankQTensor, lowrank_dequantize
 from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
 from .tree_utils import path_string
 
@@ -49,9 +50,10 @@ RANK1_STATE_FORMATS = ("4bit", "nf4")
 
 
 def is_record(x: Any) -> bool:
-    """A quantized state record (:class:`~lowbit_tree.QTensor` or :class:`Rank1QTensor`):
-    one leaf as far as states are concerned, though optree sees its tensors."""
-    return isinstance(x, (QTensor, Rank1QTensor))
+    """A quantized state record (:class:`~lowbit_tree.QTensor`, :class:`Rank1QTensor` or
+    :class:`~lowbit_tree.lowrank.LowRankQTensor`): one leaf as far as states are concerned,
+    though optree sees its tensors."""
+    return isinstance(x, (QTensor, Rank1QTensor, LowRankQTensor))
 
 
 def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
@@ -125,6 +127,8 @@ def load(leaf: Any) -> torch.Tensor:
         return dequantize(leaf)
     if isinstance(leaf, Rank1QTensor):
         return rank1_dequantize(leaf)
+    if isinstance(leaf, LowRankQTensor):
+        return lowrank_dequantize(leaf)
     return leaf.float()
 
 
@@ -134,6 +138,9 @@ def store(x: torch.Tensor, like: Any) -> Any:
         return quantize(x, like.format, like.block_size)
     if isinstance(like, Rank1QTensor):
         return rank1_quantize(x, like.reduce)
+    if isinstance(like, LowRankQTensor):
+        raise TypeError("a low-rank momentum record is written by its optimizer's step (it needs the whole "
+                        "matrix's factors), not stored from a float32 tensor")
     return x.to(like.dtype)
 
 
@@ -152,6 +159,8 @@ def _leaf_format(leaf: Any) -> str:
         return leaf.format
     if isinstance(leaf, Rank1QTensor):
         return "rank1_" + leaf.format
+    if isinstance(leaf, LowRankQTensor):
+        return f"{leaf.format}+rank{leaf.rank}"
     return str(leaf.dtype).replace("torch.", "")
 
 
@@ -159,7 +168,7 @@ def state_report(state: Any) -> list[ReportRow]:
     """One row per state leaf (``path, format, shape, nbytes``), then a ``"total"`` row.
 
     ``format`` is the QTensor format name (``"dynamic8"``, ...), ``"rank1_linear4_unsigned"``,
-    or the dtype (``"float32"``, ``"bfloat16"``, ``"int32"``) of a plain tensor;
+    ``"normal4+rank8"`` (a low-rank record: its residual's format and its factors' rank), or the dtype (``"float32"``, ``"bfloat16"``, ``"int32"``) of a plain tensor;
     ``shape`` is the logical shape.
     """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=is_record)

@@ -15,6 +15,16 @@ Per 2-D leaf, in this order (design.md, "Muon"):
    constants in float64, rounded once): ``p + (t - p)`` is ``t`` whenever ``t`` is within a
    factor 2 of ``p`` (Sterbenz), so params track torch's to its last bit but for sign changes.
 
+With ``momentum_rank=K`` (a quantized buffer), the buffer is a
+:class:`~lowbit_tree.lowrank.LowRankQTensor`, ``b = L + E``: ``L = P R^T`` from bfloat16 factors
+of rank ``K``, ``E`` a quantized residual. Step 1 runs the same ``muon`` rule (the kernels, float32
+state) on the residual: state ``E``, input ``g - L``, so ``s' = lerp(E, g - L, 1 - momentum)`` is
+the new buffer minus ``L`` and the rule's ``u`` is ``u - L``. Step 2's input is ``L`` plus ``u - L``
+quantized like the residual (nesterov) or ``L`` plus ``s'`` quantized (no nesterov). Where
+Newton-Schulz runs, the factors are refreshed too: one power iteration warm-started from the old
+column factor, on the whole stored-form new buffer ``L + Q(s')``. Last, the residual against the
+new factors ``L'`` is rounded once, from the float32 ``s'``: ``E' = Q(s' + L - L')``.
+
 Step 2 is what makes the sharded optimizer exact and cheap: ``x`` of a row shard is rows of
 the whole matrix's ``x`` (blocks never straddle a row), so an owner rank can gather the
 *stored* rows (1 byte a value for 8-bit, plus scales) and compute the same bits as a single
@@ -31,6 +41,7 @@ import torch
 
 from . import kernels, moments
 from .base import GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .lowrank import LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, lowrank_zeros, refresh_factors
 from .qtensor import QTensor, row_layout
 from .transform import _run_rule
 from .tree_utils import flatten, map_leaves
@@ -44,6 +55,7 @@ __all__ = [
     "check_ns_args",
     "ns_matrix",
     "local_orthogonalize",
+    "refresh_record",
     "scale_by_muon",
 ]
 
@@ -53,16 +65,21 @@ DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 class ScaleByMuonState(NamedTuple):
     count: torch.Tensor  # int32, 0-d: steps taken (a learning-rate schedule's argument)
-    trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``)
+    trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``);
+    # with momentum_rank, quantized buffers are LowRankQTensor records
 
 
 class NSInput(NamedTuple):
     """One leaf's Newton-Schulz input as :func:`scale_by_muon` hands it to ``orthogonalize``:
     ``index`` is the leaf's position in the flattened tree (plus a chain's leaf offset), ``x``
-    its rows in storage form (a :class:`~lowbit_tree.QTensor` or a bfloat16 tensor)."""
+    its rows in storage form (a :class:`~lowbit_tree.QTensor`, a
+    :class:`~lowbit_tree.lowrank.LowRankQTensor` or a bfloat16 tensor). ``buffer``: with
+    ``momentum_rank``, the new buffer in stored form against the old factors (a LowRankQTensor,
+    ``x`` itself without nesterov), whose factors the hook refreshes; else ``None``."""
 
     index: int
     x: Any
+    buffer: Any = None
 
 
 def newton_schulz(x: torch.Tensor, coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS, steps: int = 5,
@@ -102,16 +119,34 @@ def ns_matrix(x: Any) -> torch.Tensor:
     """A Newton-Schulz input in storage form as a 2-D matrix (float32 for a record)."""
     if isinstance(x, QTensor):
         return kernels.dequantize_fast(x)
+    if isinstance(x, LowRankQTensor):
+        return lowrank_dequantize(x)
     return x
 
 
 def local_orthogonalize(inputs: Sequence[NSInput], ns: Callable[[torch.Tensor], torch.Tensor]) -> list:
-    """The default ``orthogonalize``: every leaf here; ``[(o, matrix shape)]``."""
-    return [(ns(ns_matrix(i.x)), tuple(i.x.shape)) for i in inputs]
+    """The default ``orthogonalize``: every leaf here; ``[(o, matrix shape)]``, and for an input with
+    a ``buffer`` ``(o, matrix shape, refresh_record(buffer))``."""
+    out = []
+    for i in inputs:
+        o, shape = ns(ns_matrix(i.x)), tuple(i.x.shape)
+        out.append((o, shape) if i.buffer is None else (o, shape, refresh_record(i.buffer)))
+    return out
+
+
+def refresh_record(x: LowRankQTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New factors ``(P, R)`` of a *whole* stored low-rank buffer (:func:`~lowbit_tree.lowrank.refresh_factors`
+    of its value, warm-started from its column factor)."""
+    return refresh_factors(lowrank_dequantize(x), x.col_factor)
 
 
 def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
     """Step 2 of the module docstring."""
+    if isinstance(buf, LowRankQTensor):
+        if not nesterov:
+            return buf
+        codes, scale = kernels.quantize_rows_fast(u.reshape(row_layout(u.shape)), buf.format, buf.block_size)
+        return LowRankQTensor(codes, scale, buf.row_factor, buf.col_factor, buf.shape, buf.block_size, buf.format)
     if isinstance(buf, QTensor):
         if not nesterov:
             return buf  # u is the new buffer, whose stored form this is
@@ -146,6 +181,7 @@ def scale_by_muon(
     state_format: str = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
+    momentum_rank: int = 0,
     orthogonalize: Optional[Callable] = None,
 ) -> GradientTransformation:
     """Muon's update for 2-D leaves: the momentum's Newton-Schulz orthogonalization times the
@@ -160,10 +196,15 @@ def scale_by_muon(
         param step (step 4; needs params; tensor values are read on the host once a step).
       state_format, block_size, min_quant_size: the buffer's storage (as
         :func:`~lowbit_tree.scale_by_adam`; signed formats).
+      momentum_rank: ``K > 0``: each quantized buffer keeps its top-``K`` part as bfloat16 factors
+        and quantizes only the residual (the module docstring; a matrix gets rank ``min(K, m,
+        n)``). Needs a quantized ``state_format``. ``0`` (default): the buffer is one record.
       orthogonalize: ``(inputs: list[NSInput], ns) -> [(o rows, matrix shape)]``, where
         ``ns(matrix) -> bfloat16`` is this transformation's :func:`newton_schulz`; default
         :func:`local_orthogonalize`. A sharded caller gathers each matrix's rows, runs ``ns``
-        and returns each leaf's rows of the result with the whole matrix's shape.
+        and returns each leaf's rows of the result with the whole matrix's shape; for an input
+        with a ``buffer`` (``momentum_rank``) also ``(P, R)``, the leaf's rows of
+        :func:`refresh_record` of the whole buffer (its rows of ``P``, its columns' rows of ``R``).
     Returns:
       A transformation with state :class:`ScaleByMuonState`; updates are float32.
     """
@@ -173,6 +214,11 @@ def scale_by_muon(
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if isinstance(momentum, numbers.Real) and not 0 <= momentum:
         raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+    if isinstance(momentum_rank, bool) or not isinstance(momentum_rank, int) or momentum_rank < 0:
+        raise ValueError(f"momentum_rank must be an int >= 0, got {momentum_rank!r}")
+    if momentum_rank and state_format in ("fp32", "bf16"):
+        raise ValueError(f"momentum_rank={momentum_rank} splits a quantized buffer; state_format={state_format!r} "
+                         "keeps it unquantized: use a quantized state_format ('nf4', '8bit', ...) or momentum_rank=0")
     spec = kernels.StepSpec("muon", nesterov=nesterov)
     hook = orthogonalize or local_orthogonalize
 
@@ -187,8 +233,13 @@ def scale_by_muon(
                     "biases and the head to AdamW (bridge.Muon: a param group with use_muon=False; functional: "
                     "lowbit_tree.partition)"
                 )
-            return moments.init_moment(p, state_format, signed=True, block_size=block_size,
-                                       min_quant_size=min_quant_size)
+            m = moments.init_moment(p, state_format, signed=True, block_size=block_size,
+                                    min_quant_size=min_quant_size)
+            if momentum_rank and isinstance(m, QTensor):
+                k = lowrank_rank(m.shape, momentum_rank)
+                z = lowrank_zeros(m.shape, k, m.format, m.block_size, device=p.device)
+                return LowRankQTensor(m.codes, m.scale, z.row_factor, z.col_factor, m.shape, m.block_size, m.format)
+            return m
 
         return ScaleByMuonState(init_count(params), map_leaves(buffer, params))
 
@@ -197,15 +248,51 @@ def scale_by_muon(
         for g in g_leaves:
             if g is not None and g.ndim != 2:
                 raise ValueError(f"Muon takes 2-D gradients (matrices), got shape {tuple(g.shape)}")
-        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), updates, (state.trace,), None, 0, extra)
+        offset = extra.get("_leaf_offset", 0)
+        old_leaves = treespec.flatten_up_to(state.trace)
+        low = [i for i, g in enumerate(g_leaves) if g is not None and isinstance(old_leaves[i], LowRankQTensor)]
+        rule_grads, rule_trace, old_low = updates, state.trace, {}
+        if low:  # the rule on the residual: state E, input g - L (module docstring)
+            g2, t2 = list(g_leaves), list(old_leaves)
+            for i in low:
+                rec = old_leaves[i]
+                old_low[i] = lowrank_expand(rec.row_factor, rec.col_factor)
+                t2[i] = kernels.dequantize_fast(rec.residual)  # a new tensor: the rule's scratch state
+                g2[i] = g_leaves[i].float().sub(old_low[i])
+            rule_grads, rule_trace = treespec.unflatten(g2), treespec.unflatten(t2)
+        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, extra)
         u_leaves = treespec.flatten_up_to(u_tree)
         b_leaves = treespec.flatten_up_to(new_trace)
-        offset = extra.get("_leaf_offset", 0)
         where = [i for i, g in enumerate(g_leaves) if g is not None]  # empty ones too: a shard may be empty
-        inputs = [NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], nesterov)) for i in where]
-        results = hook(inputs, ns) if inputs else []
+        inputs = []
+        for i in where:
+            if i in old_low:  # the new buffer in stored form against the old factors
+                rec, res = old_leaves[i], b_leaves[i]
+                codes, scale = kernels.quantize_rows_fast(res.reshape(row_layout(res.shape)), rec.format, rec.block_size)
+                buf = LowRankQTensor(codes, scale, rec.row_factor, rec.col_factor, rec.shape, rec.block_size, rec.format)
+                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], buf, nesterov), buf))
+            else:
+                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], nesterov)))
+        results = list(hook(inputs, ns)) if inputs else []
         if len(results) != len(inputs):
             raise RuntimeError(f"orthogonalize returned {len(results)} results for {len(inputs)} inputs")
+        if low:
+            inplace = bool(extra.get("_inplace_state"))
+            for k, i in enumerate(where):
+                if i not in old_low:
+                    continue
+                o, shape, (pf, rf) = results[k]
+                results[k] = (o, shape)
+                rec = old_leaves[i]
+                e = b_leaves[i].add_(old_low[i]).sub_(lowrank_expand(pf, rf))  # s' + L - L', in the rule's scratch
+                codes, scale = kernels.quantize_rows_fast(e.reshape(row_layout(e.shape)), rec.format, rec.block_size)
+                if inplace:  # the bridge's step_: the live record's tensors take the new values
+                    for dst, src in ((rec.codes, codes), (rec.scale, scale), (rec.row_factor, pf), (rec.col_factor, rf)):
+                        dst.copy_(src)
+                    b_leaves[i] = rec
+                else:
+                    b_leaves[i] = LowRankQTensor(codes, scale, pf, rf, rec.shape, rec.block_size, rec.format)
+            new_trace = treespec.unflatten(b_leaves)
         out = list(u_leaves)
         if learning_rate is None:
             for i, (o, shape) in zip(where, results):

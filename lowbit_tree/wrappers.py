@@ -68,6 +68,7 @@ STATIC_HYPERPARAMS = frozenset(
         "t_alpha",
         "t_beta3",
         "ns_steps",
+        "momentum_rank",
         "ns_coefficients",
         "adjust_lr_fn",
         "orthogonalize",

@@ -259,16 +259,17 @@ def test_state_dict_round_trip_and_torch_muon_state():
 
 
 def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
-    """Muon4bit keeps its momentum on the normal-float map, blocks of 32; a Muon4bit state dict
-    from before (``state_format="4bit"``: the dynamic map, blocks of 128) is refused with the
-    format named, and loads bit for bit into ``bridge.Muon(state_format="4bit")``."""
+    """Muon4bit keeps its momentum as rank-8 factors and a residual on the normal-float map,
+    blocks of 32 (a 48 x 5 matrix: rank 5); a Muon4bit state dict from before the tenth session
+    (``state_format="4bit"``: the dynamic map, blocks of 128) is refused with the format named,
+    and loads bit for bit into ``bridge.Muon(state_format="4bit")``."""
     model = MLP()
     opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
-    assert opt.defaults["state_format"] == "nf4"
+    assert opt.defaults["state_format"] == "nf4" and opt.defaults["momentum_rank"] == 8
     _train(model, opt, steps=2)
     rows = opt.state_report()
-    assert {r[2] for r in rows if r[1] == "momentum_buffer"} == {"normal4"}
-    buf = opt.state[next(model.parameters())]["momentum_buffer"]
+    assert [r[2] for r in rows if r[1] == "momentum_buffer"] == ["normal4+rank8", "normal4+rank8", "normal4+rank5"]
+    buf = opt.state[next(model.parameters())]["momentum_buffer"].record
     assert buf.block_size == 32 and lt.get_format(buf.format).values.equal(lt.formats.normal_map())
     old_model = MLP()
     old = bridge.Muon(old_model.parameters(), lr=0.02, min_quant_size=1, state_format="4bit")
@@ -307,13 +308,14 @@ def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
     dcp.save({"optim": get_optimizer_state_dict(model, old)}, checkpoint_id=str(tmp_path))
     new = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1, block_size=block_size)
     _train(model, new, steps=1, seed=3)
-    before = {id(p): (new.state[p]["momentum_buffer"].codes.clone(), new.state[p]["momentum_buffer"].scale.clone())
+    before = {id(p): {k: t.clone() for k, t in new.state[p]["momentum_buffer"].tensors().items()}
               for p in model.parameters()}
     with pytest.raises(ValueError, match="state_format='4bit' but this optimizer has state_format='nf4'"):
         load_optimizer(model, new, str(tmp_path))
     for p in model.parameters():  # refused before any state was read: the live states are untouched
-        buf = new.state[p]["momentum_buffer"]
-        assert torch.equal(buf.codes, before[id(p)][0]) and torch.equal(buf.scale, before[id(p)][1])
+        live = new.state[p]["momentum_buffer"].tensors()
+        assert set(live) == {"codes", "scale", "row_factor", "col_factor"}
+        assert all(torch.equal(t, before[id(p)][k]) for k, t in live.items())
 
 
 def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
@@ -386,3 +388,140 @@ def test_cuda_bridge_equals_functional_and_torch_momentum(fmt):
         if fmt == "fp32":
             assert torch.equal(opt.state[p]["momentum_buffer"], t_opt.state[r]["momentum_buffer"])
             assert _rel(p, r) <= 1e-6
+
+
+def _live_record(opt, p):
+    v = opt.state[p]["momentum_buffer"]
+    return v.record if hasattr(v, "record") else v
+
+
+@pytest.mark.parametrize("fmt,rank", [("nf4", 8), ("8bit", 3), ("fp8", 4)])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_momentum_rank_bridge_equals_functional_bit_for_bit(fmt, rank, nesterov, dtype):
+    """``momentum_rank``: the bridge's in-place step and the functional update give the same
+    params and the same records (residual codes and scales, both factors), for every shape
+    kind (wide, tall, narrower than the rank)."""
+    from test_lowrank import same_record
+
+    params, grads = _problem([(40, 70), (130, 24), (3, 300)], 5, seed=4)
+    params = [p.to(dtype) for p in params]
+    tx = lt.muon(0.02, 0.9, 0.05, nesterov, state_format=fmt, min_quant_size=1, block_size=32, momentum_rank=rank)
+    ps, state = [p.clone() for p in params], tx.init(params)
+    ours = [p.clone() for p in params]
+    opt = bridge.Muon(ours, lr=0.02, momentum=0.9, weight_decay=0.05, nesterov=nesterov, state_format=fmt,
+                      min_quant_size=1, block_size=32, momentum_rank=rank)
+    for gs in grads:
+        gs = [g.to(dtype) for g in gs]
+        updates, state = tx.update(gs, state, ps)
+        ps = lt.apply_updates(ps, updates)
+        for p, g in zip(ours, gs):
+            p.grad = g.clone()
+        opt.step()
+    for i, (p, q) in enumerate(zip(ours, ps)):
+        assert same(p, q), (fmt, i)
+        rec = _live_record(opt, p)
+        assert rec.rank == min(rank, *p.shape) and same_record(rec, state[0].trace[i]), (fmt, i)
+        assert rec.row_factor.abs().max() > 0  # the factors were refreshed
+
+
+def test_muon4bit_state_dicts_old_and_new():
+    """A Muon4bit state dict round-trips bit for bit; an nf4 one without factors (Muon4bit before
+    momentum_rank) loads into today's Muon4bit as the same buffer value (zero factors); torch.optim.Muon's
+    buffers load as residuals; a rank mismatch is refused naming momentum_rank, before anything
+    changes; the fp32 export is the whole buffer, factors included."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
+    _train(model, opt, steps=3)
+    sd = copy.deepcopy(opt.state_dict())
+    assert set(sd["state"][0]["momentum_buffer"]) == {"codes", "scale", "row_factor", "col_factor"}
+    assert sd["param_groups"][0]["momentum_rank"] == 8
+    twin = copy.deepcopy(model)
+    opt2 = bridge.Muon4bit(twin.parameters(), lr=0.02, min_quant_size=1)
+    opt2.load_state_dict(sd)
+    _train(model, opt, steps=3, seed=9)
+    _train(twin, opt2, steps=3, seed=9)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    exported = opt.torch_state_dict()["state"]
+    for i, p in enumerate(model.parameters()):
+        rec = _live_record(opt, p)
+        assert torch.equal(exported[i]["momentum_buffer"], lt.moments.load(rec))
+        assert exported[i]["momentum_buffer"].shape == p.shape
+
+    old_model = MLP()
+    old = bridge.Muon(old_model.parameters(), lr=0.02, min_quant_size=1, state_format="nf4")
+    _train(old_model, old, steps=2)
+    old_sd = copy.deepcopy(old.state_dict())
+    for g in old_sd["param_groups"]:
+        del g["momentum_rank"]  # written before the key existed
+    new = bridge.Muon4bit(copy.deepcopy(old_model).parameters(), lr=0.02, min_quant_size=1)
+    new.load_state_dict(old_sd)
+    for p, q in zip(old_model.parameters(), new.param_groups[0]["params"]):
+        rec = _live_record(new, q)
+        assert not rec.row_factor.any() and not rec.col_factor.any()
+        assert torch.equal(lt.moments.load(rec), old.state[p]["momentum_buffer"].dequantize())
+    assert new.param_groups[0]["momentum_rank"] == 8
+
+    with_key = old.state_dict()  # momentum_rank=0 said explicitly: refused, not guessed
+    target_model = copy.deepcopy(old_model)
+    target = bridge.Muon4bit(target_model.parameters(), lr=0.02, min_quant_size=1)
+    _train(target_model, target, steps=1)
+    before = [{k: t.clone() for k, t in target.state[p]["momentum_buffer"].tensors().items()}
+              for p in target.param_groups[0]["params"]]
+    with pytest.raises(ValueError, match="momentum_rank=0 but this optimizer has momentum_rank=8"):
+        target.load_state_dict(with_key)
+    with pytest.raises(ValueError, match="momentum_rank=8 but this optimizer has momentum_rank=0"):
+        bridge.Muon(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1, state_format="nf4").load_state_dict(sd)
+    fewer = bridge.Muon4bit(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1, momentum_rank=2)
+    relabelled = copy.deepcopy(sd)  # the groups say 2, the records hold rank-8 factors
+    for g in relabelled["param_groups"]:
+        g["momentum_rank"] = 2
+    with pytest.raises(ValueError, match="another momentum_rank"):
+        fewer.load_state_dict(relabelled)
+    for p, b in zip(target.param_groups[0]["params"], before):
+        assert all(torch.equal(t, b[k]) for k, t in target.state[p]["momentum_buffer"].tensors().items())
+
+    ref = MLP()
+    t_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
+    _train(ref, t_opt, steps=3)
+    ours = copy.deepcopy(ref)
+    o = bridge.Muon4bit(ours.parameters(), lr=0.02, min_quant_size=1)
+    o.load_state_dict(t_opt.state_dict())
+    for p, r in zip(ours.parameters(), ref.parameters()):
+        rec = _live_record(o, p)
+        assert not rec.row_factor.any()
+        assert _rel(lt.moments.load(rec), t_opt.state[r]["momentum_buffer"]) < 0.15  # one nf4 rounding
+
+
+def test_muon4bit_dcp_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from bridge.dcp import load_optimizer
+
+    model = MLP()
+    opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
+    _train(model, opt, steps=3)
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+    twin = copy.deepcopy(model)
+    fresh = bridge.Muon4bit(twin.parameters(), lr=0.02, min_quant_size=1)
+    _train(twin, fresh, steps=1, seed=4)  # live states to be overwritten
+    twin.load_state_dict(model.state_dict())
+    load_optimizer(twin, fresh, str(tmp_path))
+    _train(model, opt, steps=2, seed=6)
+    _train(twin, fresh, steps=2, seed=6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_momentum_rank_argument_errors():
+    mat = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="momentum_rank must be an int >= 0"):
+        bridge.Muon([mat], state_format="nf4", momentum_rank=-2)
+    with pytest.raises(ValueError, match="state_format='fp32' keeps it unquantized"):
+        bridge.Muon([mat], momentum_rank=4)
+    with pytest.raises(ValueError, match="or momentum_rank=0"):
+        bridge.Muon4bit([{"params": [mat], "state_format": "bf16"}])
+    bridge.Muon4bit([{"params": [mat], "state_format": "bf16", "momentum_rank": 0}])

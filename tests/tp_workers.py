@@ -84,15 +84,29 @@ def full_states(opt, model) -> dict:
 
     from bridge import QState
 
+    from bridge.lowrank_shard import lowrank_state_tensors
     from bridge.rank1_shard import rank1_state_tensors
-    from bridge.state_tree import Rank1Holder
+    from bridge.state_tree import LowRankHolder, Rank1Holder
 
     out = {}
     for name, p in model.named_parameters():
         st = {}
         for k, v in opt.state[p].items():
+            if isinstance(v, LowRankHolder):  # low rank: the residual as a quantized state's, the factors
+                from lowbit_tree.lowrank import LowRankQTensor
+
+                w = {part: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+                     for part, t in lowrank_state_tensors(v, p).items()}
+                r = v.record
+                codes = w["codes"].view(r.codes.dtype)
+                whole = LowRankQTensor(codes, w["scale"], w["row_factor"], w["col_factor"], tuple(p.shape),
+                                       r.block_size, r.format)
+                st[k] = (w["codes"], w["scale"], r.block_size, whole.dequantize())
+                st[f"{k}::row_factor"], st[f"{k}::col_factor"] = w["row_factor"], w["col_factor"]
+                continue
             if isinstance(v, Rank1Holder):  # rank-1: codes, row and column maxima, gathered
-                for part, t in rank1_state_tensors(v, p).items():
+                parts = rank1_state_tensors(v, p)
+                for part, t in parts.items():
                     st[f"{k}::{part}"] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
                 continue
             f = v.full_tensor() if isinstance(v, DTensor) else v

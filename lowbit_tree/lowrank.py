@@ -1,0 +1,161 @@
+"""A matrix stored as a low-rank factor plus a quantized residual: Muon's ``momentum_rank``.
+
+``value = row_factor @ col_factor.T + residual``: the factors are bfloat16, ``(m, K)`` and
+``(n, K)``; the residual is a :class:`~lowbit_tree.QTensor`'s codes and scales (row-aligned
+blocks). Newton-Schulz makes every direction of the momentum as loud as its strongest, so a
+4-bit rounding error in the weak directions costs held-out loss; keeping the top-``K`` part
+exact and rounding only what is left shrinks the error with the residual's absmax
+(4-bit-Muon-GRASP and MuonQ take the same structure; design.md, "Muon").
+
+Every operation here gives the same bits on any row or column shard as on the whole matrix:
+:func:`lowrank_expand` is elementwise (bfloat16 products are exact in float32; the sum runs
+``k = 0 .. K-1``), and the quantized residual's blocks never straddle a row. Only
+:func:`refresh_factors` (a power iteration) needs the whole matrix; a sharded caller runs it
+on one owner rank (``bridge.muon.ShardedNS``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import optree
+import optree.registry
+import torch
+import torch.utils._pytree as torch_pytree
+
+from .qtensor import QTensor
+from .qtensor import zeros as qzeros
+
+__all__ = ["FACTOR_DTYPE", "LowRankQTensor", "lowrank_rank", "lowrank_zeros", "lowrank_expand",
+           "lowrank_dequantize", "refresh_factors"]
+
+FACTOR_DTYPE = torch.bfloat16
+"""The factors' storage: 2 bytes a value, and products exact in float32."""
+
+
+class LowRankQTensor:
+    """An immutable low-rank-plus-residual record of a 2-D tensor (module docstring).
+
+    Children: ``codes`` and ``scale`` (the residual, as in a QTensor of ``shape``, ``block_size``
+    and ``format``), ``row_factor`` (bfloat16 ``(m, K)``), ``col_factor`` (bfloat16 ``(n, K)``).
+    Static metadata: ``shape``, ``block_size``, ``format``.
+    """
+
+    __slots__ = ("codes", "scale", "row_factor", "col_factor", "shape", "block_size", "format")
+
+    def __init__(self, codes, scale, row_factor, col_factor, shape: Sequence[int], block_size: int, format: str):
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != 2:
+            raise ValueError(f"LowRankQTensor holds a matrix, got shape {shape}")
+        if row_factor.ndim != 2 or col_factor.ndim != 2 or row_factor.shape[1] != col_factor.shape[1]:
+            raise ValueError(f"LowRankQTensor factors must be (m, K) and (n, K), got {tuple(row_factor.shape)} and "
+                             f"{tuple(col_factor.shape)}")
+        for name, value in (("codes", codes), ("scale", scale), ("row_factor", row_factor), ("col_factor", col_factor),
+                            ("shape", shape), ("block_size", int(block_size)), ("format", str(format))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("LowRankQTensor is immutable")
+
+    def __reduce__(self):
+        return (LowRankQTensor, (self.codes, self.scale, self.row_factor, self.col_factor, self.shape,
+                                 self.block_size, self.format))
+
+    @property
+    def rank(self) -> int:
+        return int(self.row_factor.shape[1])
+
+    @property
+    def residual(self) -> QTensor:
+        return QTensor._trusted(self.codes, self.scale, self.shape, self.block_size, self.format)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.row_factor, self.col_factor))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return lowrank_dequantize(self).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"LowRankQTensor(format={self.format!r}, shape={self.shape}, block_size={self.block_size}, rank={self.rank})"
+
+
+optree.register_pytree_node(
+    LowRankQTensor,
+    lambda q: ((q.codes, q.scale, q.row_factor, q.col_factor), (q.shape, q.block_size, q.format),
+               ("codes", "scale", "row_factor", "col_factor")),
+    lambda meta, children: LowRankQTensor(*children, *meta),
+    path_entry_type=optree.GetAttrEntry,
+    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
+)
+torch_pytree.register_pytree_node(
+    LowRankQTensor,
+    lambda q: ([q.codes, q.scale, q.row_factor, q.col_factor], (q.shape, q.block_size, q.format)),
+    lambda children, meta: LowRankQTensor(*children, *meta),
+    serialized_type_name="lowbit_tree.LowRankQTensor",
+)
+torch.serialization.add_safe_globals([LowRankQTensor])
+
+
+def lowrank_rank(shape: Sequence[int], rank: int) -> int:
+    """The rank a matrix of ``shape`` gets for ``momentum_rank=rank``: at most its smaller side
+    (a higher rank cannot hold more)."""
+    return max(0, min(int(rank), int(shape[0]), int(shape[1])))
+
+
+def lowrank_zeros(shape: Sequence[int], rank: int, format: str, block_size: int | None, device=None) -> LowRankQTensor:
+    """A zero record: zero factors of ``rank`` columns (as given: the caller decides it from the
+    *global* shape, :func:`lowrank_rank`) and a zero residual."""
+    res = qzeros(tuple(shape), format, block_size, device, signed=True)
+    m, n = shape
+    return LowRankQTensor(res.codes, res.scale, torch.zeros(m, rank, dtype=FACTOR_DTYPE, device=device),
+                          torch.zeros(n, rank, dtype=FACTOR_DTYPE, device=device), shape, res.block_size, res.format)
+
+
+def lowrank_expand(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.Tensor:
+    """``row_factor @ col_factor.T`` in float32, elementwise: ``sum_k P[i, k] R[j, k]`` for
+    ``k = 0 .. K-1`` in that order, each product exact (bfloat16 inputs), each sum rounded once.
+    So rows (columns) of the whole matrix's result are the result of its rows (columns): the
+    bits do not depend on how the matrix is sharded, as a BLAS product's may. A new tensor."""
+    p, r = row_factor.float(), col_factor.float()
+    out = torch.zeros(p.shape[0], r.shape[0], dtype=torch.float32, device=p.device)
+    if p.shape[1] == 0 or out.numel() == 0:
+        return out
+    torch.mul(p[:, :1], r[:, 0], out=out)
+    term = torch.empty_like(out)
+    for k in range(1, p.shape[1]):
+        torch.mul(p[:, k:k + 1], r[:, k], out=term)
+        out.add_(term)
+    return out
+
+
+def lowrank_dequantize(q: LowRankQTensor) -> torch.Tensor:
+    """The record's value, float32: ``lowrank_expand(factors) + dequantize(residual)`` (a new tensor)."""
+    from . import kernels  # kernels import this module's record lazily; no cycle at import time
+
+    out = lowrank_expand(q.row_factor, q.col_factor)
+    if out.numel():
+        out.add_(kernels.dequantize_fast(q.residual).reshape(out.shape))
+    return out
+
+
+def refresh_factors(b: torch.Tensor, col_factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """New factors of the *whole* matrix ``b`` (float32 ``(m, n)``): one power iteration warm-started
+    from the old column factor's span, ``Q = qr(R_old)``, ``P = qr(b Q)`` (orthonormal columns),
+    ``R = b^T P``, so ``P R^T`` is ``b`` projected on its (approximate) top-``K`` column space.
+    Returns ``(P, R)`` in bfloat16. A zero ``R_old`` (the first step) starts from the first ``K``
+    coordinate directions; a non-finite ``b`` gives NaN factors (the param's state is poisoned,
+    as a quantized block with a NaN is)."""
+    k = col_factor.shape[1]
+    m, n = b.shape
+    if k == 0 or b.numel() == 0:
+        return (torch.zeros(m, k, dtype=FACTOR_DTYPE, device=b.device),
+                torch.zeros(n, k, dtype=FACTOR_DTYPE, device=b.device))
+    q = torch.linalg.qr(col_factor.float())[0]
+    p = torch.linalg.qr(b @ q)[0]
+    r = b.T @ p
+    return p.to(FACTOR_DTYPE), r.to(FACTOR_DTYPE)
+
