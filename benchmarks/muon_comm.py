@@ -9,6 +9,10 @@ each rank sent for the Newton-Schulz of each matrix (summed over ranks here):
 - gather as float32: what the same rows cost as float32 (Moonlight / DistMuon-style gathers);
 - scatter: the owner's bfloat16 result rows back (Newton-Schulz returns bfloat16 in torch too).
 
+``nf4+rank8`` is Muon4bit (momentum_rank=8): its gather carries the quantized input and the new
+buffer's residual (both 4-bit) plus the factor rows, its scatter the result and the refreshed
+factors' rows.
+
     python benchmarks/muon_comm.py [--dims 256,1024] [--layers 2] [--worlds 2,3]
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-FORMATS = ("fp32", "bf16", "8bit", "4bit", "fp8")
+FORMATS = ("fp32", "bf16", "8bit", "4bit", "fp8", "nf4", "nf4+rank8")
 
 
 def model_for(dims: list[int], layers: int) -> nn.Module:
@@ -51,7 +55,8 @@ def worker(rank: int, world: int, store: str, dims: list[int], layers: int, out:
         for fmt in FORMATS:
             model = model_for(dims, layers)
             fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-            opt = bridge.Muon(model.parameters(), lr=0.02, state_format=fmt)
+            base, _, k = fmt.partition("+rank")
+            opt = bridge.Muon(model.parameters(), lr=0.02, state_format=base, momentum_rank=int(k or 0))
             for p in model.parameters():
                 p.grad = torch.distributed.tensor.DTensor.from_local(
                     torch.randn(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

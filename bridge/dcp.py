@@ -35,6 +35,9 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
         for name, value in states.items():
             if isinstance(value, dict):
                 _check_record_kind(value, saved, f"{key}.state.{fqn}.{name}", f"{fqn} {name}")
+                if _saved_without_factors(value, saved, f"{key}.state.{fqn}.{name}"):
+                    # a buffer saved before momentum_rank: its residual loads, its factors are zero
+                    states[name] = value = {"codes": value["codes"], "scale": value["scale"]}
             if not isinstance(value, dict) or set(value) != {"codes", "scale"}:
                 continue
             prefix = f"{key}.state.{fqn}.{name}"
@@ -78,6 +81,16 @@ def _keep_group_keys_the_checkpoint_lacks(osd: dict, saved: dict, key: str) -> N
         for k in [k for k, v in group.items() if k != "params" and not isinstance(v, (list, tuple, dict))]:
             if f"{key}.param_groups.{i}.{k}" not in saved:
                 del group[k]
+
+
+def _saved_without_factors(value: dict, saved: dict, prefix: str) -> bool:
+    """A low-rank momentum record (Muon's ``momentum_rank``) whose checkpoint holds only codes and
+    scales: one written with ``momentum_rank=0`` (Muon4bit before the low-rank split). That buffer
+    is a record with zero factors and that residual, so it loads exactly (``load_state_dict``
+    zeroes the factors); a checkpoint written with factors and a rank-0 optimizer are told apart
+    by the groups' ``momentum_rank``, checked first."""
+    return (set(value) == {"codes", "scale", "row_factor", "col_factor"} and f"{prefix}.codes" in saved
+            and f"{prefix}.row_factor" not in saved)
 
 
 def _check_record_kind(value: dict, saved: dict, prefix: str, what: str) -> None:

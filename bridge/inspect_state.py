@@ -31,6 +31,7 @@ import lowbit_tree.checkpoint
 import lowbit_tree.update  # noqa: F401
 import lowbit_tree.wrappers  # noqa: F401
 from lowbit_tree.formats import STATE_FORMATS, get_format
+from lowbit_tree.lowrank import LowRankQTensor
 from lowbit_tree.moments import Rank1QTensor
 
 # torch.optim state name -> is it a first (signed) moment
@@ -38,7 +39,8 @@ SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, 
                  "exp_avg_slow": True}
 GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
 OWN_FORMAT_KEYS = {"exp_avg_slow": "slow_state_format"}  # states a group may store in a format of their own
-RECORD_PARTS = ("codes", "scale", "row_max", "col_max")  # the tensors of a quantized state (versions 2 and 3 nest them)
+RECORD_PARTS = ("codes", "scale", "row_max", "col_max", "row_factor", "col_factor")  # the tensors of a quantized
+# state (versions 2 and 3 nest them): a QTensor's, a rank-1 record's, a low-rank record's (Muon's momentum_rank)
 
 
 class InspectError(Exception):
@@ -94,6 +96,11 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     detail = ", ".join(f"{k} {_dtype_name(p[1])}{list(p[0])}" for k, p in parts.items())
     if "row_max" in parts:  # rank-1 normalized 4-bit record
         return Row(path, "rank1_linear4_unsigned", "-", _rank1_shape(parts), nbytes, detail)
+    if "row_factor" in parts and "col_factor" in parts:  # low rank: the residual's row, named with the rank
+        rest = {k: v for k, v in parts.items() if k not in ("row_factor", "col_factor")}
+        row = _quantized_row(path, name, group, rest)
+        rank = parts["row_factor"][0][-1] if len(parts["row_factor"][0]) == 2 else "?"
+        return Row(path, f"{row.format}+rank{rank}", row.block, row.shape, nbytes, detail)
     codes, scale = parts.get("codes"), parts.get("scale")
     state_format = group.get(OWN_FORMAT_KEYS.get(name, "")) or group.get("state_format")
     signed = SIGNED_STATES.get(name)
@@ -315,7 +322,7 @@ def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:
 
 
 def _is_record(x) -> bool:
-    return isinstance(x, (lt.QTensor, Rank1QTensor))
+    return isinstance(x, (lt.QTensor, Rank1QTensor, LowRankQTensor))
 
 
 def _has_core_nodes(tree) -> bool:
@@ -354,6 +361,11 @@ def inspect_core_state(tree) -> Report:
         elif isinstance(leaf, Rank1QTensor):
             detail = f"codes {list(leaf.codes.shape)}, row_max {list(leaf.row_max.shape)}, col_max {list(leaf.col_max.shape)}"
             rows.append(Row(path, "rank1_" + leaf.format, "-", leaf.shape, leaf.nbytes, detail))
+        elif isinstance(leaf, LowRankQTensor):
+            detail = (f"codes {_dtype_name(leaf.codes.dtype)}{list(leaf.codes.shape)}, scale {list(leaf.scale.shape)}, "
+                      f"row_factor {list(leaf.row_factor.shape)}, col_factor {list(leaf.col_factor.shape)}")
+            rows.append(Row(path, f"{leaf.format}+rank{leaf.rank}", str(leaf.block_size), leaf.shape, leaf.nbytes,
+                            detail))
         elif isinstance(leaf, torch.Tensor):
             rows.append(Row(path, _plain_format(leaf.dtype), "-", tuple(leaf.shape), leaf.numel() * leaf.element_size(),
                             _dtype_name(leaf.dtype)))
@@ -368,6 +380,8 @@ def inspect_flat_core_dict(d: dict) -> Report:
     rows, used = [], {lowbit_tree.checkpoint.VERSION_KEY}
     for rec in records:
         fmt = bytes(d[f"{rec}/__format__"].tolist()).decode(errors="replace").replace("rank1:", "rank1_")
+        if fmt.startswith("lowrank:") and f"{rec}/row_factor" in d:  # the residual's format and the factors' rank
+            fmt = f"{fmt[len('lowrank:'):]}+rank{d[f'{rec}/row_factor'].shape[-1]}"
         shape = tuple(d[f"{rec}/__shape__"].tolist())
         block = d.get(f"{rec}/__block_size__")
         parts = {k: v for k, v in d.items() if k.startswith(rec + "/") and not k.endswith("__")}

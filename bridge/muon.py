@@ -130,7 +130,8 @@ class ShardedNS:
 
     def _gather(self, lay: _Layout, parts: list, key: str):
         """Each part's whole tensor on the owner (``None`` elsewhere): every rank's local part as
-        bytes, padded to the largest, gathered one part at a time."""
+        bytes, padded to the largest, gathered one part at a time; a part the owner already holds
+        whole (a factor replicated over the shards) is not sent."""
         import torch.distributed as dist
 
         rows, cols = lay.shape
@@ -138,6 +139,9 @@ class ShardedNS:
         for t, geom in parts:
             unit = t.element_size()
             where = {g: geom(*b) for g, b in lay.blocks.items()}
+            if where[lay.owner] == geom(rows, cols, 0, 0):  # the owner holds all of it (a factor its shard
+                whole.append(t)                              # replicates, e.g. R under FSDP2): nothing to send
+                continue
             mr, mc = max(w[1] for w in where.values()), max(w[3] for w in where.values()) * unit
             b = t.contiguous().view(torch.uint8)
             pad = torch.zeros(mr, mc, dtype=torch.uint8, device=t.device)

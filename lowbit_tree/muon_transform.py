@@ -20,7 +20,7 @@ With ``momentum_rank=K`` (a quantized buffer), the buffer is a
 of rank ``K``, ``E`` a quantized residual. Step 1 runs the same ``muon`` rule (the kernels, float32
 state) on the residual: state ``E``, input ``g - L``, so ``s' = lerp(E, g - L, 1 - momentum)`` is
 the new buffer minus ``L`` and the rule's ``u`` is ``u - L``. Step 2's input is ``L`` plus ``u - L``
-quantized like the residual (nesterov) or ``L`` plus ``s'`` quantized (no nesterov). Where
+in 8 bits (:data:`NS_RESIDUAL_FORMAT`; ``u - L`` is ``s'`` without nesterov). Where
 Newton-Schulz runs, the factors are refreshed too: one power iteration warm-started from the old
 column factor, on the whole stored-form new buffer ``L + Q(s')``. Last, the residual against the
 new factors ``L'`` is rounded once, from the float32 ``s'``: ``E' = Q(s' + L - L')``.
@@ -48,6 +48,7 @@ from .tree_utils import flatten, map_leaves
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
+    "NS_RESIDUAL_FORMAT",
     "ScaleByMuonState",
     "NSInput",
     "newton_schulz",
@@ -61,6 +62,12 @@ __all__ = [
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """Keller Jordan's quintic coefficients (torch.optim.Muon's defaults)."""
+
+NS_RESIDUAL_FORMAT = "dynamic8"
+"""The Newton-Schulz input's residual ``u - L`` with ``momentum_rank``: 8 bits (the signed dynamic
+map) on the buffer's blocks, whatever the buffer's format. It is not stored, only handed to
+Newton-Schulz (and, sharded, sent to the matrix's owner); a 4-bit input there cost held-out loss
+(design.md, "Muon")."""
 
 
 class ScaleByMuonState(NamedTuple):
@@ -142,11 +149,10 @@ def refresh_record(x: LowRankQTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
     """Step 2 of the module docstring."""
-    if isinstance(buf, LowRankQTensor):
-        if not nesterov:
-            return buf
-        codes, scale = kernels.quantize_rows_fast(u.reshape(row_layout(u.shape)), buf.format, buf.block_size)
-        return LowRankQTensor(codes, scale, buf.row_factor, buf.col_factor, buf.shape, buf.block_size, buf.format)
+    if isinstance(buf, LowRankQTensor):  # u is u - L here: its residual in 8 bits, on the buffer's blocks
+        codes, scale = kernels.quantize_rows_fast(u.reshape(row_layout(u.shape)), NS_RESIDUAL_FORMAT, buf.block_size)
+        return LowRankQTensor(codes, scale, buf.row_factor, buf.col_factor, buf.shape, buf.block_size,
+                              NS_RESIDUAL_FORMAT)
     if isinstance(buf, QTensor):
         if not nesterov:
             return buf  # u is the new buffer, whose stored form this is

@@ -185,3 +185,26 @@ def test_inspect_infers_the_version_a_flattened_load_dropped(tmp_path, capsys):
     assert f"format version: {bridge.STATE_DICT_VERSION} (inferred from the state layout" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:1].isdigit()}
     assert rows["0/exp_avg"][1:3] == ["dynamic8", "256"]
+
+
+def test_inspect_low_rank_muon_states(tmp_path, capsys):
+    """Muon4bit's momentum (rank-8 factors + nf4 residual) in a state dict, a flat core dict and
+    a pickled core pytree: one row each, named with the residual's format and the rank."""
+    m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 5, bias=False))
+    opt = bridge.Muon4bit(m.parameters(), lr=0.01, min_quant_size=1)
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    rc, out, _ = _inspect(tmp_path / "opt.pt", capsys)
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if "momentum_buffer" in line]
+    assert [r[1:3] for r in rows] == [["normal4+rank8", "32"], ["normal4+rank5", "32"]]
+    assert "row_factor bfloat16[48, 8]" in out and f"{opt.state_bytes()} bytes" in out
+    tx = alias.muon(0.01, state_format="nf4", min_quant_size=1, momentum_rank=4)
+    p = [torch.randn(40, 70)]
+    state = tx.update([torch.randn(40, 70)], tx.init(p), p)[1]
+    torch.save(state_to_dict(state), tmp_path / "flat.pt")
+    torch.save(state, tmp_path / "tree.pt")
+    for name in ("flat.pt", "tree.pt"):
+        rc, out, _ = _inspect(tmp_path / name, capsys)
+        assert rc == 0 and "normal4+rank4" in out and "col_factor" in out, out

@@ -96,7 +96,8 @@ def _record(shape, k, fmt, bs, seed):
 def test_step_is_the_definition(fmt, nesterov, shape):
     """The documented step from independent pieces: L by the sequential sum (numpy), the rule by
     numpy's lerp (one rounding, as torch.lerp), every stored form by the reference quantizer,
-    the refresh by its QR definition on the stored-form new buffer, Newton-Schulz by torch's."""
+    the refresh by its QR definition on the stored-form new buffer, Newton-Schulz by torch's of
+    ``L`` plus the 8-bit residual of ``u - L``."""
     k, bs, mu = 5, 32, 0.9
     rec = _record(shape, k, fmt, bs, seed=sum(shape))
     g = torch.randn(shape, generator=torch.Generator().manual_seed(9))
@@ -120,7 +121,9 @@ def test_step_is_the_definition(fmt, nesterov, shape):
     assert same_record(new.trace[0], want)
 
     x_res = np_lerp(y, s1, np.float32(mu)) if nesterov else s1
-    x = torch.from_numpy((low + lt.dequantize(lt.quantize(torch.from_numpy(x_res), rec.format, bs)).numpy())
+    x8 = lt.quantize(torch.from_numpy(x_res), "8bit", bs, signed=True)  # the input's residual: 8 bits
+    assert x8.format == "dynamic8"
+    x = torch.from_numpy((low + lt.dequantize(x8).numpy())
                          .astype(np.float32))
     ratio = max(1, shape[0] / shape[1]) ** 0.5
     want_u = _zeropower_via_newtonschulz(x, DEFAULT_NS_COEFFICIENTS, 5, 1e-7).float() * ratio
