@@ -20,9 +20,12 @@ Variants:
                           ademamix-fp32 of the same seed (the others with fp32 AdamW)
   muon-fp32, -8bit, -4bit bridge.Muon / Muon8bit / Muon4bit on the hidden matrices and AdamW on
                           the rest, one lr (adjust_lr_fn="match_rms_adamw"); compared with
-                          muon-fp32 of the same seed (Muon4bit: "nf4" momentum, the normal-float
-                          map on blocks of 32, and "4bit" AdamW states)
-  muon-4bit-adamw8        Muon4bit with the AdamW groups' states in 8-bit
+                          muon-fp32 of the same seed (Muon4bit: rank-16 bfloat16 factors and an
+                          "nf4" residual, the normal-float map on blocks of 32; "8bit" AdamW states)
+  muon-4bit-rank8         Muon4bit with momentum_rank=8
+  muon-4bit-adamw4        Muon4bit with the AdamW groups' states in 4-bit ("4bit")
+  muon-4bit-rank0         Muon4bit with momentum_rank=0: the whole momentum in "nf4" (Muon4bit of
+                          the tenth and eleventh sessions, with 8-bit AdamW states)
   muon-4bit-dynamic       bridge.Muon(state_format="4bit"): the dynamic map on blocks of 128
                           (Muon4bit's format before the tenth session)
 
@@ -47,10 +50,11 @@ from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, 
 
 ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-block", "fp8", "torchao-8bit", "bnb-8bit",
                 "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
-                "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-adamw8", "muon-4bit-dynamic")
+                "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank8", "muon-4bit-adamw4", "muon-4bit-rank0",
+                "muon-4bit-dynamic")
 TOLERANCE = {"8bit": 1.0, "4bit": 1.0, "4bit-block": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
              "ademamix-8bit": 1.0, "ademamix-4bit": 2.0, "ademamix-4bit-slow8": 2.0, "muon-8bit": 1.0, "muon-4bit": 2.0,
-             "muon-4bit-adamw8": 2.0, "muon-4bit-dynamic": 2.0}
+             "muon-4bit-rank8": 2.0, "muon-4bit-adamw4": 2.0, "muon-4bit-rank0": 2.0, "muon-4bit-dynamic": 2.0}
 
 
 def reference_of(variant: str) -> str:
@@ -74,16 +78,17 @@ def available(variant: str) -> bool:
 def make(variant: str, params, args, model=None) -> tuple[torch.optim.Optimizer, str]:
     """(optimizer, the param-group key holding its learning rate: ``lr`` for every variant)."""
     betas, wd = (0.9, 0.99), args.weight_decay
-    if variant in ("muon-4bit-adamw8", "muon-4bit-dynamic"):
+    if variant in ("muon-4bit-rank8", "muon-4bit-adamw4", "muon-4bit-rank0", "muon-4bit-dynamic"):
         import bridge
 
         groups = bridge.muon_param_groups(model, exclude=("tok", "pos", "head"), betas=betas)
-        if variant.endswith("adamw8"):  # Muon4bit's momentum, 8-bit AdamW states on the rest
-            groups = [g if g.get("use_muon", True) else {**g, "state_format": "8bit"} for g in groups]
-            return bridge.Muon4bit(groups, lr=args.lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw",
-                                   min_quant_size=args.min_quant_size), "lr"
-        return bridge.Muon(groups, lr=args.lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw", state_format="4bit",
-                           min_quant_size=args.min_quant_size), "lr"
+        common = dict(lr=args.lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw", min_quant_size=args.min_quant_size)
+        if variant == "muon-4bit-dynamic":
+            return bridge.Muon(groups, state_format="4bit", **common), "lr"
+        if variant == "muon-4bit-adamw4":  # Muon4bit's momentum, 4-bit AdamW states on the rest
+            groups = [g if g.get("use_muon", True) else {**g, "state_format": "4bit"} for g in groups]
+            return bridge.Muon4bit(groups, **common), "lr"
+        return bridge.Muon4bit(groups, momentum_rank=int(variant[len("muon-4bit-rank"):]), **common), "lr"
     if variant.startswith("muon-"):
         return make_optimizer(variant.split("-")[1], params, args.lr, wd, args.min_quant_size, "muon", model=model), "lr"
     if variant in ("fp32", "8bit", "4bit", "fp8"):

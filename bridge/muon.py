@@ -95,8 +95,7 @@ class ShardedNS:
                 o = ns(ns_matrix(inp.x))
                 out.append((o, tuple(p.shape)) if inp.buffer is None else (o, tuple(p.shape), refresh_record(inp.buffer)))
                 continue
-            out.append((*self._sharded(p, inp.x, inp.buffer, ns, k),) if inp.buffer is not None
-                       else (self._sharded(p, inp.x, None, ns, k), tuple(p.shape)))
+            out.append(self._sharded(p, inp.x, inp.buffer, ns, k))
             k += 1
         return out
 
@@ -197,13 +196,13 @@ class ShardedNS:
     def _sharded(self, p, x: Any, buffer: Any, ns, k: int):
         """Matrix ``p``'s Newton-Schulz result, rows and columns of this rank's block: every
         rank's block of ``x`` (in storage form, as bytes: gloo has no float8) goes to the owner,
-        which assembles the whole ``x``, runs ``ns`` and sends each rank its block back. With a
-        low-rank ``buffer`` (``momentum_rank``) the owner also assembles it (its residual; its
-        factors are ``x``'s) and sends back each rank's rows of the refreshed factors:
-        ``(o, shape, (P rows, R rows))``."""
+        which assembles the whole ``x``, runs ``ns`` and sends each rank its block back:
+        ``(o, shape)``. With a low-rank ``buffer`` (``momentum_rank``) the owner also assembles it
+        (its residual; its factors are ``x``'s) and sends back each rank's rows of the refreshed
+        factors: ``(o, shape, (P rows, R rows))``."""
         lay = self._layout(p, k)
         parts = _record_parts(x)
-        if buffer is not None and buffer is not x:
+        if buffer is not None:
             parts += _record_parts(buffer)[:2]  # its codes and scales; the factors are x's
         whole = self._gather(lay, parts, "gather")
         if lay.me != lay.owner:
@@ -219,13 +218,12 @@ class ShardedNS:
                 xf = whole[0]
             o = ns(ns_matrix(xf))
             if buffer is not None:
-                bf = xf if buffer is x else LowRankQTensor(whole[4], whole[5], whole[2], whole[3], lay.shape,
-                                                           buffer.block_size, buffer.format)
-                pf, rf = refresh_record(bf)
+                pf, rf = refresh_record(LowRankQTensor(whole[4], whole[5], whole[2], whole[3], lay.shape,
+                                                       buffer.block_size, buffer.format))
         dev = p.to_local().device
         out = [(o, _geometry("block", lambda c: c), torch.bfloat16)]
         if buffer is None:
-            return self._scatter(lay, out, "scatter", dev)[0]
+            return self._scatter(lay, out, "scatter", dev)[0], tuple(p.shape)
         out += [(pf, _geometry("rows", x.rank), x.row_factor.dtype), (rf, _geometry("cols", x.rank), x.col_factor.dtype)]
         o, p_rows, r_rows = self._scatter(lay, out, "scatter", dev)
         return o, tuple(p.shape), (p_rows, r_rows)
@@ -246,13 +244,15 @@ def muon_or_adamw(learning_rate, momentum, weight_decay, eps, b1, b2, adamw_eps,
                        block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round)
 
 
-ADAMW_FORMATS = {"nf4": "4bit"}
+ADAMW_FORMATS = {"nf4": "8bit"}
 """The state format of a Muon optimizer's AdamW groups (those without one of their own) where it
-differs from the optimizer's. ``"nf4"`` (Muon4bit) gives them ``"4bit"`` (AdamW4bit's): Adam
-divides its first moment by ``sqrt(v)``, so its small values count, and the normal-float map
-has none below 0.08 of a block's absmax (the dynamic map of ``"4bit"`` goes to 0.0055). On the
-convergence benchmark, against fp32 Muon: AdamW groups in ``"nf4"`` +6.7% (one seed), in
-``"4bit"`` +5.29%, in 8 bits +4.30% (three seeds; README, "Convergence")."""
+differs from the optimizer's. ``"nf4"`` (Muon4bit) gives them ``"8bit"`` (AdamW8bit's): on the
+convergence benchmark the AdamW groups (embeddings, head) in 4 bits cost more held-out loss than
+the 4-bit momentum itself (Muon4bit against fp32 Muon, seeds 0 and 1: +3.3% / +4.3% with
+``"4bit"`` AdamW states, +1.7% / +2.7% with ``"8bit"``, both with rank-8 factors; README,
+"Convergence"), and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's
+absmax, and Adam divides its first moment by ``sqrt(v)``: +6.7% in the tenth session). A group
+that names a format keeps it."""
 
 
 class Muon(_TorchOptimizer):
@@ -263,10 +263,10 @@ class Muon(_TorchOptimizer):
     head: what Muon is not for), with the group's ``lr`` and ``weight_decay``, ``betas`` and
     ``adamw_eps`` (defaults: the constructor's ``adamw_betas`` / ``adamw_eps``); its states are
     ``exp_avg`` / ``exp_avg_sq`` in the group's ``state_format`` (default: the optimizer's, or
-    ``"4bit"`` for ``"nf4"``: :data:`ADAMW_FORMATS`). :func:`muon_param_groups` splits a model
+    ``"8bit"`` for ``"nf4"``: :data:`ADAMW_FORMATS`). :func:`muon_param_groups` splits a model
     that way. Muon groups take 2-D params only (as torch).
 
-    ``momentum_rank=K`` (default 0; Muon4bit's 8) keeps each quantized momentum buffer as
+    ``momentum_rank=K`` (default 0; Muon4bit's 16) keeps each quantized momentum buffer as
     bfloat16 factors of rank ``K`` plus a quantized residual (:mod:`lowbit_tree.lowrank`; the
     state ``momentum_buffer`` is then a record of four tensors, ``codes``, ``scale``,
     ``row_factor``, ``col_factor``); it needs a quantized ``state_format``.
@@ -359,16 +359,20 @@ class Muon8bit(Muon):
 
 
 class Muon4bit(Muon):
-    """Muon with a 4-bit momentum: ``state_format="nf4"``, the normal-float map on blocks of 32
-    (0.625 bytes a param); its AdamW groups are AdamW4bit's (``"4bit"``) unless they name a
-    format (:data:`ADAMW_FORMATS`). It costs held-out loss: +5.3% against fp32 Muon on the
-    convergence benchmark, +4.3% with the AdamW groups in ``"8bit"`` (Muon4bit before: +7.0%,
-    ``state_format="4bit"``, the dynamic map on blocks of 128 for the momentum too; its old
-    state dicts say so and load into ``bridge.Muon(state_format="4bit")``); Muon8bit: +0.74%.
+    """Muon with a 4-bit momentum: ``state_format="nf4"`` and ``momentum_rank=16``, i.e. each
+    matrix's buffer is rank-16 bfloat16 factors plus a residual on the normal-float map, blocks of
+    32 (0.625 bytes a value plus ``64 (m + n)`` bytes a matrix: 0.64 bytes a value at 4096 x
+    4096); its AdamW groups are AdamW8bit's (``"8bit"``) unless they name a format
+    (:data:`ADAMW_FORMATS`). Held-out loss against fp32 Muon on the convergence benchmark, three
+    seeds: +0.51% (rank 8: +1.77%; the whole momentum in nf4, ``momentum_rank=0``: +4.3%;
+    Muon8bit: +0.74%). On that benchmark's 64-wide matrices the factors cost more than they save
+    (1.62 bytes a param, Muon8bit's 1.44): they pay from about 165-wide matrices on. State dicts
+    of Muon4bit before the factors (``"nf4"``, no ``row_factor``) load as the same buffer; those
+    of the dynamic-map days (``state_format='4bit'``) load into ``bridge.Muon(state_format="4bit")``.
     README, "Convergence"; design.md, "Muon"."""
 
     _default_format = "nf4"
-    _default_momentum_rank = 8
+    _default_momentum_rank = 16
 
 
 def muon_param_groups(model: torch.nn.Module, *, exclude: tuple = ("embed", "emb", "head", "lm_head", "wte", "wpe"),

@@ -287,6 +287,9 @@ def scale_by_muon(
             for k, i in enumerate(where):
                 if i not in old_low:
                     continue
+                if len(results[k]) != 3:
+                    raise RuntimeError("orthogonalize must return (o, shape, (row factor, col factor)) for an input "
+                                       "with a buffer (momentum_rank): refresh_record(buffer) of the whole matrix")
                 o, shape, (pf, rf) = results[k]
                 results[k] = (o, shape)
                 rec = old_leaves[i]

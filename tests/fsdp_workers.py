@@ -153,7 +153,7 @@ OPTIMIZERS = {
     "muon8bit": "Muon",  # Muon on the 2-D params (distributed Newton-Schulz), AdamW on the rest
     "muon4bit": "Muon",
     "muonfp32": "Muon",
-    "muon4bitlr": "Muon4bit",  # its defaults: nf4 residual + rank-8 factors, refreshed on the owner ranks
+    "muon4bitlr": "Muon4bit",  # its defaults: nf4 residual + rank-16 factors, refreshed on the owner ranks
 }
 
 
@@ -464,8 +464,8 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit")  # names of OPTIMIZERS: AdamW in three
-# formats and with rank-1 4-bit second moments, AdEMAMix and Muon 8-bit
+FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bitlr")  # names of OPTIMIZERS: AdamW in three
+# formats and with rank-1 4-bit second moments, AdEMAMix, Muon8bit and Muon4bit (low-rank momentum)
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84
 

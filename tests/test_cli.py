@@ -188,7 +188,7 @@ def test_inspect_infers_the_version_a_flattened_load_dropped(tmp_path, capsys):
 
 
 def test_inspect_low_rank_muon_states(tmp_path, capsys):
-    """Muon4bit's momentum (rank-8 factors + nf4 residual) in a state dict, a flat core dict and
+    """Muon4bit's momentum (rank-16 factors + nf4 residual) in a state dict, a flat core dict and
     a pickled core pytree: one row each, named with the residual's format and the rank."""
     m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 5, bias=False))
     opt = bridge.Muon4bit(m.parameters(), lr=0.01, min_quant_size=1)
@@ -198,8 +198,8 @@ def test_inspect_low_rank_muon_states(tmp_path, capsys):
     rc, out, _ = _inspect(tmp_path / "opt.pt", capsys)
     assert rc == 0
     rows = [line.split() for line in out.splitlines() if "momentum_buffer" in line]
-    assert [r[1:3] for r in rows] == [["normal4+rank8", "32"], ["normal4+rank5", "32"]]
-    assert "row_factor bfloat16[48, 8]" in out and f"{opt.state_bytes()} bytes" in out
+    assert [r[1:3] for r in rows] == [["normal4+rank16", "32"], ["normal4+rank5", "32"]]
+    assert "row_factor bfloat16[48, 16]" in out and f"{opt.state_bytes()} bytes" in out
     tx = alias.muon(0.01, state_format="nf4", min_quant_size=1, momentum_rank=4)
     p = [torch.randn(40, 70)]
     state = tx.update([torch.randn(40, 70)], tx.init(p), p)[1]

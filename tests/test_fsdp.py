@@ -62,7 +62,8 @@ def inductor_cache(tmp_path, monkeypatch):
 # The checkpoint scenarios share their launches (save at 2 ranks, load at 3 and 1, rerun at 3)
 # and so live in one test: under `pytest -n 2` a shared fixture would run once per xdist worker.
 def test_checkpoints_reshard_mesh_invariance(tmp_path):
-    """Acceptance 2-6, 9, 11, for AdamW 8-bit / 4-bit / 4-bit rank-1 / FP8, AdEMAMix 8-bit and Muon 8-bit. Asserted in the workers:
+    """Acceptance 2-6, 9, 11, for AdamW 8-bit / 4-bit / 4-bit rank-1 / FP8, AdEMAMix 8-bit, Muon8bit and Muon4bit
+    (low-rank momentum). Asserted in the workers:
     - dcp.save / dcp.load at 2 ranks: every state bit-for-bit, 3 more steps with identical losses;
     - the 2-rank checkpoint loaded at 3 and at 1 rank(s): codes and scales bit-for-bit equal
       to the saved (gathered) ones, and training continues (losses close to the 2-rank run);

@@ -259,16 +259,16 @@ def test_state_dict_round_trip_and_torch_muon_state():
 
 
 def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
-    """Muon4bit keeps its momentum as rank-8 factors and a residual on the normal-float map,
-    blocks of 32 (a 48 x 5 matrix: rank 5); a Muon4bit state dict from before the tenth session
+    """Muon4bit keeps its momentum as rank-16 factors and a residual on the normal-float map,
+    blocks of 32 (a 5 x 48 matrix: rank 5); a Muon4bit state dict from before the tenth session
     (``state_format="4bit"``: the dynamic map, blocks of 128) is refused with the format named,
     and loads bit for bit into ``bridge.Muon(state_format="4bit")``."""
     model = MLP()
     opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
-    assert opt.defaults["state_format"] == "nf4" and opt.defaults["momentum_rank"] == 8
+    assert opt.defaults["state_format"] == "nf4" and opt.defaults["momentum_rank"] == 16
     _train(model, opt, steps=2)
     rows = opt.state_report()
-    assert [r[2] for r in rows if r[1] == "momentum_buffer"] == ["normal4+rank8", "normal4+rank8", "normal4+rank5"]
+    assert [r[2] for r in rows if r[1] == "momentum_buffer"] == ["normal4+rank16", "normal4+rank16", "normal4+rank5"]
     buf = opt.state[next(model.parameters())]["momentum_buffer"].record
     assert buf.block_size == 32 and lt.get_format(buf.format).values.equal(lt.formats.normal_map())
     old_model = MLP()
@@ -318,16 +318,16 @@ def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
         assert all(torch.equal(t, before[id(p)][k]) for k, t in live.items())
 
 
-def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
-    """``"nf4"`` is the momentum's map; an AdamW group without its own format gets ``"4bit"``
+def test_adamw_groups_of_nf4_muon_take_8bit_unless_they_say():
+    """``"nf4"`` is the momentum's map; an AdamW group without its own format gets ``"8bit"``
     (written into the group), one with its own keeps it, and the step is lt.adamw's in that format."""
     emb = torch.randn(40, 24, requires_grad=True)
     mat = torch.randn(24, 24, requires_grad=True)
     opt = bridge.Muon4bit([{"params": [mat]}, {"params": [emb], "use_muon": False}], lr=0.01, min_quant_size=1)
-    assert [g["state_format"] for g in opt.param_groups] == ["nf4", "4bit"]
+    assert [g["state_format"] for g in opt.param_groups] == ["nf4", "8bit"]
     mine = bridge.Muon(
-        [{"params": [mat]}, {"params": [emb], "use_muon": False, "state_format": "8bit"}], state_format="nf4")
-    assert [g["state_format"] for g in mine.param_groups] == ["nf4", "8bit"]
+        [{"params": [mat]}, {"params": [emb], "use_muon": False, "state_format": "4bit"}], state_format="nf4")
+    assert [g["state_format"] for g in mine.param_groups] == ["nf4", "4bit"]
     assert [g["state_format"] for g in bridge.Muon([mat], state_format="4bit").param_groups] == ["4bit"]
     gen = torch.Generator().manual_seed(2)
     g = torch.randn(40, 24, generator=gen)
@@ -335,8 +335,8 @@ def test_adamw_groups_of_nf4_muon_take_4bit_unless_they_say():
     e0 = emb.detach().clone()
     opt.step()
     kinds = {r[1]: r[2] for r in opt.state_report() if r[0] == 1}
-    assert kinds == {"exp_avg": "dynamic4", "exp_avg_sq": "linear4_rank1"}
-    tx = lt.adamw(0.01, 0.9, 0.999, 1e-8, 0.1, state_format="4bit", min_quant_size=1)
+    assert kinds == {"exp_avg": "dynamic8", "exp_avg_sq": "dynamic8_sqrt"}
+    tx = lt.adamw(0.01, 0.9, 0.999, 1e-8, 0.1, state_format="8bit", min_quant_size=1)
     u, _ = tx.update([g], tx.init([e0]), [e0])
     assert torch.equal(emb.detach(), lt.apply_updates([e0], u)[0])
 
@@ -436,7 +436,7 @@ def test_muon4bit_state_dicts_old_and_new():
     _train(model, opt, steps=3)
     sd = copy.deepcopy(opt.state_dict())
     assert set(sd["state"][0]["momentum_buffer"]) == {"codes", "scale", "row_factor", "col_factor"}
-    assert sd["param_groups"][0]["momentum_rank"] == 8
+    assert sd["param_groups"][0]["momentum_rank"] == 16
     twin = copy.deepcopy(model)
     opt2 = bridge.Muon4bit(twin.parameters(), lr=0.02, min_quant_size=1)
     opt2.load_state_dict(sd)
@@ -462,7 +462,7 @@ def test_muon4bit_state_dicts_old_and_new():
         rec = _live_record(new, q)
         assert not rec.row_factor.any() and not rec.col_factor.any()
         assert torch.equal(lt.moments.load(rec), old.state[p]["momentum_buffer"].dequantize())
-    assert new.param_groups[0]["momentum_rank"] == 8
+    assert new.param_groups[0]["momentum_rank"] == 16
 
     with_key = old.state_dict()  # momentum_rank=0 said explicitly: refused, not guessed
     target_model = copy.deepcopy(old_model)
@@ -470,12 +470,12 @@ def test_muon4bit_state_dicts_old_and_new():
     _train(target_model, target, steps=1)
     before = [{k: t.clone() for k, t in target.state[p]["momentum_buffer"].tensors().items()}
               for p in target.param_groups[0]["params"]]
-    with pytest.raises(ValueError, match="momentum_rank=0 but this optimizer has momentum_rank=8"):
+    with pytest.raises(ValueError, match="momentum_rank=0 but this optimizer has momentum_rank=16"):
         target.load_state_dict(with_key)
-    with pytest.raises(ValueError, match="momentum_rank=8 but this optimizer has momentum_rank=0"):
+    with pytest.raises(ValueError, match="momentum_rank=16 but this optimizer has momentum_rank=0"):
         bridge.Muon(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1, state_format="nf4").load_state_dict(sd)
     fewer = bridge.Muon4bit(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1, momentum_rank=2)
-    relabelled = copy.deepcopy(sd)  # the groups say 2, the records hold rank-8 factors
+    relabelled = copy.deepcopy(sd)  # the groups say 2, the records hold rank-16 factors
     for g in relabelled["param_groups"]:
         g["momentum_rank"] = 2
     with pytest.raises(ValueError, match="another momentum_rank"):
