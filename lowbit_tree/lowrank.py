@@ -119,10 +119,16 @@ def lowrank_expand(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.
     """``row_factor @ col_factor.T`` in float32, elementwise: ``sum_k P[i, k] R[j, k]`` for
     ``k = 0 .. K-1`` in that order, each product exact (bfloat16 inputs), each sum rounded once.
     So rows (columns) of the whole matrix's result are the result of its rows (columns): the
-    bits do not depend on how the matrix is sharded, as a BLAS product's may. A new tensor."""
+    bits do not depend on how the matrix is sharded, as a BLAS product's may. Torch ops, or the
+    native backend's C loop (the same additions in the same order). A new tensor."""
+    from . import kernels
+
     p, r = row_factor.float(), col_factor.float()
     out = torch.zeros(p.shape[0], r.shape[0], dtype=torch.float32, device=p.device)
     if p.shape[1] == 0 or out.numel() == 0:
+        return out
+    if kernels.backend_for(p.device) == "native":  # the same sum in C: one pass
+        kernels.native.lowrank_expand(p.contiguous(), r.T.contiguous(), out)
         return out
     torch.mul(p[:, :1], r[:, 0], out=out)
     term = torch.empty_like(out)

@@ -1689,3 +1689,23 @@ void lbt_apply(int64_t n, const void *p, int64_t pdt, const float *u, void *out,
 #endif
     }
 }
+
+/* Muon's low-rank factor product (lowbit_tree/lowrank.py, lowrank_expand): out[i][j] = sum over
+ * k of p[i][k] * rt[k][j], from k = 0 in order, each addition rounded once (-ffp-contract=off),
+ * the products exact (bfloat16 values held as float32): the bits of the torch ops there, on any
+ * row or column slice. p is (m, K), rt the column factor transposed, (K, n), both float32. */
+void lbt_lowrank_expand(int64_t m, int64_t n, int64_t K, const float *p, const float *rt, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t i = 0; i < m; i++) {
+        float *restrict o = out + i * n;
+        const float *restrict pi = p + i * K;
+        const float p0 = pi[0];
+        const float *restrict r0 = rt;
+        for (int64_t j = 0; j < n; j++) o[j] = p0 * r0[j];
+        for (int64_t k = 1; k < K; k++) {
+            const float pk = pi[k];
+            const float *restrict rk = rt + k * n;
+            for (int64_t j = 0; j < n; j++) o[j] = o[j] + pk * rk[j];
+        }
+    }
+}

@@ -223,6 +223,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.lbt_apply.restype = None
     lib.lbt_rank1_encode.argtypes = [i64, i64, ptr, ptr, ptr, fptr, ptr, i32]
     lib.lbt_rank1_encode.restype = None
+    lib.lbt_lowrank_expand.argtypes = [i64, i64, i64, ptr, ptr, ptr, i32]
+    lib.lbt_lowrank_expand.restype = None
     lib.lbt_prepare.argtypes = [fptr]
     lib.lbt_prepare.restype = ctypes.c_int
     lib.lbt_check_tables.argtypes = [fptr]
@@ -305,6 +307,19 @@ def apply(p: torch.Tensor, u: torch.Tensor, out: torch.Tensor) -> None:
     _check_size(p, p.dtype, u.numel(), "param")
     _check_size(out, p.dtype, u.numel(), "out")
     library().lbt_apply(u.numel(), _ptr(p), DTYPE_IDS[p.dtype], _ptr(u), _ptr(out), _threads(u.numel()))
+
+
+def lowrank_expand(p: torch.Tensor, rt: torch.Tensor, out: torch.Tensor) -> None:
+    """Fills float32 ``out`` ``(m, n)`` with ``p @ rt`` summed over ``k`` in order (``p`` float32
+    ``(m, K)``, ``rt`` float32 ``(K, n)``, both holding bfloat16 values): the bits of
+    :func:`lowbit_tree.lowrank.lowrank_expand`'s torch ops."""
+    m, k = p.shape
+    n = rt.shape[1]
+    _check(p, torch.float32, "row factor")
+    _check(rt, torch.float32, "column factor")
+    _check_size(rt, torch.float32, k * n, "column factor")
+    _check_size(out, torch.float32, m * n, "out")
+    library().lbt_lowrank_expand(m, n, k, _ptr(p), _ptr(rt), _ptr(out), _threads(m * n * k))
 
 
 def _rank1_check(rows: int, r: int, codes: torch.Tensor, row_max: torch.Tensor, col_max: torch.Tensor,
