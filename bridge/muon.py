@@ -249,7 +249,7 @@ ADAMW_FORMATS = {"nf4": "8bit"}
 differs from the optimizer's. ``"nf4"`` (Muon4bit) gives them ``"8bit"`` (AdamW8bit's): on the
 convergence benchmark the AdamW groups (embeddings, head) in 4 bits cost more held-out loss than
 the 4-bit momentum itself (Muon4bit against fp32 Muon, seeds 0 and 1: +3.3% / +4.3% with
-``"4bit"`` AdamW states, +1.7% / +2.7% with ``"8bit"``, both with rank-8 factors; README,
+``"4bit"`` AdamW states, +1.9% / +2.7% with ``"8bit"``, both with rank-8 factors; README,
 "Convergence"), and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's
 absmax, and Adam divides its first moment by ``sqrt(v)``: +6.7% in the tenth session). A group
 that names a format keeps it."""
