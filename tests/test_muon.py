@@ -88,17 +88,16 @@ def _problem(shapes, steps, seed):
     return params, grads
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_bridge_equals_functional_bit_for_bit(fmt, nesterov, dtype):
-    params, grads = _problem([(40, 70), (130, 24), (3, 300)], 6, seed=1)
+def _bridge_and_functional(fmt, nesterov, dtype, steps, seed, **kw):
+    """``bridge.Muon`` and ``lt.muon`` with the same options stepped on the same gradients of
+    three shapes (wide, tall, 3 x 300): ``(bridge params, functional params, optimizer, state)``."""
+    params, grads = _problem([(40, 70), (130, 24), (3, 300)], steps, seed=seed)
     params = [p.to(dtype) for p in params]
-    tx = lt.muon(0.02, 0.9, 0.05, nesterov, state_format=fmt, min_quant_size=1, block_size=32)
+    tx = lt.muon(0.02, 0.9, 0.05, nesterov, state_format=fmt, min_quant_size=1, block_size=32, **kw)
     ps, state = [p.clone() for p in params], tx.init(params)
     ours = [p.clone() for p in params]
     opt = bridge.Muon(ours, lr=0.02, momentum=0.9, weight_decay=0.05, nesterov=nesterov, state_format=fmt,
-                      min_quant_size=1, block_size=32)
+                      min_quant_size=1, block_size=32, **kw)
     for gs in grads:
         gs = [g.to(dtype) for g in gs]
         updates, state = tx.update(gs, state, ps)
@@ -106,6 +105,14 @@ def test_bridge_equals_functional_bit_for_bit(fmt, nesterov, dtype):
         for p, g in zip(ours, gs):
             p.grad = g.clone()
         opt.step()
+    return ours, ps, opt, state
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_bridge_equals_functional_bit_for_bit(fmt, nesterov, dtype):
+    ours, ps, opt, state = _bridge_and_functional(fmt, nesterov, dtype, steps=6, seed=1)
     muon_state = state[0]
     for i, (p, q) in enumerate(zip(ours, ps)):
         assert same(p, q), (fmt, i)
@@ -231,29 +238,42 @@ def test_muon_and_adamw_groups_train_a_whole_model():
     assert set(opt.state[named["0.weight"]]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_state_dict_round_trip_and_torch_muon_state():
+def _round_trip(cls):
+    """3 steps, ``state_dict()`` into a twin, 3 more steps of both: the params stay equal bit for
+    bit. Returns the first model, its optimizer and the (copied) state dict."""
     torch.manual_seed(0)
     model = MLP()
-    opt = bridge.Muon8bit(model.parameters(), lr=0.02, min_quant_size=1)
+    opt = cls(model.parameters(), lr=0.02, min_quant_size=1)
     _train(model, opt, steps=3)
     sd = copy.deepcopy(opt.state_dict())
     twin = copy.deepcopy(model)
-    opt2 = bridge.Muon8bit(twin.parameters(), lr=0.02, min_quant_size=1)
+    opt2 = cls(twin.parameters(), lr=0.02, min_quant_size=1)
     opt2.load_state_dict(sd)
     _train(model, opt, steps=3, seed=9)
     _train(twin, opt2, steps=3, seed=9)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
-    # a torch.optim.Muon state dict: its float32 buffers quantized into this optimizer's format
+    return model, opt, sd
+
+
+def _from_torch_muon(cls):
+    """torch.optim.Muon's state dict after 3 steps loaded into ``cls``: ``[(our momentum_buffer,
+    torch's)]`` per param."""
     ref = MLP()
     t_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
     _train(ref, t_opt, steps=3)
     ours = copy.deepcopy(ref)
-    o = bridge.Muon8bit(ours.parameters(), lr=0.02, min_quant_size=1)
+    o = cls(ours.parameters(), lr=0.02, min_quant_size=1)
     o.load_state_dict(t_opt.state_dict())
-    for p, r in zip(ours.parameters(), ref.parameters()):
-        got = o.state[p]["momentum_buffer"].dequantize()
-        assert _rel(got, t_opt.state[r]["momentum_buffer"]) < 0.02
+    return [(o.state[p]["momentum_buffer"], t_opt.state[r]["momentum_buffer"])
+            for p, r in zip(ours.parameters(), ref.parameters())]
+
+
+def test_state_dict_round_trip_and_torch_muon_state():
+    model, opt, sd = _round_trip(bridge.Muon8bit)
+    # a torch.optim.Muon state dict: its float32 buffers quantized into this optimizer's format
+    for ours, theirs in _from_torch_muon(bridge.Muon8bit):
+        assert _rel(ours.dequantize(), theirs) < 0.02
     with pytest.raises(ValueError, match="state_format|format"):
         bridge.Muon4bit(copy.deepcopy(model).parameters(), lr=0.02, min_quant_size=1).load_state_dict(sd)
 
@@ -404,20 +424,7 @@ def test_momentum_rank_bridge_equals_functional_bit_for_bit(fmt, rank, nesterov,
     kind (wide, tall, narrower than the rank)."""
     from test_lowrank import same_record
 
-    params, grads = _problem([(40, 70), (130, 24), (3, 300)], 5, seed=4)
-    params = [p.to(dtype) for p in params]
-    tx = lt.muon(0.02, 0.9, 0.05, nesterov, state_format=fmt, min_quant_size=1, block_size=32, momentum_rank=rank)
-    ps, state = [p.clone() for p in params], tx.init(params)
-    ours = [p.clone() for p in params]
-    opt = bridge.Muon(ours, lr=0.02, momentum=0.9, weight_decay=0.05, nesterov=nesterov, state_format=fmt,
-                      min_quant_size=1, block_size=32, momentum_rank=rank)
-    for gs in grads:
-        gs = [g.to(dtype) for g in gs]
-        updates, state = tx.update(gs, state, ps)
-        ps = lt.apply_updates(ps, updates)
-        for p, g in zip(ours, gs):
-            p.grad = g.clone()
-        opt.step()
+    ours, ps, opt, state = _bridge_and_functional(fmt, nesterov, dtype, steps=5, seed=4, momentum_rank=rank)
     for i, (p, q) in enumerate(zip(ours, ps)):
         assert same(p, q), (fmt, i)
         rec = _live_record(opt, p)
@@ -430,20 +437,9 @@ def test_muon4bit_state_dicts_old_and_new():
     momentum_rank) loads into today's Muon4bit as the same buffer value (zero factors); torch.optim.Muon's
     buffers load as residuals; a rank mismatch is refused naming momentum_rank, before anything
     changes; the fp32 export is the whole buffer, factors included."""
-    torch.manual_seed(0)
-    model = MLP()
-    opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
-    _train(model, opt, steps=3)
-    sd = copy.deepcopy(opt.state_dict())
+    model, opt, sd = _round_trip(bridge.Muon4bit)
     assert set(sd["state"][0]["momentum_buffer"]) == {"codes", "scale", "row_factor", "col_factor"}
     assert sd["param_groups"][0]["momentum_rank"] == 16
-    twin = copy.deepcopy(model)
-    opt2 = bridge.Muon4bit(twin.parameters(), lr=0.02, min_quant_size=1)
-    opt2.load_state_dict(sd)
-    _train(model, opt, steps=3, seed=9)
-    _train(twin, opt2, steps=3, seed=9)
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(p, q)
     exported = opt.torch_state_dict()["state"]
     for i, p in enumerate(model.parameters()):
         rec = _live_record(opt, p)
@@ -483,16 +479,10 @@ def test_muon4bit_state_dicts_old_and_new():
     for p, b in zip(target.param_groups[0]["params"], before):
         assert all(torch.equal(t, b[k]) for k, t in target.state[p]["momentum_buffer"].tensors().items())
 
-    ref = MLP()
-    t_opt = torch.optim.Muon(ref.parameters(), lr=0.02)
-    _train(ref, t_opt, steps=3)
-    ours = copy.deepcopy(ref)
-    o = bridge.Muon4bit(ours.parameters(), lr=0.02, min_quant_size=1)
-    o.load_state_dict(t_opt.state_dict())
-    for p, r in zip(ours.parameters(), ref.parameters()):
-        rec = _live_record(o, p)
+    for ours, theirs in _from_torch_muon(bridge.Muon4bit):
+        rec = ours.record
         assert not rec.row_factor.any()
-        assert _rel(lt.moments.load(rec), t_opt.state[r]["momentum_buffer"]) < 0.15  # one nf4 rounding
+        assert _rel(lt.moments.load(rec), theirs) < 0.15  # one nf4 rounding
 
 
 def test_muon4bit_dcp_round_trip(tmp_path):
