@@ -91,9 +91,10 @@ class ShardedNS:
         k = 0  # round-robin over this call's sharded matrices (the same sequence on every rank)
         for inp in inputs:
             p, sharded = self._param(inp.index)
-            if not sharded:
-                o = ns(ns_matrix(inp.x))
-                out.append((o, tuple(p.shape)) if inp.buffer is None else (o, tuple(p.shape), refresh_record(inp.buffer)))
+            if not sharded:  # every row here: the core's factor product serves
+                o = ns(ns_matrix(inp.x, inp.low))
+                out.append((o, tuple(p.shape)) if inp.buffer is None
+                           else (o, tuple(p.shape), refresh_record(inp.buffer, inp.low)))
                 continue
             out.append(self._sharded(p, inp.x, inp.buffer, ns, k))
             k += 1

@@ -124,9 +124,10 @@ def lowrank_expand(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.
     from . import kernels
 
     p, r = row_factor.float(), col_factor.float()
-    out = torch.zeros(p.shape[0], r.shape[0], dtype=torch.float32, device=p.device)
-    if p.shape[1] == 0 or out.numel() == 0:
-        return out
+    m, n = p.shape[0], r.shape[0]
+    if p.shape[1] == 0 or m * n == 0:
+        return torch.zeros(m, n, dtype=torch.float32, device=p.device)
+    out = torch.empty(m, n, dtype=torch.float32, device=p.device)
     if kernels.backend_for(p.device) == "native":  # the same sum in C: one pass
         kernels.native.lowrank_expand(p.contiguous(), r.T.contiguous(), out)
         return out
@@ -138,14 +139,16 @@ def lowrank_expand(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.
     return out
 
 
-def lowrank_dequantize(q: LowRankQTensor) -> torch.Tensor:
-    """The record's value, float32: ``lowrank_expand(factors) + dequantize(residual)`` (a new tensor)."""
+def lowrank_dequantize(q: LowRankQTensor, low: torch.Tensor | None = None) -> torch.Tensor:
+    """The record's value, float32: ``lowrank_expand(factors) + dequantize(residual)`` (a new
+    tensor). ``low``: that product, when the caller has it already (the same bits)."""
     from . import kernels  # kernels import this module's record lazily; no cycle at import time
 
-    out = lowrank_expand(q.row_factor, q.col_factor)
-    if out.numel():
-        out.add_(kernels.dequantize_fast(q.residual).reshape(out.shape))
-    return out
+    if low is None:
+        low = lowrank_expand(q.row_factor, q.col_factor)
+    if not low.numel():
+        return low.clone()
+    return kernels.dequantize_fast(q.residual).reshape(low.shape).add_(low)  # a + b is b + a, bit for bit
 
 
 def refresh_factors(b: torch.Tensor, col_factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

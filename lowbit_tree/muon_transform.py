@@ -81,12 +81,16 @@ class NSInput(NamedTuple):
     ``index`` is the leaf's position in the flattened tree (plus a chain's leaf offset), ``x``
     its rows in storage form (a :class:`~lowbit_tree.QTensor`, a
     :class:`~lowbit_tree.lowrank.LowRankQTensor` or a bfloat16 tensor). ``buffer``: with
-    ``momentum_rank``, the new buffer in stored form against the old factors (a LowRankQTensor,
-    ``x`` itself without nesterov), whose factors the hook refreshes; else ``None``."""
+    ``momentum_rank``, the new buffer in stored form against the old factors (a LowRankQTensor
+    sharing ``x``'s factors), whose factors the hook refreshes; else ``None``. ``low``: with a
+    buffer, the old factors' product for these rows (float32), for a hook that computes on them
+    (:func:`ns_matrix` and :func:`refresh_record` take it); a hook that assembles the whole
+    matrix elsewhere rebuilds it there."""
 
     index: int
     x: Any
     buffer: Any = None
+    low: Any = None
 
 
 def newton_schulz(x: torch.Tensor, coefficients: Sequence[float] = DEFAULT_NS_COEFFICIENTS, steps: int = 5,
@@ -122,12 +126,13 @@ def adjust_lr_ratio(shape: Sequence[int], adjust_lr_fn: Optional[str]) -> float:
     raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
 
 
-def ns_matrix(x: Any) -> torch.Tensor:
-    """A Newton-Schulz input in storage form as a 2-D matrix (float32 for a record)."""
+def ns_matrix(x: Any, low: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A Newton-Schulz input in storage form as a 2-D matrix (float32 for a record; ``low``: a
+    low-rank record's factor product, if the caller has it)."""
     if isinstance(x, QTensor):
         return kernels.dequantize_fast(x)
     if isinstance(x, LowRankQTensor):
-        return lowrank_dequantize(x)
+        return lowrank_dequantize(x, low)
     return x
 
 
@@ -136,15 +141,15 @@ def local_orthogonalize(inputs: Sequence[NSInput], ns: Callable[[torch.Tensor], 
     a ``buffer`` ``(o, matrix shape, refresh_record(buffer))``."""
     out = []
     for i in inputs:
-        o, shape = ns(ns_matrix(i.x)), tuple(i.x.shape)
-        out.append((o, shape) if i.buffer is None else (o, shape, refresh_record(i.buffer)))
+        o, shape = ns(ns_matrix(i.x, i.low)), tuple(i.x.shape)
+        out.append((o, shape) if i.buffer is None else (o, shape, refresh_record(i.buffer, i.low)))
     return out
 
 
-def refresh_record(x: LowRankQTensor) -> tuple[torch.Tensor, torch.Tensor]:
+def refresh_record(x: LowRankQTensor, low: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """New factors ``(P, R)`` of a *whole* stored low-rank buffer (:func:`~lowbit_tree.lowrank.refresh_factors`
-    of its value, warm-started from its column factor)."""
-    return refresh_factors(lowrank_dequantize(x), x.col_factor)
+    of its value, warm-started from its column factor; ``low`` as in :func:`ns_matrix`)."""
+    return refresh_factors(lowrank_dequantize(x, low), x.col_factor)
 
 
 def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
@@ -276,7 +281,7 @@ def scale_by_muon(
                 rec, res = old_leaves[i], b_leaves[i]
                 codes, scale = kernels.quantize_rows_fast(res.reshape(row_layout(res.shape)), rec.format, rec.block_size)
                 buf = LowRankQTensor(codes, scale, rec.row_factor, rec.col_factor, rec.shape, rec.block_size, rec.format)
-                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], buf, nesterov), buf))
+                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], buf, nesterov), buf, old_low[i]))
             else:
                 inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], nesterov)))
         results = list(hook(inputs, ns)) if inputs else []
