@@ -9,9 +9,9 @@ each rank sent for the Newton-Schulz of each matrix (summed over ranks here):
 - gather as float32: what the same rows cost as float32 (Moonlight / DistMuon-style gathers);
 - scatter: the owner's bfloat16 result rows back (Newton-Schulz returns bfloat16 in torch too).
 
-``nf4+rank8`` is Muon4bit (momentum_rank=8): its gather carries the quantized input and the new
-buffer's residual (both 4-bit) plus the factor rows, its scatter the result and the refreshed
-factors' rows.
+``nf4+rank8`` is the low-rank momentum (Muon4bit has rank 16): its gather carries the 8-bit
+input residual, the new buffer's 4-bit residual and the factor rows the owner lacks, its scatter
+the result and the refreshed factors' rows.
 
     python benchmarks/muon_comm.py [--dims 256,1024] [--layers 2] [--worlds 2,3]
 """

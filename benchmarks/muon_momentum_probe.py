@@ -4,12 +4,13 @@ fp32 ``bridge.Muon`` on the convergence benchmark's task (``benchmarks/convergen
 demo's byte-level GPT, Muon on the hidden matrices, fp32 AdamW on the rest, one lr with
 ``adjust_lr_fn="match_rms_adamw"``), whose momentum buffer is replaced after every step by what
 a storage scheme would give back. The Newton-Schulz input is not quantized (the kernel's
-Muon4bit also quantizes it; on the benchmark that changed the loss by less than the seeds'
-spread). Schemes:
+``Muon(state_format="nf4")`` also quantizes it; on the benchmark that changed the loss by less than
+the seeds' spread). Muon4bit now keeps the split (``momentum_rank``, the twelfth session; design.md,
+"Muon"). Schemes:
 
   fp32        nothing replaced (the reference)
   nf4         nearest code of the normal-float map on blocks of 32 along rows (what
-              Muon4bit's kernel stores, rounded here in Python: the same bits on the
+              Muon(state_format="nf4")'s kernel stores, rounded here in Python: the same bits on the
               tests' inputs, not on every value of a run)
   grid        the normal-float map on rank-1 scales, min(row absmax, column absmax)
   lrK-nf4     the top-K factor ``P R^T`` of the buffer (one power iteration a step,
