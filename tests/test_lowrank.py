@@ -185,8 +185,8 @@ def _ema_error(rank: int, steps: int = 60) -> float:
 
 
 def test_the_split_shrinks_the_stored_error():
-    plain, split = _ema_error(0), _ema_error(8)
-    assert split < 0.35 * plain, (split, plain)
+    plain, split = _ema_error(0), _ema_error(8)  # measured: 0.52 and 0.005
+    assert split < 0.05 * plain, (split, plain)
 
 
 def test_a_nan_gradient_poisons_only_its_own_matrix():
