@@ -310,6 +310,10 @@ def test_group_momentum_decides_its_own_buffer():
 # torch's state-dict helpers (torch.distributed.checkpoint.state_dict)
 # ----------------------------------------------------------------------------
 def _opt_for(fmt, params):
+    if fmt == "muon4bit":  # the low-rank momentum record (four tensors) on the matrices, AdamW8bit's on the bias
+        ps = list(params)
+        return bridge.Muon4bit([{"params": [p for p in ps if p.ndim == 2]},
+                                {"params": [p for p in ps if p.ndim != 2], "use_muon": False}], lr=1e-2, min_quant_size=0)
     if fmt == "rank1":
         from lowbit_tree.alias import adamw
 
@@ -318,7 +322,7 @@ def _opt_for(fmt, params):
     return bridge.AdamW(params, lr=1e-2, weight_decay=0.1, state_format=fmt, block_size=16, min_quant_size=0)
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "rank1"])
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "rank1", "muon4bit"])
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flatten"])
 @pytest.mark.parametrize("full, offload", [(False, False), (True, False), (True, True)],
                          ids=["local", "full", "full-cpu_offload"])
@@ -349,7 +353,11 @@ def test_get_and_set_optimizer_state_dict_round_trip(fmt, flatten, full, offload
     opt = _opt_for(fmt, m.parameters())
     run(m, opt, 3)
     osd = get_optimizer_state_dict(m, opt, options=options)
-    if flatten:  # torch's own flat keys, under torch's state names
+    if flatten and fmt == "muon4bit":  # torch's own flat keys, the record's four tensors under momentum_buffer
+        live = opt.state[m[0].weight]["momentum_buffer"].tensors()
+        assert all(torch.equal(osd[f"state.0.weight.momentum_buffer.{k}"], t) for k, t in live.items())
+        assert "param_groups.0.weight.lowbit_tree_version" in osd
+    elif flatten:  # torch's own flat keys, under torch's state names
         assert torch.equal(osd["state.0.weight.exp_avg.codes"], opt.state[m[0].weight]["exp_avg"].codes.view(torch.uint8))
         assert "param_groups.0.weight.lowbit_tree_version" in osd
     buf = io.BytesIO()
@@ -412,7 +420,9 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config)  # odd shapes: (61, 24) embeddings, (24, 72) attention
 
 
-def hf_trainer(out_dir, model, max_steps):
+def hf_trainer(out_dir, model, max_steps, optimizer=None):
+    """A Trainer with AdamW8bit through ``optimizer_cls_and_kwargs``, or with ``optimizer(model)``
+    through ``optimizers=`` (how a Muon optimizer, which needs its own param groups, goes in)."""
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -420,6 +430,8 @@ def hf_trainer(out_dir, model, max_steps):
         weight_decay=0.01, save_strategy="steps", save_steps=3, logging_steps=1, report_to=[], use_cpu=True,
         seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
+    if optimizer is not None:
+        return Trainer(model=model, args=args, train_dataset=TokenDataset(), optimizers=(optimizer(model), None))
     return Trainer(model=model, args=args, train_dataset=TokenDataset(),
                    optimizer_cls_and_kwargs=(bridge.AdamW8bit, {"lr": 3e-3, "min_quant_size": 256}))
 
@@ -444,6 +456,26 @@ def test_hf_trainer_checkpoint_and_resume_bit_for_bit(tmp_path):
     assert same_params(straight.model, resumed.model)
     assert_same_states(states(opt), states(ropt))
     assert ropt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # the scheduler resumed too
+
+
+@pytest.mark.skipif(not _have("transformers"), reason="transformers is not installed (pip install -e '.[clients]')")
+def test_hf_trainer_resumes_muon4bit_bit_for_bit(tmp_path):
+    """Muon4bit (low-rank momentum on GPT-2's hidden matrices, AdamW8bit on the rest) handed to the
+    Trainer as ``optimizers=(opt, None)``: 6 steps straight against 3, the Trainer's checkpoint
+    and a resumed run to 6: same params and records (codes, scales, factors), bit for bit."""
+    def muon4bit(model):
+        return bridge.Muon4bit(bridge.muon_param_groups(model, exclude=("wte", "wpe", "lm_head")), lr=3e-3,
+                               adjust_lr_fn="match_rms_adamw", min_quant_size=256)
+
+    straight = hf_trainer(tmp_path / "a", tiny_gpt2(), 6, muon4bit)
+    straight.train()
+    opt = straight.optimizer.optimizer if hasattr(straight.optimizer, "optimizer") else straight.optimizer
+    assert any(r.format == "normal4+rank16" for r in opt.state_report())
+    resumed = hf_trainer(tmp_path / "b", tiny_gpt2(), 6, muon4bit)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-3"))
+    ropt = resumed.optimizer.optimizer if hasattr(resumed.optimizer, "optimizer") else resumed.optimizer
+    assert same_params(straight.model, resumed.model)
+    assert_same_states(states(opt), states(ropt))
 
 
 # ----------------------------------------------------------------------------
