@@ -15,7 +15,7 @@ import torch
 import lowbit_tree as lt
 
 from .distributed import is_dtensor, row_dtensor
-from .rank1_shard import _vector_placements
+from .rank1_shard import _vector_placements, record_local_part
 
 __all__ = ["LOWRANK_PARTS", "lowrank_state_tensors", "lowrank_local_part"]
 
@@ -46,16 +46,5 @@ def lowrank_state_tensors(holder, p) -> dict:
 
 
 def lowrank_local_part(t: torch.Tensor, p, part: str) -> torch.Tensor:
-    """This rank's part of a saved record tensor: a DTensor's local shard, or the part of a full
-    tensor that the module docstring's layout gives this rank (no communication)."""
-    if is_dtensor(t):
-        return t.to_local()
-    if not is_dtensor(p):
-        return t
-    from torch.distributed.tensor import distribute_tensor
-
-    if part in ("codes", "scale"):
-        placements = p.placements
-    else:
-        placements = _vector_placements(p, "rows" if part == "row_factor" else "cols")
-    return distribute_tensor(t, p.device_mesh, placements, src_data_rank=None).to_local()
+    """This rank's part of a saved record tensor (the module docstring's layout; no communication)."""
+    return record_local_part(t, p, {"codes": "param", "scale": "param", "row_factor": "rows", "col_factor": "cols"}[part])

@@ -19,7 +19,7 @@ import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor, alias
-from lowbit_tree.lowrank import LowRankQTensor
+from lowbit_tree.lowrank import LowRankQTensor, lowrank_expand
 from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, check_ns_args, ns_matrix, refresh_record
 
 from .distributed import is_dtensor
@@ -211,16 +211,18 @@ class ShardedNS:
             self.sent["gather_float32"] += nr * nc * 4
         o = pf = rf = None
         if whole is not None:
+            low = None
             if isinstance(x, LowRankQTensor):
                 xf = LowRankQTensor(*whole[:4], lay.shape, x.block_size, x.format)
+                low = lowrank_expand(xf.row_factor, xf.col_factor)  # the input's and the buffer's (same factors)
             elif isinstance(x, QTensor):
                 xf = QTensor._trusted(whole[0], whole[1], lay.shape, x.block_size, x.format)
             else:
                 xf = whole[0]
-            o = ns(ns_matrix(xf))
+            o = ns(ns_matrix(xf, low))
             if buffer is not None:
                 pf, rf = refresh_record(LowRankQTensor(whole[4], whole[5], whole[2], whole[3], lay.shape,
-                                                       buffer.block_size, buffer.format))
+                                                       buffer.block_size, buffer.format), low)
         dev = p.to_local().device
         out = [(o, _geometry("block", lambda c: c), torch.bfloat16)]
         if buffer is None:
@@ -308,7 +310,7 @@ class Muon(_TorchOptimizer):
                     ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
                     state_format=group["state_format"], block_size=group["block_size"],
                     min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
-                    momentum_rank=group["momentum_rank"] if group["use_muon"] else 0,
+                    momentum_rank=group["momentum_rank"],
                     orthogonalize=self._ortho)
 
     def _check_group(self, owner, group):

@@ -182,13 +182,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name, leaf in tmpl.items():
-            if isinstance(leaf, LowRankQTensor):  # Muon's momentum_rank: the local shard's record
+            if isinstance(leaf, (QTensor, LowRankQTensor)):
                 bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
-                st[name] = LowRankHolder(lowrank_zeros(tuple(local.shape), leaf.rank, leaf.format, bs, local.device))
-            elif isinstance(leaf, QTensor):
-                bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
-                q = QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device))
-                st[name] = wrap_like(q, p)
+                if isinstance(leaf, LowRankQTensor):  # Muon's momentum_rank: the local shard's record
+                    st[name] = LowRankHolder(lowrank_zeros(tuple(local.shape), leaf.rank, leaf.format, bs, local.device))
+                else:
+                    st[name] = wrap_like(QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device)), p)
             elif is_record(leaf):  # rank-1: of the local shard, its maxima completed across shards
                 st[name] = _Rank1Holder(type(leaf).__module__, leaf, local, rank1_reduce(p, local))
             else:

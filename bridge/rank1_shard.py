@@ -21,7 +21,7 @@ import torch
 
 from .distributed import is_dtensor, row_dtensor, shard_dims
 
-__all__ = ["Rank1Reduce", "rank1_reduce", "rank1_state_tensors", "rank1_local_part"]
+__all__ = ["Rank1Reduce", "rank1_reduce", "rank1_state_tensors", "rank1_local_part", "record_local_part"]
 
 
 def _dims(p) -> tuple[list[int], list[int]]:
@@ -109,17 +109,22 @@ def rank1_state_tensors(holder, p) -> dict:
     }
 
 
-def rank1_local_part(t: torch.Tensor, p, part: str) -> torch.Tensor:
-    """This rank's part of a saved record tensor: a DTensor's local shard, or the part of a
-    full tensor that the layout of the module docstring gives this rank (no communication)."""
+def record_local_part(t: torch.Tensor, p, along: str) -> torch.Tensor:
+    """This rank's part of a saved record tensor: a DTensor's local shard, or the part of a full
+    tensor that its layout gives this rank (no communication). ``along``: ``"param"`` (placed like
+    the param: codes, scales), ``"rows"`` or ``"cols"`` (a per-row or per-column tensor: rank-1
+    maxima, low-rank factors; :func:`_vector_placements`)."""
     if is_dtensor(t):
         return t.to_local()
     if not is_dtensor(p):
         return t
     from torch.distributed.tensor import distribute_tensor
 
-    if part == "codes":
-        placements = p.placements
-    else:
-        placements = _vector_placements(p, "rows" if part == "row_max" else "cols")
+    placements = p.placements if along == "param" else _vector_placements(p, along)
     return distribute_tensor(t, p.device_mesh, placements, src_data_rank=None).to_local()
+
+
+def rank1_local_part(t: torch.Tensor, p, part: str) -> torch.Tensor:
+    """This rank's part of a saved rank-1 record tensor (``codes``, ``row_max``, ``col_max``): the
+    module docstring's layout."""
+    return record_local_part(t, p, {"codes": "param", "row_max": "rows", "col_max": "cols"}[part])

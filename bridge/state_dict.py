@@ -524,8 +524,8 @@ def _load_lowrank(saved, name, holder, where, p):
     value = saved.get(name)
     live = {"codes": r.codes.view(torch.uint8) if r.codes.dtype != torch.uint8 else r.codes, "scale": r.scale,
             "row_factor": r.row_factor, "col_factor": r.col_factor}
-    if isinstance(value, dict) or any(f"{name}{sfx}" in saved for sfx in STATE_SUFFIXES):
-        parts = (("codes", "scale") if isinstance(value, dict) and set(value) == {"codes", "scale"} else LOWRANK_PARTS)
+    if isinstance(value, dict):  # nested (version 1's "name::codes" keys predate Muon)
+        parts = ("codes", "scale") if set(value) == {"codes", "scale"} else LOWRANK_PARTS
         found = _record_parts(saved, name, parts, where)
         loaded = {}
         for k, (label, t) in found.items():
