@@ -20,7 +20,8 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree import QTensor, alias
 from lowbit_tree.lowrank import LowRankQTensor, lowrank_expand
-from lowbit_tree.muon_transform import DEFAULT_NS_COEFFICIENTS, check_ns_args, ns_matrix, refresh_record
+from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, check_momentum_rank, check_ns_args, ns_matrix,
+                                       refresh_record)
 
 from .distributed import is_dtensor
 from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
@@ -322,15 +323,9 @@ class Muon(_TorchOptimizer):
         _betas(owner, group["betas"])
         _flag(owner, "nesterov", group["nesterov"])
         _flag(owner, "use_muon", group["use_muon"])
-        rank = group["momentum_rank"]
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"{owner}: momentum_rank must be an int >= 0, got {rank!r}")
-        if rank and group["use_muon"] and group["state_format"] in ("fp32", "bf16"):
-            raise ValueError(f"{owner}: momentum_rank={rank} splits a quantized momentum buffer; state_format="
-                             f"{group['state_format']!r} keeps it unquantized: use a quantized state_format "
-                             "('nf4', '8bit', ...) or momentum_rank=0")
         try:
             check_ns_args(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
+            check_momentum_rank(group["momentum_rank"], group["state_format"] if group["use_muon"] else None)
         except ValueError as e:
             raise ValueError(f"{owner}: {e}") from None
         if group["use_muon"]:

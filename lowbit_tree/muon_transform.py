@@ -41,7 +41,7 @@ import torch
 
 from . import kernels, moments
 from .base import GradientTransformation, ScalarOrSchedule, init_count, scalar_value
-from .lowrank import LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, lowrank_zeros, refresh_factors
+from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
 from .transform import _run_rule
 from .tree_utils import flatten, map_leaves
@@ -54,6 +54,7 @@ __all__ = [
     "newton_schulz",
     "adjust_lr_ratio",
     "check_ns_args",
+    "check_momentum_rank",
     "ns_matrix",
     "local_orthogonalize",
     "refresh_record",
@@ -166,6 +167,17 @@ def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
     return u.to(torch.bfloat16)
 
 
+def check_momentum_rank(momentum_rank, state_format: Optional[str]) -> None:
+    """``momentum_rank`` checked against the buffer's ``state_format`` (a ValueError naming it;
+    ``None``: no buffer here, e.g. a bridge AdamW group, so only the value is checked)."""
+    if isinstance(momentum_rank, bool) or not isinstance(momentum_rank, int) or momentum_rank < 0:
+        raise ValueError(f"momentum_rank must be an int >= 0, got {momentum_rank!r}")
+    if momentum_rank and state_format in ("fp32", "bf16"):
+        raise ValueError(f"momentum_rank={momentum_rank} splits a quantized momentum buffer; state_format="
+                         f"{state_format!r} keeps it unquantized: use a quantized state_format ('nf4', '8bit', ...) "
+                         "or momentum_rank=0")
+
+
 def check_ns_args(ns_coefficients, ns_steps, adjust_lr_fn) -> tuple:
     """Newton-Schulz's static arguments checked (a ValueError naming the bad one); returns the
     coefficients as a tuple of three floats."""
@@ -225,11 +237,7 @@ def scale_by_muon(
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if isinstance(momentum, numbers.Real) and not 0 <= momentum:
         raise ValueError(f"momentum must be >= 0, got {momentum!r}")
-    if isinstance(momentum_rank, bool) or not isinstance(momentum_rank, int) or momentum_rank < 0:
-        raise ValueError(f"momentum_rank must be an int >= 0, got {momentum_rank!r}")
-    if momentum_rank and state_format in ("fp32", "bf16"):
-        raise ValueError(f"momentum_rank={momentum_rank} splits a quantized buffer; state_format={state_format!r} "
-                         "keeps it unquantized: use a quantized state_format ('nf4', '8bit', ...) or momentum_rank=0")
+    check_momentum_rank(momentum_rank, state_format)
     spec = kernels.StepSpec("muon", nesterov=nesterov)
     hook = orthogonalize or local_orthogonalize
 
@@ -246,10 +254,10 @@ def scale_by_muon(
                 )
             m = moments.init_moment(p, state_format, signed=True, block_size=block_size,
                                     min_quant_size=min_quant_size)
-            if momentum_rank and isinstance(m, QTensor):
+            if momentum_rank and isinstance(m, QTensor):  # the quantized buffer is the residual; zero factors
                 k = lowrank_rank(m.shape, momentum_rank)
-                z = lowrank_zeros(m.shape, k, m.format, m.block_size, device=p.device)
-                return LowRankQTensor(m.codes, m.scale, z.row_factor, z.col_factor, m.shape, m.block_size, m.format)
+                rows, cols = (m.codes.new_zeros((n, k), dtype=FACTOR_DTYPE) for n in m.shape)
+                return LowRankQTensor(m.codes, m.scale, rows, cols, m.shape, m.block_size, m.format)
             return m
 
         return ScaleByMuonState(init_count(params), map_leaves(buffer, params))
