@@ -252,9 +252,8 @@ ADAMW_FORMATS = {"nf4": "8bit"}
 """The state format of a Muon optimizer's AdamW groups (those without one of their own) where it
 differs from the optimizer's. ``"nf4"`` (Muon4bit) gives them ``"8bit"`` (AdamW8bit's): on the
 convergence benchmark the AdamW groups (embeddings, head) in 4 bits cost more held-out loss than
-the 4-bit momentum itself (Muon4bit against fp32 Muon, seeds 0 and 1: +3.3% / +4.3% with
-``"4bit"`` AdamW states, +1.9% / +2.7% with ``"8bit"``, both with rank-8 factors; README,
-"Convergence"), and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's
+the 4-bit momentum itself (Muon4bit against fp32 Muon, three seeds: +1.80% with ``"4bit"``
+AdamW states, +0.51% with ``"8bit"``; README, "Convergence"), and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's
 absmax, and Adam divides its first moment by ``sqrt(v)``: +6.7% in the tenth session). A group
 that names a format keeps it."""
 
