@@ -35,12 +35,14 @@ __all__ = [
     "to_local",
     "local_grad",
     "wrap_like",
-    "row_dtensor",
     "local_row_range",
-    "local_col_range",
     "column_extents",
     "shard_dims",
     "shard_block_size",
+    "mesh_axes",
+    "part_placements",
+    "part_dtensor",
+    "part_local",
 ]
 
 
@@ -70,18 +72,6 @@ def wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return local
     return DTensor.from_local(
         local, device_mesh=p.device_mesh, placements=p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def row_dtensor(local: torch.Tensor, p: torch.Tensor, ncols: int) -> torch.Tensor:
-    """A plain ``(rows, C)`` local tensor (codes or scales) as a DTensor of global shape
-    ``(p.shape[0], ncols)`` placed like ``p``: rows as ``p``'s rows, and, for a 2-D param
-    sharded along dim 1, columns as its columns (whole blocks: see :func:`shard_block_size`)."""
-    if not is_dtensor(p):
-        return local
-    rows = p.shape[0] if p.ndim >= 1 else 1
-    return DTensor.from_local(
-        local, device_mesh=p.device_mesh, placements=p.placements, run_check=False, shape=(rows, ncols), stride=(ncols, 1)
     )
 
 
@@ -154,18 +144,6 @@ def shard_block_size(p: torch.Tensor, block_size: int, bits: int) -> int:
     return b
 
 
-def local_col_range(p: torch.Tensor) -> tuple[int, int]:
-    """Columns ``[a, b)`` (dim 1) of the global 2-D param held by this rank (all of them if
-    not sharded along dim 1)."""
-    n = p.shape[1] if p.ndim >= 2 else 1
-    if not is_dtensor(p) or p.ndim < 2:
-        return 0, n
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    return offset[1], offset[1] + shape[1]
-
-
 def local_row_range(p: torch.Tensor) -> tuple[int, int]:
     """Rows ``[a, b)`` of the global param held by this rank (all rows if not a DTensor)."""
     if not is_dtensor(p):
@@ -178,8 +156,64 @@ def local_row_range(p: torch.Tensor) -> tuple[int, int]:
     return offset[0], offset[0] + shape[0]
 
 
-def global_numel(p: torch.Tensor) -> int:
-    return math.prod(p.shape)
+def mesh_axes(p: torch.Tensor) -> dict:
+    """``{process group name: "rows" or "cols"}``: which axis of ``p``'s row view each mesh dim
+    that shards ``p`` cuts (a record's per-row and per-column parts follow it, see
+    :mod:`bridge.qstate`). Empty for a plain tensor, or a param sharded along dims the records
+    cannot follow (a record with per-row or per-column parts is then refused when gathered)."""
+    if not is_dtensor(p) or p.ndim < 2:
+        return {}
+    try:
+        rows, cols = shard_dims(p, "")
+    except NotImplementedError:
+        return {}
+    mesh = p.device_mesh
+    out = {mesh.get_group(d).group_name: "rows" for d in rows}
+    out.update({mesh.get_group(d).group_name: "cols" for d in cols})
+    return out
+
+
+def part_placements(p: torch.Tensor, along: str) -> list:
+    """Placements of a record part of param ``p`` laid out ``along`` ``"param"`` (as ``p``),
+    ``"rows"`` (one entry per row: sharded like ``p``'s rows, replicated over its column shards)
+    or ``"cols"`` (the other way round)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if along == "param":
+        return list(p.placements)
+    rows, cols = shard_dims(p, "keep this param's states unquantized")
+    out = []
+    for mdim, pl in enumerate(p.placements):
+        if along == "rows" and mdim in rows:
+            out.append(pl)  # Shard(0) or _StridedShard(0): the rows' own placement
+        elif along == "cols" and mdim in cols:
+            out.append(Shard(0))
+        else:
+            out.append(Replicate())
+    return out
+
+
+def part_dtensor(local: torch.Tensor, p: torch.Tensor, along: str, whole_shape: tuple) -> torch.Tensor:
+    """A record part of this rank as a DTensor of the whole param's part shape ``whole_shape``
+    (``local`` itself for a plain param)."""
+    if not is_dtensor(p):
+        return local
+    stride = tuple(math.prod(whole_shape[i + 1:]) for i in range(len(whole_shape)))
+    return DTensor.from_local(local, device_mesh=p.device_mesh, placements=part_placements(p, along),
+                              run_check=False, shape=tuple(whole_shape), stride=stride)
+
+
+def part_local(t: torch.Tensor, p: torch.Tensor, along: str) -> torch.Tensor:
+    """This rank's part of a saved record part: a DTensor's local shard, or the part of a whole
+    tensor that its layout gives this rank (``distribute_tensor`` without communication: every
+    rank holds the whole tensor)."""
+    if is_dtensor(t):
+        return t.to_local()
+    if not is_dtensor(p):
+        return t
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(t, p.device_mesh, part_placements(p, along), src_data_rank=None).to_local()
 
 
 def run_and_exit(fn: Callable[[], Any]) -> NoReturn:

@@ -31,8 +31,7 @@ import lowbit_tree.checkpoint
 import lowbit_tree.update  # noqa: F401
 import lowbit_tree.wrappers  # noqa: F401
 from lowbit_tree.formats import STATE_FORMATS, get_format
-from lowbit_tree.lowrank import LowRankQTensor
-from lowbit_tree.moments import Rank1QTensor
+from lowbit_tree import records
 
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
@@ -95,7 +94,8 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     nbytes = sum(p[2] for p in parts.values())
     detail = ", ".join(f"{k} {_dtype_name(p[1])}{list(p[0])}" for k, p in parts.items())
     if "row_max" in parts:  # rank-1 normalized 4-bit record
-        return Row(path, "rank1_linear4_unsigned", "-", _rank1_shape(parts), nbytes, detail)
+        return Row(path, records.label(records.RANK1.zeros((0, 0), {}, "meta")), "-", _rank1_shape(parts), nbytes,
+                   detail)
     if "row_factor" in parts and "col_factor" in parts:  # low rank: the residual's row, named with the rank
         rest = {k: v for k, v in parts.items() if k not in ("row_factor", "col_factor")}
         row = _quantized_row(path, name, group, rest)
@@ -321,8 +321,7 @@ def _read_dcp_groups(path: str, keys: list[str]) -> dict[str, list[dict]]:
     return out
 
 
-def _is_record(x) -> bool:
-    return isinstance(x, (lt.QTensor, Rank1QTensor, LowRankQTensor))
+_is_record = records.is_record
 
 
 def _has_core_nodes(tree) -> bool:
@@ -355,17 +354,12 @@ def inspect_core_state(tree) -> Report:
     rows = []
     for acc, leaf in zip(accessors, leaves):
         path = path_string(acc) or "."
-        if isinstance(leaf, lt.QTensor):
-            detail = f"codes {_dtype_name(leaf.codes.dtype)}{list(leaf.codes.shape)}, scale {_dtype_name(leaf.scale.dtype)}{list(leaf.scale.shape)}"
-            rows.append(Row(path, leaf.format, str(leaf.block_size), leaf.shape, leaf.nbytes, detail))
-        elif isinstance(leaf, Rank1QTensor):
-            detail = f"codes {list(leaf.codes.shape)}, row_max {list(leaf.row_max.shape)}, col_max {list(leaf.col_max.shape)}"
-            rows.append(Row(path, "rank1_" + leaf.format, "-", leaf.shape, leaf.nbytes, detail))
-        elif isinstance(leaf, LowRankQTensor):
-            detail = (f"codes {_dtype_name(leaf.codes.dtype)}{list(leaf.codes.shape)}, scale {list(leaf.scale.shape)}, "
-                      f"row_factor {list(leaf.row_factor.shape)}, col_factor {list(leaf.col_factor.shape)}")
-            rows.append(Row(path, f"{leaf.format}+rank{leaf.rank}", str(leaf.block_size), leaf.shape, leaf.nbytes,
-                            detail))
+        kind = records.kind_of(leaf)
+        if kind is not None:
+            parts, meta = kind.parts_of(leaf), kind.meta_of(leaf)
+            detail = ", ".join(f"{k} {_dtype_name(t.dtype)}{list(t.shape)}" for k, t in parts.items())
+            rows.append(Row(path, kind.label(leaf), str(meta.get("block_size", "-")), leaf.shape,
+                            records.nbytes_of(parts), detail))
         elif isinstance(leaf, torch.Tensor):
             rows.append(Row(path, _plain_format(leaf.dtype), "-", tuple(leaf.shape), leaf.numel() * leaf.element_size(),
                             _dtype_name(leaf.dtype)))

@@ -24,20 +24,17 @@ from typing import Any, Callable, Iterable
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor
-from lowbit_tree.lowrank import LowRankQTensor, lowrank_zeros
+from lowbit_tree import records
 from lowbit_tree.moments import check_state_format
 from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
 
 from . import report
-from .distributed import is_dtensor, local_grad, shard_block_size, to_local, wrap_like
+from .distributed import is_dtensor, local_grad, mesh_axes, shard_block_size, to_local, wrap_like
 from .qstate import QState
 from .rank1_shard import rank1_reduce
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
-from .state_tree import LowRankHolder
-from .state_tree import Rank1Holder as _Rank1Holder  # noqa: F401  (the name state dicts and tests use)
-from .state_tree import binding, is_record
+from .state_tree import binding
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
@@ -85,14 +82,34 @@ class LowBitOptimizer(torch.optim.Optimizer):
     ):
         self._factory = transform_factory
         self._group_to_kwargs = group_to_kwargs or self._default_group_to_kwargs
-        self._transforms: dict = {}
-        self._bindings: dict = {}
-        self._param_templates: dict = {}
+        self._clear_caches()
         defaults = dict(defaults)
         if "learning_rate" in defaults and "lr" not in defaults and self._takes_learning_rate():
             defaults["lr"] = defaults.pop("learning_rate")  # the name LR schedulers read
         defaults.setdefault("skip_nonfinite", False)
         super().__init__(params, defaults)
+
+    # -- copies and pickles ------------------------------------------------------
+    _PICKLED = ("_factory", "_group_to_kwargs")
+    """Attributes beyond torch.optim's (defaults, state, param_groups) that a copy or a pickle
+    keeps; the caches are rebuilt on the first step."""
+
+    def _clear_caches(self) -> None:
+        self._transforms: dict = {}
+        self._bindings: dict = {}
+        self._param_templates: dict = {}
+        self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        for k in self._PICKLED:
+            if k in self.__dict__:
+                state[k] = self.__dict__[k]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._clear_caches()
 
     # -- param groups ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -172,7 +189,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return b
 
     def _init_state(self, p, group) -> dict:
-        """A new param's state, torch.optim's names, zeros in the formats the core chose."""
+        """A new param's state, torch.optim's names, zeros in the formats the core chose: every
+        state a tensor (records as :class:`QState`), DTensor-wrapped like ``p``."""
         tx, key, _ = self._transform(group)
         cache_key = (key, tuple(p.shape), p.dtype)
         tmpl = self._param_templates.get(cache_key)
@@ -182,31 +200,39 @@ class LowBitOptimizer(torch.optim.Optimizer):
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name, leaf in tmpl.items():
-            if isinstance(leaf, (QTensor, LowRankQTensor)):
-                bs = shard_block_size(p, leaf.block_size, lt.get_format(leaf.format).bits)
-                if isinstance(leaf, LowRankQTensor):  # Muon's momentum_rank: the local shard's record
-                    st[name] = LowRankHolder(lowrank_zeros(tuple(local.shape), leaf.rank, leaf.format, bs, local.device))
-                else:
-                    st[name] = wrap_like(QState(lt.zeros(tuple(local.shape), leaf.format, bs, device=local.device)), p)
-            elif is_record(leaf):  # rank-1: of the local shard, its maxima completed across shards
-                st[name] = _Rank1Holder(type(leaf).__module__, leaf, local, rank1_reduce(p, local))
-            else:
+            kind = records.kind_of(leaf)
+            if kind is None:
                 st[name] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
+                continue
+            meta = kind.meta_of(leaf)
+            if "block_size" in meta:  # tensor parallel: whole blocks on every shard
+                meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
+            if "reduce" in kind.wiring:
+                self._reducers[id(p)] = rank1_reduce(p, local)  # raises for a shard it cannot complete
+            record = kind.zeros(tuple(local.shape), meta, local.device)
+            st[name] = wrap_like(QState(record, mesh_axes(p)), p)
         return st
 
-    @staticmethod
-    def _live(st: dict) -> dict:
-        """A param's states as the core sees them: records sharing the live storage."""
+    def _live(self, p, st: dict) -> dict:
+        """A param's states as the core sees them: records sharing the live storage, wired to
+        their param's shards (a rank-1 record's ``reduce``)."""
         out = {}
         for name, v in st.items():
             if name == "step":
                 continue
-            if isinstance(v, (_Rank1Holder, LowRankHolder)):
-                out[name] = v.record
-                continue
             v = to_local(v)
-            out[name] = v.record if isinstance(v, QState) else v
+            out[name] = self._wired(p, v) if isinstance(v, QState) else v
         return out
+
+    def _wired(self, p, q: QState):
+        """The core record of state ``q`` of param ``p`` (sharing its storage), with the wiring
+        its kind takes (:attr:`lowbit_tree.records.RecordKind.wiring`)."""
+        kind, meta = q.kind, q.meta
+        if "reduce" in kind.wiring:
+            if id(p) not in self._reducers:
+                self._reducers[id(p)] = rank1_reduce(p, q)
+            meta["reduce"] = self._reducers[id(p)]
+        return kind.make(q.parts, tuple(q.shape), meta)
 
     # -- step -------------------------------------------------------------------
     def _all_finite(self) -> bool | None:
@@ -280,7 +306,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             grads: list = [None] * len(params)
             for i in present:
                 p = params[i]
-                live[i] = self._live(self.state[p])
+                live[i] = self._live(p, self.state[p])
                 locals_[i], grads[i] = to_local(p), local_grads[i]
             hyper = {k: _float_tensor(v, "cpu") for k, v in numeric.items()}
             state = b.tree(live, int(count), hyper, int(group.get("seed", 0)))

@@ -1,19 +1,21 @@
 """``QState``: a quantized optimizer state that looks like a float32 tensor.
 
-A wrapper tensor subclass around one :class:`lowbit_tree.QTensor` record (codes,
-scale, logical shape, block size, format). It exists for the boundary: torch.optim
-state dicts, ``torch.save``, DTensor (``DTensor.from_local(qstate, ...)`` under
-FSDP2, where ``full_tensor()`` all-gathers codes and scales) and distributed
-checkpointing. The math never sees it: the optimizer unwraps ``.record`` and runs
-the core's pure functions on plain tensors.
+A wrapper tensor subclass around one record of any kind (:mod:`lowbit_tree.records`: block,
+rank-1, low-rank): its parts (codes, scales, maxima, factors) are attributes of the same
+names, its static metadata too, and its shape is the record's logical shape. It exists for the
+boundary: ``optimizer.state``, torch.optim state dicts, ``torch.save``, DTensor
+(``DTensor.from_local(qstate, ...)`` under FSDP2 and tensor parallel, where ``full_tensor()``
+all-gathers the parts) and distributed checkpointing. The math never sees it: the optimizer
+unwraps ``.record`` and runs the core's pure functions on plain tensors.
 
 Each aten / c10d op it supports is a small function in a dispatch table
-(``@QState.implements(op)``). Shape ops act on dim 0: because blocks never
-straddle a row, rows ``[a, b)`` of the state are rows ``[a, b)`` of codes and
-scale. On dim 1 of a 2-D state (tensor parallel's ``Shard(1)``) they cut only on
-block boundaries (and even columns for 4-bit), where columns ``[a, b)`` are codes
-columns ``[a, b)`` (4-bit: ``[a/2, b/2)``) and scale columns ``[a/bs, b/bs)``; a cut
-inside a block raises. Any other op raises ``NotImplementedError`` naming the op.
+(``@QState.implements(op)``), written once for every kind from the kind's part layout. Tensor
+dims map to the record's row view: dim 0 of a state of 2 or more dims is its rows, dim 1 of a
+2-D state (tensor parallel's ``Shard(1)``) and dim 0 of a 1-D state its columns. Along rows,
+``"param"`` and ``"rows"`` parts are cut and joined and ``"cols"`` parts stay whole; along
+columns ``"param"`` parts are cut only on whole units (blocks, and bytes of two 4-bit codes),
+``"cols"`` parts follow and ``"rows"`` parts stay whole. A cut inside a block, and any other op,
+raises naming the op and the kind.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import torch.distributed  # noqa: F401  (registers the c10d op namespaces)
 import torch.distributed._functional_collectives  # noqa: F401
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor
+from lowbit_tree import records
+from lowbit_tree.qtensor import row_layout
 
 aten = torch.ops.aten
 c10d_functional = torch.ops.c10d_functional
@@ -32,28 +35,64 @@ _c10d_functional = torch.ops._c10d_functional
 
 __all__ = ["QState"]
 
+# gloo has no float8 and (on some builds) no bfloat16: parts travel as integers of the same width
+_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16}
+
 
 class QState(torch.Tensor):
-    """A float32-looking tensor of the record's logical shape holding codes and scales."""
+    """A float32-looking tensor of a record's logical shape holding the record's parts.
+
+    ``QState(record)`` wraps a record of any kind; ``.record`` gives it back (sharing the
+    parts' storage), ``.dequantize()`` its float32 value. ``axes`` maps a process group's name
+    to the row-view axis (``"rows"`` or ``"cols"``) that group shards, for kinds with per-row or
+    per-column parts (:func:`bridge.distributed.mesh_axes`)."""
 
     _OPS: dict = {}
 
     @staticmethod
-    def __new__(cls, record: QTensor):
+    def __new__(cls, record, axes=None, stacked: int = 0):
+        kind = records.kind_of(record)
+        if kind is None:
+            raise TypeError(f"QState wraps a record (one of {[k.cls.__name__ for k in records.KINDS]}), "
+                            f"got {type(record).__name__}")
+        device = getattr(record, kind.parts[0].name).device
         return torch.Tensor._make_wrapper_subclass(
-            cls, torch.Size(record.shape), dtype=torch.float32, device=record.codes.device, requires_grad=False
+            cls, torch.Size(record.shape), dtype=torch.float32, device=device, requires_grad=False
         )
 
-    def __init__(self, record: QTensor):
-        rows, r = lt.row_layout(record.shape)
-        fmt = lt.get_format(record.format)
-        ncols = -(-r // 2) if fmt.bits == 4 else r
-        if tuple(record.codes.shape) != (rows, ncols) or tuple(record.scale.shape) != (rows, -(-r // record.block_size)):
-            raise ValueError(f"QState: codes {tuple(record.codes.shape)} / scale {tuple(record.scale.shape)} do not fit {record!r}")
-        self.codes = record.codes
-        self.scale = record.scale
-        self.block_size = record.block_size
-        self.format = record.format
+    def __init__(self, record, axes=None, stacked: int = 0):
+        kind = records.kind_of(record)
+        self.kind_name = kind.name
+        meta = kind.meta_of(record)
+        parts = kind.parts_of(record)
+        if not stacked:
+            _check_parts(kind, tuple(record.shape), meta, parts, repr(record))
+        for name, t in parts.items():
+            setattr(self, name, t)
+        for k, v in meta.items():
+            setattr(self, k, v)
+        self.axes = dict(axes or {})
+        self.stacked = int(stacked)
+
+    # -- the record ------------------------------------------------------------------------
+    @property
+    def kind(self) -> records.RecordKind:
+        return records.kind_named(self.kind_name)
+
+    @property
+    def parts(self) -> dict:
+        return {p.name: getattr(self, p.name) for p in self.kind.parts}
+
+    @property
+    def meta(self) -> dict:
+        kind = self.kind
+        return {k: getattr(self, k) for k in kind.meta + tuple(kind.derived(self))}
+
+    @property
+    def record(self):
+        """The core record (shares the parts' storage with this state)."""
+        self._not_stacked("record")
+        return self.kind.make(self.parts, tuple(self.shape), self.meta)
 
     @classmethod
     def zeros(cls, shape, format: str, block_size: int | None = None, device=None) -> "QState":
@@ -64,46 +103,57 @@ class QState(torch.Tensor):
         return cls(lt.quantize(x, format, block_size))
 
     @property
-    def record(self) -> QTensor:
-        """The core record (shares codes and scale storage with this state)."""
-        return QTensor._trusted(self.codes, self.scale, tuple(self.shape), self.block_size, self.format)
-
-    @property
     def is_float8(self) -> bool:
         return self.codes.dtype == torch.float8_e4m3fn
 
     @property
     def state_nbytes(self) -> int:
-        return self.record.nbytes
+        """Bytes of the parts (what the state costs; ``nbytes`` would be the float32 view's)."""
+        return records.nbytes_of(self.parts)
+
+    @property
+    def label(self) -> str:
+        """The record's format as reports name it (:func:`lowbit_tree.records.label`)."""
+        return self.kind.label(self.meta)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return lt.dequantize(self.record, dtype)
+        """The state's value as a plain tensor (float32 unless ``dtype`` says otherwise)."""
+        return self.kind.dequantize(self.record).to(dtype)
 
-    def set_(self, record: QTensor) -> "QState":  # noqa: D401 - in place, like Tensor.set_
-        """Copy a record of the same layout into this state's storage, in place."""
-        if (record.format, record.block_size, tuple(record.shape)) != (self.format, self.block_size, tuple(self.shape)):
+    def set_(self, record) -> "QState":  # noqa: D401 - in place, like Tensor.set_
+        """Copy a record of the same kind and layout into this state's storage, in place."""
+        kind = records.kind_of(record)
+        if kind is not self.kind or tuple(record.shape) != tuple(self.shape) or kind.meta_of(record) != self.meta:
             raise ValueError(f"QState.set_: {record!r} does not match {self!r}")
-        self.codes.copy_(record.codes)
-        self.scale.copy_(record.scale)
+        for name, t in kind.parts_of(record).items():
+            getattr(self, name).copy_(t)
         return self
 
-    def _with(self, codes, scale, rows=None, shape=None):
-        shape = tuple(self.shape) if shape is None else tuple(shape)
-        if rows is not None:
-            shape = (rows,) + shape[1:]
-        return QState(QTensor(codes, scale, shape, self.block_size, self.format))
+    def _with(self, parts: dict, shape, stacked: int = 0) -> "QState":
+        return QState(self.kind.make(parts, tuple(shape), self.meta), self.axes, stacked)
+
+    def _not_stacked(self, what: str) -> None:
+        if self.stacked:
+            raise NotImplementedError(
+                f"QState.{what} of a {self.kind_name} record gathered along its columns (a stack of "
+                f"{self.stacked} column shards, only to be split or viewed back): see bridge/qstate.py"
+            )
 
     def __repr__(self):
-        return f"QState(format={self.format!r}, shape={tuple(self.shape)}, block_size={self.block_size}, device={self.codes.device})"
+        meta = ", ".join(f"{k}={v!r}" for k, v in self.meta.items())
+        return f"QState({self.kind_name}, shape={tuple(self.shape)}, {meta}, device={self.device})"
 
     # traceable wrapper subclass protocol
     def __tensor_flatten__(self):
-        return ["codes", "scale"], (tuple(self.shape), self.block_size, self.format)
+        meta = tuple(sorted(self.meta.items()))
+        return [p.name for p in self.kind.parts], (self.kind_name, tuple(self.shape), meta,
+                                                   tuple(sorted(self.axes.items())), self.stacked)
 
     @classmethod
-    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
-        shape, block_size, fmt = meta
-        return cls(QTensor(inner["codes"], inner["scale"], shape, block_size, fmt))
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        kind_name, shape, meta, axes, stacked = ctx
+        kind = records.kind_named(kind_name)
+        return cls(kind.make(dict(inner), shape, dict(meta)), dict(axes), stacked)
 
     @classmethod
     def implements(cls, ops):
@@ -120,42 +170,212 @@ class QState(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         fn = cls._OPS.get(func)
         if fn is None:
+            kind = next((a.kind_name for a in args if isinstance(a, QState)), "?")
             raise NotImplementedError(
-                f"QState (a quantized optimizer state) does not support {func}; call .dequantize() "
-                f"for a float32 tensor"
+                f"QState (a quantized optimizer state, {kind} record) does not support {func}; call "
+                ".dequantize() for a float32 tensor"
             )
         return fn(func, types, args, kwargs or {})
+
+
+def _check_parts(kind, shape: tuple, meta: dict, parts: dict, what: str) -> None:
+    rows, r = row_layout(shape)
+    for part in kind.parts:
+        t = parts[part.name]
+        if part.along == "param":
+            want = (rows, -(-r // part.unit(meta)))
+            ok = tuple(t.shape) == want
+        else:
+            want = (rows if part.along == "rows" else r,)
+            ok = t.ndim >= 1 and tuple(t.shape[:1]) == want
+        if not ok:
+            got = ", ".join(f"{k} {tuple(v.shape)}" for k, v in parts.items())
+            raise ValueError(f"QState: {got} do not fit {what} (its {part.name} should lead with {want})")
 
 
 def _is_q(x):
     return isinstance(x, QState)
 
 
-def _same_meta(a, b):
-    return a.block_size == b.block_size and a.format == b.format and a.shape == b.shape
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    w = _WIRE.get(t.dtype)
+    return t.view(w) if w is not None else t
 
 
-def _gloo_view(codes):
-    # float8 is not a gloo dtype -> communicate a uint8 view (same itemsize)
-    return codes.view(torch.uint8) if codes.dtype == torch.float8_e4m3fn else codes
+def _unwire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def _axis(x: QState, dim: int) -> str:
+    """The row-view axis of tensor dim ``dim`` (module docstring)."""
+    nd = x.ndim
+    d = dim % max(nd, 1)
+    if nd == 1 and d == 0:
+        return "cols"
+    if nd >= 2 and d == 0:
+        return "rows"
+    if nd == 2 and d == 1:
+        return "cols"
+    raise NotImplementedError(f"QState ({x.kind_name} record of shape {tuple(x.shape)}): dim {dim} is neither "
+                              "its rows nor its columns")
+
+
+def _shape_with(x: QState, axis: str, n: int) -> tuple:
+    s = list(x.shape)
+    if axis == "rows":
+        s[0] = n
+    elif x.ndim == 1:
+        s[0] = n
+    else:
+        s[1] = n
+    return tuple(s)
+
+
+def _ncols(x: QState) -> int:
+    return row_layout(tuple(x.shape))[1]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A part's bits as integers of its width (NaN equals itself; float8 and bfloat16 compare)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two parts hold the same bits (a part kept whole across shards)."""
+    if a is b:
+        return True
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(_bits(a), _bits(b)))
+
+
+# ---- the generic cuts and joins --------------------------------------------------------
+def _rows(x: QState, a: int, b: int) -> QState:
+    """Rows ``[a, b)``."""
+    out = {}
+    for part in x.kind.parts:
+        t = getattr(x, part.name)
+        out[part.name] = t if part.along == "cols" else t[a:b]
+    return x._with(out, _shape_with(x, "rows", max(0, b - a)))
+
+
+def _cut(x: QState, j: int, what: str) -> None:
+    """Columns can be cut at ``j`` only where no unit (block, 4-bit byte) straddles it."""
+    n = _ncols(x)
+    if j in (0, n):
+        return
+    meta = x.meta
+    for part in x.kind.parts:
+        if part.along == "param" and j % part.unit(meta):
+            raise NotImplementedError(
+                f"QState.{what}: column {j} of a {x.kind_name} record of shape {tuple(x.shape)} ({x.label}, "
+                f"{part.name} in units of {part.unit(meta)} columns) cuts a block; cut on block boundaries "
+                "(tensor-parallel shards must hold whole blocks, see design.md)"
+            )
+
+
+def _cols(x: QState, a: int, b: int) -> QState:
+    """Columns ``[a, b)`` (of the row view): whole units of the param parts (views)."""
+    n = _ncols(x)
+    a, b = max(0, min(a, n)), max(0, min(b, n))
+    b = max(a, b)
+    _cut(x, a, "slice")
+    _cut(x, b, "slice")
+    meta, out = x.meta, {}
+    for part in x.kind.parts:
+        t = getattr(x, part.name)
+        if part.along == "param":
+            u = part.unit(meta)
+            out[part.name] = t[:, a // u:-(-b // u)]
+        elif part.along == "cols":
+            out[part.name] = t[a:b]
+        else:
+            out[part.name] = t
+    return x._with(out, _shape_with(x, "cols", b - a))
+
+
+def _shared(xs, part: str, axis: str):
+    """A part kept whole along ``axis``: the same in every piece joined, else an error."""
+    t0 = getattr(xs[0], part)
+    for x in xs[1:]:
+        if not _same(t0, getattr(x, part)):
+            raise NotImplementedError(
+                f"QState.cat along {axis}: the pieces' {part} differ, and a {xs[0].kind_name} record keeps "
+                f"one {part} whole along its {axis}"
+            )
+    return t0
+
+
+def _join(xs, axis: str) -> QState:
+    """Records side by side along ``axis`` (rows, or the row view's columns)."""
+    x0 = xs[0]
+    for t in xs:
+        if not _is_q(t) or t.kind_name != x0.kind_name or t.meta != x0.meta or t.ndim != x0.ndim:
+            raise NotImplementedError(f"QState.cat of {t!r} and {x0!r}: records of one kind and layout only")
+        t._not_stacked("cat")
+    meta, out = x0.meta, {}
+    if axis == "cols":
+        for t in xs[:-1]:
+            for part in t.kind.parts:
+                if part.along == "param" and _ncols(t) % part.unit(meta):
+                    raise NotImplementedError(
+                        f"QState.cat along columns: a piece of {_ncols(t)} columns ends inside a block ({part.name} "
+                        f"in units of {part.unit(meta)} columns); tensor-parallel shards must hold whole blocks (see design.md)"
+                    )
+    for part in x0.kind.parts:
+        if part.along == ("cols" if axis == "rows" else "rows"):
+            out[part.name] = _shared(xs, part.name, axis)
+        elif part.along == "param" and axis == "cols":
+            out[part.name] = torch.cat([getattr(t, part.name) for t in xs], dim=1)
+        else:
+            out[part.name] = torch.cat([getattr(t, part.name) for t in xs], dim=0)
+    n = sum(t.shape[0] if axis == "rows" else _ncols(t) for t in xs)
+    return x0._with(out, _shape_with(x0, axis, n))
+
+
+def _zeros(x: QState, shape) -> QState:
+    z = x.kind.zeros(tuple(shape), x.meta, x.device)
+    return QState(z, x.axes)
+
+
+def _pad(x: QState, axis: str, p: int) -> QState:
+    """``p`` zero rows or columns after the last (columns: whole new units; the last one must
+    be full, as tensor-parallel shards are)."""
+    if axis == "cols":
+        n = _ncols(x)
+        meta = x.meta
+        for part in x.kind.parts:
+            if part.along == "param" and n % part.unit(meta):
+                raise NotImplementedError(
+                    f"QState.pad: the last unit ({part.name}, {part.unit(meta)} columns) of a {x.kind_name} record "
+                    f"of shape {tuple(x.shape)} is partial; padding it would change its value"
+                )
+        z = _zeros(x, _shape_with(x, "cols", p))
+        for part in x.kind.parts:  # the pad's whole-along-columns parts are the record's own
+            if part.along == "rows":
+                setattr(z, part.name, getattr(x, part.name))
+        return _join([x, z], "cols")
+    z = _zeros(x, _shape_with(x, "rows", p))
+    for part in x.kind.parts:
+        if part.along == "cols":
+            setattr(z, part.name, getattr(x, part.name))
+    return _join([x, z], "rows")
 
 
 # ---- aliasing / trivial ----
 @QState.implements([aten.detach.default, aten.alias.default])
 def _(func, types, args, kwargs):
     x = args[0]
-    return x._with(func(x.codes), func(x.scale))
+    return x._with({k: func(t) for k, t in x.parts.items()}, x.shape, x.stacked)
 
 
 @QState.implements(aten.clone.default)
 def _(func, types, args, kwargs):
     x = args[0]
-    return x._with(x.codes.clone(), x.scale.clone())
+    return x._with({k: t.clone() for k, t in x.parts.items()}, x.shape, x.stacked)
 
 
 @QState.implements(aten.is_pinned.default)
 def _(func, types, args, kwargs):
-    return args[0].codes.is_pinned() and args[0].scale.is_pinned()
+    return all(t.is_pinned() for t in args[0].parts.values())
 
 
 @QState.implements(aten._to_copy.default)
@@ -163,20 +383,23 @@ def _(func, types, args, kwargs):
     x = args[0]
     dtype = kwargs.get("dtype")
     if dtype not in (None, torch.float32):
-        raise NotImplementedError(f"QState._to_copy to dtype {dtype}")
+        raise NotImplementedError(f"QState ({x.kind_name} record) to dtype {dtype}: call .dequantize({dtype}) "
+                                  "for a plain tensor")
     dev = kwargs.get("device")
     pin = kwargs.get("pin_memory", False)
-    c, s = x.codes.to(device=dev), x.scale.to(device=dev)
-    if pin:
-        c, s = c.pin_memory(), s.pin_memory()
-    return x._with(c.clone() if c is x.codes else c, s.clone() if s is x.scale else s)
+    out = {}
+    for k, t in x.parts.items():
+        c = t.to(device=dev)
+        c = c.clone() if c is t else c
+        out[k] = c.pin_memory() if pin else c
+    return x._with(out, x.shape, x.stacked)
 
 
 @QState.implements([aten.empty_like.default, aten.zeros_like.default])
 def _(func, types, args, kwargs):
     x = args[0]
-    dev = kwargs.get("device") or x.device
-    return QState.zeros(tuple(x.shape), x.format, x.block_size, device=dev)
+    z = x.kind.zeros(tuple(x.shape), x.meta, kwargs.get("device") or x.device)
+    return QState(z, x.axes)
 
 
 @QState.implements(aten.new_zeros.default)
@@ -185,44 +408,71 @@ def _(func, types, args, kwargs):
     # sharded dim): other rows, or (2-D, tensor parallel) other columns
     x, size = args[0], list(args[1])
     if len(size) != x.ndim or (list(size[1:]) != list(x.shape[1:]) and x.ndim != 2):
-        raise NotImplementedError(f"QState.new_zeros with size {size}")
-    return QState.zeros(tuple(size), x.format, x.block_size, device=x.device)
+        raise NotImplementedError(f"QState.new_zeros with size {size} ({x.kind_name} record of shape {tuple(x.shape)})")
+    return _zeros(x, size)
 
 
 @QState.implements(aten.copy_.default)
 def _(func, types, args, kwargs):
     dst, src = args[0], args[1]
     if _is_q(dst) and _is_q(src):
-        if not _same_meta(dst, src):
-            raise ValueError(f"QState.copy_ meta mismatch {dst!r} <- {src!r}")
-        dst.codes.copy_(src.codes)
-        dst.scale.copy_(src.scale)
-    elif _is_q(dst):  # plain float -> quantize into dst
-        q = lt.quantize(src.detach().reshape(dst.shape).float(), dst.format, dst.block_size)
-        dst.codes.copy_(q.codes)
-        dst.scale.copy_(q.scale)
+        if dst.kind_name != src.kind_name or dst.meta != src.meta or dst.shape != src.shape:
+            raise ValueError(f"QState.copy_: {src!r} into {dst!r}: records of one kind and layout only")
+        for k, t in src.parts.items():
+            getattr(dst, k).copy_(t)
+    elif _is_q(dst):  # plain float -> stored into dst's kind
+        try:
+            rec = records.store(src.detach().reshape(dst.shape).float(), dst.record)
+        except TypeError as e:
+            raise NotImplementedError(f"QState.copy_ of a plain tensor into a {dst.kind_name} record: {e}") from e
+        dst.set_(rec)
     else:
         dst.copy_(src.dequantize())
     return dst
 
 
-# ---- shape ops (dim 0; dim 1 of 2-D states on block boundaries, for tensor parallel) ----
+# ---- comparisons ----
+@QState.implements(aten.equal.default)
+def _(func, types, args, kwargs):
+    a, b = args[0], args[1]
+    if not (_is_q(a) and _is_q(b)):
+        raise NotImplementedError("torch.equal of a QState and a plain tensor: compare a.dequantize() instead")
+    if a.kind_name != b.kind_name or a.meta != b.meta or a.shape != b.shape:
+        return False
+    return all(_same(t, getattr(b, k)) for k, t in a.parts.items())
+
+
+@QState.implements([aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar])
+def _(func, types, args, kwargs):
+    a, b = (x.dequantize() if _is_q(x) else x for x in args[:2])
+    return func(a, b)
+
+
+# ---- shape ops ----
 @QState.implements(aten.view.default)
 def _(func, types, args, kwargs):
     x, shape = args[0], list(args[1])
     if -1 in shape:
         shape[shape.index(-1)] = x.numel() // max(1, -math.prod(shape))
     if tuple(shape) == tuple(x.shape):
-        return x._with(x.codes.view(x.codes.shape), x.scale.view(x.scale.shape))
-    if x.ndim == 2 and len(shape) == 2 and shape[0] * shape[1] == x.shape[0] * x.shape[1]:
-        # rows merged or split (DTensor gathers a Shard(1) state of one row with a view): the
-        # same memory order, so codes and scales follow when every row piece is whole blocks
-        piece = min(x.shape[1], shape[1])
-        half = lt.get_format(x.format).bits == 4
-        if piece and piece % x.block_size == 0 and not (half and piece % 2):
-            c = x.codes.view(shape[0], shape[1] // 2 if half else shape[1])
-            return x._with(c, x.scale.view(shape[0], shape[1] // x.block_size), shape=tuple(shape))
-    raise NotImplementedError(f"QState.view {tuple(x.shape)} -> {shape} (rows merged or split only on whole blocks)")
+        return x._with({k: t.view(t.shape) for k, t in x.parts.items()}, x.shape, x.stacked)
+    if x.ndim == 2 and len(shape) == 2 and shape[0] == 1 and shape[1] == x.shape[0] * x.shape[1] and x.stacked:
+        # one-row shards gathered along their columns ((world, c) -> (1, world * c), as
+        # DTensor's chunk-cat view does): the pieces side by side
+        return _join(_unstack(x, x.shape[0]), "cols")
+    if x.ndim == 2 and len(shape) == 2 and shape[0] * shape[1] == x.shape[0] * x.shape[1] and not x.stacked:
+        # rows merged or split in memory order: whole rows side by side, or rows cut in pieces
+        (r0, c0), (r1, c1) = x.shape, shape
+        if r0 * c0 == 0:
+            return _zeros(x, shape)
+        if c1 % c0 == 0:
+            k = c1 // c0
+            rows = [_join([_rows(x, i * k + j, i * k + j + 1) for j in range(k)], "cols") for i in range(r1)]
+            return _join(rows, "rows")
+        if c0 % c1 == 0:
+            k = c0 // c1
+            return _join([_cols(_rows(x, i, i + 1), j * c1, (j + 1) * c1) for i in range(r0) for j in range(k)], "rows")
+    raise NotImplementedError(f"QState.view {tuple(x.shape)} -> {shape} ({x.kind_name} record)")
 
 
 @QState.implements(aten.slice.Tensor)
@@ -236,140 +486,120 @@ def _(func, types, args, kwargs):
     end = n if end is None else end
     start, end = max(0, min(start + n if start < 0 else start, n)), max(0, min(end + n if end < 0 else end, n))
     if step != 1:
-        raise NotImplementedError("QState.slice step != 1")
-    if dim != 0:
-        if start == 0 and end == n:  # full-range slice on inner dim = alias
-            return x._with(x.codes.view(x.codes.shape), x.scale.view(x.scale.shape))
-        if dim in (1, -1) and x.ndim == 2:
-            return _column_range(x, start, end)
-        raise NotImplementedError(f"QState.slice on dim {dim} ({start}:{end} of {n})")
-    return x._with(x.codes[start:end], x.scale[start:end], rows=max(0, end - start))
+        raise NotImplementedError(f"QState.slice with step {step} ({x.kind_name} record)")
+    if start == 0 and end == n:  # the whole range: an alias
+        return x._with({k: t.view(t.shape) for k, t in x.parts.items()}, x.shape, x.stacked)
+    x._not_stacked("slice")
+    axis = _axis(x, dim)
+    return _rows(x, start, end) if axis == "rows" else _cols(x, start, end)
 
 
 @QState.implements([aten.split.Tensor, aten.split_with_sizes.default])
 def _(func, types, args, kwargs):
     x, sizes = args[0], args[1]
     dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-    if dim in (1, -1) and x.ndim == 2:  # tensor parallel: columns, on block boundaries
-        n = x.shape[1]
-        if isinstance(sizes, int):
-            sizes = [min(sizes, n - a) for a in range(0, n, sizes)] if n else [0]
-        out, a = [], 0
-        for k in sizes:
-            out.append(_column_range(x, a, a + k))
-            a += k
-        return out
-    if dim != 0:
-        raise NotImplementedError(f"QState.split on dim {dim}")
-    cs, ss = func(x.codes, sizes, 0), func(x.scale, sizes, 0)
-    return [x._with(c, s, rows=c.shape[0]) for c, s in zip(cs, ss)]
+    n = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - a) for a in range(0, n, sizes)] if n else [0]
+    if x.stacked:
+        if dim % x.ndim != 0 or len(sizes) != x.stacked or len(set(sizes)) != 1:
+            x._not_stacked(f"split into {list(sizes)} along dim {dim}")
+        return _unstack(x, x.stacked)
+    axis = _axis(x, dim)
+    out, a = [], 0
+    for k in sizes:
+        out.append(_rows(x, a, a + k) if axis == "rows" else _cols(x, a, a + k))
+        a += k
+    return out
 
 
-def _column_cut(x, j: int, what: str) -> None:
-    """Columns can be cut at ``j`` only where no block (and, 4-bit, no byte) straddles it."""
-    n = x.shape[1]
-    if j in (0, n):
-        return
-    if j % x.block_size or (lt.get_format(x.format).bits == 4 and j % 2):
-        raise NotImplementedError(
-            f"QState.{what}: column {j} of a ({x.shape[0]}, {n}) {x.format!r} state with block size "
-            f"{x.block_size} cuts a block; tensor-parallel shards must hold whole blocks (see design.md)"
-        )
-
-
-def _column_range(x, a: int, b: int):
-    """Columns ``[a, b)`` of a 2-D state (codes and scales of whole blocks: a view)."""
-    n = x.shape[1]
-    a, b = max(0, min(a, n)), max(0, min(b, n))
-    b = max(a, b)
-    _column_cut(x, a, "slice")
-    _column_cut(x, b, "slice")
-    half = lt.get_format(x.format).bits == 4
-    c0, c1 = (a // 2, -(-b // 2)) if half else (a, b)
-    s0, s1 = a // x.block_size, -(-b // x.block_size)
-    return x._with(x.codes[:, c0:c1], x.scale[:, s0:s1], shape=(x.shape[0], b - a))
+def _unstack(x: QState, world: int) -> list:
+    """The ``world`` records of a stack of column shards gathered along dim 0 (:func:`_gather`),
+    or of a plain record cut into ``world`` row pieces."""
+    if not x.stacked:
+        r = x.shape[0] // world
+        return [_rows(x, i * r, (i + 1) * r) for i in range(world)]
+    if world != x.stacked:
+        x._not_stacked(f"split into {world} pieces")
+    r = x.shape[0] // world
+    out = []
+    for i in range(world):
+        parts = {}
+        for part in x.kind.parts:
+            t = getattr(x, part.name)
+            if part.along == "param":
+                parts[part.name] = t[i * r:(i + 1) * r]
+            elif part.along == "cols":
+                c = t.shape[0] // world
+                parts[part.name] = t[i * c:(i + 1) * c]
+            else:
+                parts[part.name] = t
+        out.append(x._with(parts, (r,) + tuple(x.shape[1:])))
+    return out
 
 
 @QState.implements(aten.constant_pad_nd.default)
 def _(func, types, args, kwargs):
     x, pad = args[0], list(args[1])
-    # pad is [last_lo, last_hi, ..., dim0_lo, dim0_hi]; only dim0_hi allowed
+    # pad is [last_lo, last_hi, ..., dim0_lo, dim0_hi]; only a high pad of one dim
     nd = x.ndim
     full = pad + [0] * (2 * nd - len(pad))
-    if nd == 2 and full[1] > 0 and not full[0] and not any(full[2:]):  # columns (tensor parallel)
-        return _pad_columns(x, full[1])
-    if any(full[:-1]) or full[-1] < 0:
-        raise NotImplementedError(f"QState.constant_pad_nd pad={pad}")
-    p = full[-1]
-    # new_zeros: the pad lives where the state lives (a bare torch.zeros would be a CPU tensor
-    # next to CUDA codes, and the default-device mode does not reach into __torch_dispatch__)
-    c = torch.cat([x.codes, x.codes.new_zeros((p, x.codes.shape[1]))])
-    s = torch.cat([x.scale, x.scale.new_zeros((p, x.scale.shape[1]))])
-    return x._with(c, s, rows=x.shape[0] + p)
-
-
-def _pad_columns(x, p: int):
-    """``p`` zero columns after the last one of a 2-D state (whole new blocks: the last
-    block must be full, as tensor-parallel shards are)."""
-    _column_cut(x, x.shape[1], "pad")
-    if x.shape[1] % x.block_size:
-        raise NotImplementedError(
-            f"QState.pad: the last block of a ({x.shape[0]}, {x.shape[1]}) state with block size "
-            f"{x.block_size} is partial; padding it would change its scale"
-        )
-    z = QState.zeros((x.shape[0], p), x.format, x.block_size, device=x.device)
-    return _cat_columns([x, z])
-
-
-def _cat_columns(xs):
-    """2-D states side by side: every part but the last must end on a block (and byte)
-    boundary, so the codes and scales of the result are the parts' side by side."""
-    x0 = xs[0]
-    for t in xs:
-        if t.ndim != 2 or t.shape[0] != x0.shape[0] or (t.format, t.block_size) != (x0.format, x0.block_size):
-            raise NotImplementedError(f"QState.cat along dim 1 of {t!r} and {x0!r}")
-    for t in xs[:-1]:
-        if t.shape[1] % t.block_size or (lt.get_format(t.format).bits == 4 and t.shape[1] % 2):
-            raise NotImplementedError(
-                f"QState.cat along dim 1: a part of {t.shape[1]} columns ends inside a block of "
-                f"{t.block_size}; tensor-parallel shards must hold whole blocks (see design.md)"
-            )
-    return x0._with(torch.cat([t.codes for t in xs], dim=1), torch.cat([t.scale for t in xs], dim=1),
-                    shape=(x0.shape[0], sum(t.shape[1] for t in xs)))
+    highs = [(d, full[2 * (nd - 1 - d) + 1]) for d in range(nd)]
+    lows = [full[2 * (nd - 1 - d)] for d in range(nd)]
+    padded = [(d, h) for d, h in highs if h]
+    if any(lows) or len(padded) != 1 or padded[0][1] < 0:
+        if not padded and not any(lows):
+            return x._with({k: t.view(t.shape) for k, t in x.parts.items()}, x.shape)
+        raise NotImplementedError(f"QState.constant_pad_nd pad={pad} ({x.kind_name} record)")
+    x._not_stacked("pad")
+    d, h = padded[0]
+    return _pad(x, _axis(x, d), h)
 
 
 @QState.implements(aten.cat.default)
 def _(func, types, args, kwargs):
-    xs = args[0]
+    xs = list(args[0])
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not all(_is_q(t) for t in xs):
         raise NotImplementedError("QState.cat of QStates only")
-    if dim in (1, -1) and xs[0].ndim == 2:
-        return _cat_columns(list(xs))
-    if dim != 0:
-        raise NotImplementedError(f"QState.cat along dim {dim} (dims 0, and 1 of 2-D states, only)")
-    x0 = xs[0]
-    return x0._with(torch.cat([t.codes for t in xs]), torch.cat([t.scale for t in xs]),
-                    rows=sum(t.shape[0] for t in xs))
+    return _join(xs, _axis(xs[0], dim))
 
 
 # ---- functional collectives (DTensor.full_tensor / redistribute) ----
 @QState.implements([c10d_functional.all_gather_into_tensor.default,
                     _c10d_functional.all_gather_into_tensor.default])
 def _(func, types, args, kwargs):
-    # Codes, then scale, each waited before the next is issued: never two functional
+    # One part at a time, each waited before the next is issued: never two functional
     # all-gathers in flight. With both in flight, gloo's allgather_into_tensor_coalesced
     # corrupts the heap (glibc "malloc(): unaligned tcache chunk detected", SIGSEGV), a torch
     # bug reproduced without this library by benchmarks/gloo_inflight_allgather.py; see
     # design.md, "One collective in flight". On NCCL the wait only orders streams.
     x, rest = args[0], args[1:]
-    world = rest[0]
+    world, group = rest[0], rest[1] if len(rest) > 1 else kwargs.get("group_name")
+    x._not_stacked("all_gather")
+    if x.ndim < 2:
+        raise NotImplementedError(f"QState all_gather of a {x.ndim}-D {x.kind_name} record (states of sharded "
+                                  "params are 2-D or more)")
+    has_vectors = any(p.along != "param" for p in x.kind.parts)
+    axis = x.axes.get(group, "rows" if not has_vectors else None)
+    if axis is None:
+        raise NotImplementedError(
+            f"QState all_gather of a {x.kind_name} record over process group {group!r}, which does not shard "
+            f"its param (it shards {x.axes or 'nothing'}): create states with the optimizer, which binds them "
+            "to their param's mesh"
+        )
     wait = _c10d_functional.wait_tensor.default
-    c = wait(func(_gloo_view(x.codes), *rest, **kwargs))
-    s = wait(func(x.scale, *rest, **kwargs))
-    if x.is_float8:
-        c = c.view(torch.float8_e4m3fn)  # same storage
-    return x._with(c, s, rows=x.shape[0] * world)
+    out = {}
+    for part in x.kind.parts:
+        t = getattr(x, part.name)
+        if part.along == "param" or part.along == axis:
+            out[part.name] = _unwire(wait(func(_wire(t), *rest, **kwargs)), t.dtype)
+        else:
+            out[part.name] = t  # whole on every shard of this group: taken as it is
+    shape = (x.shape[0] * world,) + tuple(x.shape[1:])
+    if axis == "cols" and has_vectors:  # a stack of column shards, split back by DTensor
+        return QState(x.kind.make(out, shape, x.meta), x.axes, stacked=world)
+    return x._with(out, shape)
 
 
 @QState.implements([c10d_functional.wait_tensor.default,
@@ -378,18 +608,14 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     # torch 2.13 eager: funcol.all_gather_single -> _maybe_wrap_tensor ->
     # _c10d_functional._wrap_tensor_autograd(QState) (NOT wait_tensor).  Applying
-    # that op to the inner tensors would make codes/scale AsyncCollectiveTensors
+    # that op to the inner tensors would make the parts AsyncCollectiveTensors
     # (waited lazily on first use; never waited if unused -> "unwaited collective"
     # warnings, and raw-storage readers could see unfinished data).  So we wait
     # eagerly on the inner tensors for all three ops (after our all-gather above
     # they are waited already, and waiting again is a no-op).
     x = args[0]
     wait = _c10d_functional.wait_tensor.default
-    c = wait(_gloo_view(x.codes))
-    if x.is_float8:
-        c = c.view(torch.float8_e4m3fn)
-    s = wait(x.scale)
-    return x._with(c, s)
+    return x._with({k: _unwire(wait(_wire(t)), t.dtype) for k, t in x.parts.items()}, x.shape, x.stacked)
 
 
 # ---- eager c10d collectives (dist.scatter on QStates) ----
@@ -402,21 +628,24 @@ def _inner_lists(obj, attr):
         return [_inner_lists(o, attr) for o in obj]
     if not _is_q(obj):
         raise NotImplementedError(f"QState c10d op with mixed operand {type(obj)}")
-    return _gloo_view(getattr(obj, attr))
+    return _wire(getattr(obj, attr))
 
 
 @QState.implements(torch.ops.c10d.scatter_.default)
 def _(func, types, args, kwargs):
     outs, ins, rest = args[0], args[1], args[2:]
-    _, w1 = func(_inner_lists(outs, "codes"), _inner_lists(ins, "codes"), *rest, **kwargs)
-    w1.wait()
-    _, w2 = func(_inner_lists(outs, "scale"), _inner_lists(ins, "scale"), *rest, **kwargs)
-    return outs, w2
+    x = outs[0] if isinstance(outs, (list, tuple)) else outs
+    work = None
+    for part in x.kind.parts:
+        if work is not None:
+            work.wait()
+        _, work = func(_inner_lists(outs, part.name), _inner_lists(ins, part.name), *rest, **kwargs)
+    return outs, work
 
 
 # NOTE: c10d.broadcast_ deliberately NOT implemented. In
 # set_optimizer_state_dict(broadcast_from_rank0=True) only rank 0 holds a QState,
-# the other ranks receive into plain float32 buffers; a codes/scale broadcast
+# the other ranks receive into plain float32 buffers; a part-wise broadcast
 # would mismatch sizes and hang until the gloo timeout (observed). Unimplemented,
 # rank 0 raises at once.
 

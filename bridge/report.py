@@ -13,9 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import lowbit_tree as lt
-from lowbit_tree.lowrank import LowRankQTensor
-from lowbit_tree.moments import Rank1QTensor
+from lowbit_tree import records
 
 from .distributed import is_dtensor, to_local
 from .qstate import QState
@@ -61,12 +59,7 @@ def state_report(opt) -> list[StateReportRow]:
                     continue
                 v = to_local(v)
                 if isinstance(v, QState):
-                    rows.append(StateReportRow(i, name, v.format, tuple(v.shape), v.state_nbytes))
-                elif isinstance(getattr(v, "record", None), Rank1QTensor):  # bridge.optimizer's rank-1 holder
-                    rows.append(StateReportRow(i, name, "linear4_rank1", v.record.shape, v.nbytes))
-                elif isinstance(getattr(v, "record", None), LowRankQTensor):  # Muon's momentum_rank
-                    r = v.record
-                    rows.append(StateReportRow(i, name, f"{r.format}+rank{r.rank}", r.shape, v.nbytes))
+                    rows.append(StateReportRow(i, name, v.label, tuple(v.shape), v.state_nbytes))
                 elif isinstance(v, torch.Tensor):
                     fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype))
                     rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
@@ -95,29 +88,10 @@ def _whole_state_bytes(p, v) -> int:
     so a param replicated over ranks (on a mesh dim, or on another sub-mesh: TP's plain params
     under FSDP2 on a 2-D mesh) counts once."""
     v = to_local(v)
-    shape = tuple(p.shape)
     if isinstance(v, QState):
-        rows, r = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
-        ncols = -(-r // 2) if lt.get_format(v.format).bits == 4 else r
-        return rows * ncols * v.codes.element_size() + rows * -(-r // v.block_size) * v.scale.element_size()
+        return records.whole_nbytes(v.kind, tuple(p.shape), v.meta)
     if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(to_local(p).shape):
-        return math.prod(shape) * v.element_size()
-    if isinstance(getattr(v, "record", None), Rank1QTensor):  # codes, a max per row and per column
-        rows, r = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
-        return rows * -(-r // 2) + (rows + r) * 4
-    rec = getattr(v, "record", None)
-    if isinstance(rec, LowRankQTensor):  # the residual's codes and scales, and both factors, of the whole matrix
-        rows, r = shape
-        ncols = -(-r // 2) if lt.get_format(rec.format).bits == 4 else r
-        return (rows * ncols * rec.codes.element_size() + rows * -(-r // rec.block_size) * 4
-                + (rows + r) * rec.rank * rec.row_factor.element_size())
-    return _local_nbytes(v)
-
-
-def _local_nbytes(v) -> int:
-    rec = getattr(v, "record", None)
-    if isinstance(rec, (Rank1QTensor, LowRankQTensor)):
-        return v.nbytes
+        return math.prod(p.shape) * v.element_size()
     return v.numel() * v.element_size()
 
 

@@ -27,14 +27,10 @@ from typing import Any
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import QTensor
+from lowbit_tree import QTensor, records
 
-from .distributed import is_dtensor, row_dtensor, to_local, wrap_like
+from .distributed import is_dtensor, part_dtensor, part_local, to_local, wrap_like
 from .qstate import QState
-from .lowrank_shard import LOWRANK_PARTS, lowrank_local_part, lowrank_state_tensors
-from .rank1_shard import rank1_local_part, rank1_state_tensors
-from .state_tree import LowRankHolder
-from .state_tree import Rank1Holder as _Rank1Holder
 
 STATE_DICT_VERSION = 3
 """Version of the layout ``state_dict()`` writes; ``load_state_dict`` checks it. Version 3: a
@@ -67,29 +63,31 @@ def save_state_dict(opt) -> dict:
     params = [p for g in opt.param_groups for p in g["params"]]
     new_state = {}
     for idx, st in sd["state"].items():
+        if not isinstance(idx, int):  # a key that is not a param (a pre-hook's): passed through, as torch does
+            new_state[idx] = st
+            continue
         p = params[idx]
         out = {}
         for name, v in st.items():
             local = to_local(v)
-            if isinstance(local, QState):
-                codes = local.codes.view(torch.uint8) if local.is_float8 else local.codes
-                ccols, scols = _global_cols(p, local)
-                out[name] = {"codes": row_dtensor(codes, p, ccols), "scale": row_dtensor(local.scale, p, scols)}
-            elif isinstance(local, _Rank1Holder):
-                out[name] = rank1_state_tensors(local, p)
-            elif isinstance(local, LowRankHolder):
-                out[name] = lowrank_state_tensors(local, p)
-            else:
-                out[name] = v
+            out[name] = saved_parts(local, p) if isinstance(local, QState) else v
         new_state[idx] = out
     sd["state"] = new_state
     return sd
 
 
-def _global_cols(p: torch.Tensor, q: QState) -> tuple[int, int]:
-    """Columns of the whole param's codes and scales (a tensor-parallel shard holds some of them)."""
-    r = math.prod(p.shape[1:]) if p.ndim >= 2 else q.codes.shape[1]
-    return (-(-r // 2) if lt.get_format(q.format).bits == 4 else r), -(-r // q.block_size)
+def saved_parts(q: QState, p: torch.Tensor) -> dict:
+    """A record state's state-dict form: its parts (float8 codes as their bits), each a DTensor
+    of the whole param's part shape laid out as its kind declares (placed like the param, or
+    per row / per column of it) under sharding, else the plain local tensors. Views of the live
+    storage, so ``dcp.load`` writes in place."""
+    kind, meta = q.kind, q.meta
+    out = {}
+    for part in kind.parts:
+        t = getattr(q, part.name)
+        t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        out[part.name] = part_dtensor(t, p, part.along, kind.whole_part_shape(part, tuple(p.shape), meta, t))
+    return out
 
 
 def as_version_1(state_dict: dict) -> dict:
@@ -300,11 +298,7 @@ def load_into(opt, state_dict: dict) -> None:
                 _check_step(st["step"], where)
                 continue
             if isinstance(exp_local, QState):
-                st[name] = _load_quantized(saved, name, p, exp_local, expected, where, migrating)
-            elif isinstance(exp_local, _Rank1Holder):
-                st[name] = _load_rank1(saved, name, exp_local, where, p)
-            elif isinstance(exp_local, LowRankHolder):
-                st[name] = _load_lowrank(saved, name, exp_local, where, p)
+                st[name] = _load_record(opt, saved, name, p, exp_local, expected, where)
             else:
                 if name not in saved:
                     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
@@ -325,6 +319,7 @@ def load_into(opt, state_dict: dict) -> None:
         if unknown and not migrating:
             raise ValueError(f"{where}: unexpected state entries {unknown}; expected {sorted(fresh)}")
         new_states[id(p)] = (p, st)
+    passed = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}  # not params: as torch
 
     # torch restores the groups (hyperparameters from the state dict, as torch.optim does)
     groups = []
@@ -339,19 +334,27 @@ def load_into(opt, state_dict: dict) -> None:
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
     for p, st in new_states.values():
         opt.state[p] = st
+    for k, v in passed.items():
+        opt.state[k] = v
 
 
-def _record_parts(saved: dict, name: str, parts: tuple, where: str) -> dict | None:
+def _record_parts(saved: dict, name: str, kind, where: str) -> dict | None:
     """The saved tensors of record state ``name``, ``{part: (label, tensor)}``: a nested dict
-    (version 2) or ``name::part`` keys (version 1); None if the state is saved neither way."""
+    (versions 2 and 3) or ``name::part`` keys (version 1); None if the state is saved neither way.
+    The kind's optional parts may be left out, all of them together."""
+    names = [p.name for p in kind.parts]
+    optional = {p.name for p in kind.parts if p.optional}
     value = saved.get(name)
     if isinstance(value, dict):
-        missing, extra = [k for k in parts if k not in value], sorted(str(k) for k in value if k not in parts)
-        if missing or extra:
-            raise ValueError(f"{where}: {name!r} has entries {sorted(map(str, value))}, expected {list(parts)}"
+        have = set(value)
+        missing = [k for k in names if k not in have]
+        extra = sorted(str(k) for k in have if k not in names)
+        if extra or (missing and set(missing) != optional):
+            raise ValueError(f"{where}: {name!r} has entries {sorted(map(str, value))}, expected {names}"
+                             + (f" (or without {sorted(optional)})" if optional else "")
                              + (" (an empty dict: nothing was saved under this name)" if not value else ""))
-        return {k: (f"{name}.{k}", value[k]) for k in parts}
-    keys = {k: f"{name}::{k}" for k in parts}
+        return {k: (f"{name}.{k}", value[k]) for k in names if k in have}
+    keys = {k: f"{name}::{k}" for k in names if k not in optional}
     if not any(key in saved for key in keys.values()):
         return None
     for key in keys.values():
@@ -368,14 +371,8 @@ def _tensor(label: str, value, where: str) -> torch.Tensor:
 
 
 def _describe(t) -> str:
-
-    if isinstance(t, QState):
-        return f"a {t.format!r} state with block size {t.block_size}"
-    if isinstance(t, _Rank1Holder):
-        return "a rank-1 normalized 4-bit state"
-    if isinstance(t, LowRankHolder):
-        return f"a low-rank {t.record.format!r} state of rank {t.record.rank}"
-    return f"{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+    t = to_local(t)
+    return records.describe(t.record) if isinstance(t, QState) else records.describe(t)
 
 
 def _check_scales(scale: torch.Tensor, what: str) -> None:
@@ -411,42 +408,53 @@ def read_state_dict(path: str, map_location=None) -> dict:
     return sd
 
 
-def _load_quantized(saved, name, p, exp_local: QState, expected, where, migrating):
-    parts = _record_parts(saved, name, ("codes", "scale"), where)
-    if parts is not None:
-        (codes_label, codes), (scale_label, scale) = parts["codes"], parts["scale"]
-        codes, scale = _tensor(codes_label, codes, where), _tensor(scale_label, scale, where)
-        if not is_dtensor(codes) and not is_dtensor(scale):
-            regridded = _regrid(codes, scale, name, p, exp_local, where)
+def _load_record(opt, saved, name, p, q: QState, expected, where):
+    """A record state: its saved parts (this rank's part of each, checked against the live
+    layout, then copied in); or a float state (torch.optim's, our fp32 export), stored into the
+    record's kind; or a whole record saved on another block grid (tensor parallel), regridded."""
+    kind = q.kind
+    found = _record_parts(saved, name, kind, where)
+    if found is not None:
+        found = {k: (label, _tensor(label, t, where)) for k, (label, t) in found.items()}
+        if kind.regrid and not any(is_dtensor(t) for _, t in found.values()):
+            regridded = _regrid(found["codes"][1], found["scale"][1], name, p, q, where)
             if regridded is not None:
-                exp_local.set_(regridded)
+                q.set_(regridded)
                 return expected
-        codes = to_local(_rows(codes, p, f"{where} {codes_label}"))
-        scale = to_local(_rows(scale, p, f"{where} {scale_label}"))
-        want_codes = exp_local.codes.view(torch.uint8) if exp_local.is_float8 else exp_local.codes
-        if codes.dtype != torch.uint8:
-            raise ValueError(f"{where}: {codes_label!r} has dtype {codes.dtype}, expected torch.uint8")
-        if tuple(codes.shape) != tuple(want_codes.shape) or tuple(scale.shape) != tuple(exp_local.scale.shape):
-            raise ValueError(
-                f"{where}: {name!r} codes {tuple(codes.shape)} / scale {tuple(scale.shape)} do not match this "
-                f"optimizer's {exp_local.format!r} state with block size {exp_local.block_size} (codes "
-                f"{tuple(want_codes.shape)} / scale {tuple(exp_local.scale.shape)}): the state dict was written "
-                "with another state format, block size or parameter shape"
-            )
-        if scale.dtype != torch.float32:
-            raise ValueError(f"{where}: {scale_label!r} has dtype {scale.dtype}, expected torch.float32")
-        _check_scales(scale, f"{where}: {scale_label!r}")
-        exp_local.codes.view(torch.uint8).copy_(codes)
-        exp_local.scale.copy_(scale)
+        loaded = {}
+        for part in kind.parts:
+            live = getattr(q, part.name)
+            live = live.view(torch.uint8) if live.dtype == torch.float8_e4m3fn else live
+            if part.name not in found:  # an optional part left out: zeros (the same value)
+                loaded[part.name] = torch.zeros_like(live)
+                continue
+            label, t = found[part.name]
+            if part.along == "param" and not is_dtensor(t) and is_dtensor(p) and (t.ndim == 0 or t.shape[0] != p.shape[0]):
+                raise ValueError(f"{where}: {label!r}: a full tensor of shape {tuple(t.shape)} cannot be sharded "
+                                 f"like a param with {p.shape[0]} rows")
+            t = to_local(part_local(t, p, part.along))
+            if tuple(t.shape) == tuple(live.shape) and t.dtype != live.dtype:
+                raise ValueError(f"{where}: {label!r} has dtype {t.dtype}, expected {live.dtype}")
+            if tuple(t.shape) != tuple(live.shape):
+                hint = (f" (the state dict was written with another momentum_rank)" if part.optional else
+                        ": the state dict was written with another state format, block size or parameter shape")
+                raise ValueError(f"{where}: {name!r} {part.name} is {_describe(t)}, but this optimizer's state "
+                                 f"({_describe(q)}) has {part.name} {_describe(live)}{hint}")
+            if part.is_scale:
+                _check_scales(t, f"{where}: {label!r}")
+            loaded[part.name] = t
+        for part in kind.parts:
+            live = getattr(q, part.name)
+            (live.view(torch.uint8) if live.dtype == torch.float8_e4m3fn else live).copy_(loaded[part.name])
         return expected
-    if name in saved:  # a float state (torch.optim, or an fp32 export): quantize it
+    if name in saved:  # a float state (torch.optim, or an fp32 export): stored into this kind
         value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
         if not value.is_floating_point():
-            raise ValueError(f"{where}: {name!r} is not a float tensor")
-        if tuple(value.shape) != tuple(exp_local.shape):
-            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
-        q = lt.quantize(value.detach().to(exp_local.codes.device, torch.float32), exp_local.format, exp_local.block_size)
-        exp_local.set_(q)
+            raise ValueError(f"{where}: {name!r} is {_describe(value)}, expected a float tensor")
+        if tuple(value.shape) != tuple(q.shape):
+            raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(q.shape)}")
+        like = opt._wired(p, q)
+        q.set_(kind.from_float(value.detach().to(q.device, torch.float32), like))
         return expected
     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
 
@@ -489,92 +497,20 @@ def _regrid(codes, scale, name, p, exp_local: QState, where):
     return q
 
 
-def _load_rank1(saved, name, holder, where, p):
-    from lowbit_tree.moments import rank1_quantize
-
-    parts = _record_parts(saved, name, ("codes", "row_max", "col_max"), where)
-    r = holder.record
-    if parts is not None:
-        live = {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
-        loaded = {}
-        for k, (label, t) in parts.items():
-            t = rank1_local_part(_tensor(label, t, where), p, k)
-            if tuple(t.shape) != tuple(live[k].shape) or t.dtype != live[k].dtype:
-                raise ValueError(f"{where}: {label!r} is {_describe(t)}, this optimizer's rank-1 record has "
-                                 f"{_describe(live[k])}")
-            loaded[k] = t.detach().to(live[k].device).clone()
-        holder.record = type(r)(loaded["codes"], loaded["row_max"], loaded["col_max"], r.shape, r.format, r.reduce)
-        return holder
-    if name in saved:  # a plain float32 moment (torch.optim's, or our export): quantized here
-        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
-        holder.record = rank1_quantize(value.float().to(r.codes.device), r.reduce)
-        return holder
-    raise ValueError(f"{where}: the state dict has no {name!r}")
-
-
-def _load_lowrank(saved, name, holder, where, p):
-    """A low-rank momentum record (Muon's ``momentum_rank``): its four saved tensors; or a buffer
-    saved without factors, which is the same value as a record with zero factors and that
-    residual, so it loads exactly: a quantized one (``{"codes", "scale"}``: ``momentum_rank=0``,
-    e.g. Muon4bit before the low-rank split) or a float one (torch.optim.Muon's, our fp32
-    export), quantized here."""
-    from lowbit_tree.lowrank import LowRankQTensor
-
-    r = holder.record
-    value = saved.get(name)
-    live = {"codes": r.codes.view(torch.uint8) if r.codes.dtype != torch.uint8 else r.codes, "scale": r.scale,
-            "row_factor": r.row_factor, "col_factor": r.col_factor}
-    if isinstance(value, dict):  # nested (version 1's "name::codes" keys predate Muon)
-        parts = ("codes", "scale") if set(value) == {"codes", "scale"} else LOWRANK_PARTS
-        found = _record_parts(saved, name, parts, where)
-        loaded = {}
-        for k, (label, t) in found.items():
-            t = to_local(lowrank_local_part(_tensor(label, t, where), p, k))
-            if tuple(t.shape) != tuple(live[k].shape) or t.dtype != live[k].dtype:
-                hint = (f" (factors of rank {r.rank}: the state dict was written with another momentum_rank)"
-                        if k.endswith("factor") else ": the state dict was written with another state format, "
-                        "block size or parameter shape")
-                raise ValueError(f"{where}: {label!r} is {_describe(t)}, this optimizer's low-rank "
-                                 f"{r.format!r} record (block size {r.block_size}) has {_describe(live[k])}{hint}")
-            if k == "scale":
-                _check_scales(t, f"{where}: {label!r}")
-            loaded[k] = t.detach().to(live[k].device).clone()
-        codes = loaded["codes"].view(r.codes.dtype)
-        pf = loaded.get("row_factor", torch.zeros_like(r.row_factor))
-        rf = loaded.get("col_factor", torch.zeros_like(r.col_factor))
-        holder.record = LowRankQTensor(codes, loaded["scale"], pf, rf, r.shape, r.block_size, r.format)
-        return holder
-    if name in saved:  # a float buffer: the residual, with zero factors
-        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
-        if not value.is_floating_point() or tuple(value.shape) != tuple(r.shape):
-            raise ValueError(f"{where}: {name!r} is {_describe(value)}, expected a float tensor of shape {r.shape}")
-        q = lt.quantize(value.detach().to(r.codes.device, torch.float32), r.format, r.block_size)
-        holder.record = LowRankQTensor(q.codes, q.scale, torch.zeros_like(r.row_factor), torch.zeros_like(r.col_factor),
-                                       r.shape, r.block_size, r.format)
-        return holder
-    raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
-
-
 def export_torch(opt) -> dict:
 
     sd = torch.optim.Optimizer.state_dict(opt)
-    params = [p for g in opt.param_groups for p in g["params"]]
     state = {}
     for idx, st in sd["state"].items():
+        if not isinstance(idx, int):  # not a param: passed through, as torch does
+            state[idx] = st
+            continue
         out = {}
         for name, v in st.items():
             local = to_local(v)
             if isinstance(local, QState):
                 deq = local.dequantize()
                 out[name] = wrap_like(deq, v) if is_dtensor(v) else deq
-            elif isinstance(local, _Rank1Holder):
-                from lowbit_tree.moments import rank1_dequantize
-
-                out[name] = wrap_like(rank1_dequantize(local.record), params[idx])
-            elif isinstance(local, LowRankHolder):
-                from lowbit_tree.lowrank import lowrank_dequantize
-
-                out[name] = wrap_like(lowrank_dequantize(local.record), params[idx])
             else:
                 out[name] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         state[idx] = out

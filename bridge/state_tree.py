@@ -17,10 +17,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from lowbit_tree.moments import is_record
-from lowbit_tree.rank1 import rank1_zeros
+from lowbit_tree.records import is_record
 
-__all__ = ["STATE_NAMES", "is_record", "Slot", "Binding", "binding", "state_names", "Rank1Holder", "LowRankHolder"]
+__all__ = ["STATE_NAMES", "Slot", "Binding", "binding"]
 
 STATE_NAMES = {
     "mu": "exp_avg",
@@ -101,52 +100,3 @@ def binding(template: Any) -> Binding:
             slot = Slot("fixed", slot.name, slot.index)  # no state for an absent param
         slots.append(slot)
     return Binding(treespec, tuple(slots), tuple(leaves))
-
-
-def state_names(b: Binding) -> set:
-    return {s.name for s in b.slots if s.kind == "state"}
-
-
-class Rank1Holder:
-    """Holds a rank-1 normalized record in ``state[p]``: of the local shard under sharding,
-    with the ``reduce`` that completes its maxima over the other shards
-    (:mod:`bridge.rank1_shard`; ``None`` unsharded). Not a tensor subclass: its state-dict form
-    is three DTensors (``rank1_shard.rank1_state_tensors``)."""
-
-    def __init__(self, module, template, local, reduce=None):
-        self.record = rank1_zeros(tuple(local.shape), device=local.device, reduce=reduce)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    @property
-    def device(self) -> torch.device:
-        return self.record.codes.device
-
-    def tensors(self) -> dict:
-        r = self.record
-        return {"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max}
-
-
-class LowRankHolder:
-    """Holds a low-rank momentum record (:class:`~lowbit_tree.lowrank.LowRankQTensor`) in
-    ``state[p]``: of the local shard under sharding (the residual's rows and columns, the row
-    factor's rows for this shard's rows, the column factor's rows for its columns); the core's
-    in-place step writes its four tensors. Not a tensor subclass: its state-dict form is four
-    DTensors (``bridge.lowrank_shard.lowrank_state_tensors``)."""
-
-    def __init__(self, record):
-        self.record = record
-
-    @property
-    def nbytes(self) -> int:
-        return self.record.nbytes
-
-    @property
-    def device(self) -> torch.device:
-        return self.record.codes.device
-
-    def tensors(self) -> dict:
-        r = self.record
-        return {"codes": r.codes, "scale": r.scale, "row_factor": r.row_factor, "col_factor": r.col_factor}

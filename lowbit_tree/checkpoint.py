@@ -18,9 +18,7 @@ from typing import Any
 import optree
 import torch
 
-from .lowrank import LowRankQTensor
-from .moments import Rank1QTensor
-from .qtensor import QTensor
+from . import records
 from .tree_utils import path_string
 
 __all__ = ["STATE_DICT_VERSION", "VERSION_KEY", "state_to_dict", "state_from_dict"]
@@ -29,17 +27,17 @@ STATE_DICT_VERSION = 1
 VERSION_KEY = "__lowbit_tree_version__"
 
 
-def _is_record(x: Any) -> bool:
-    return isinstance(x, (QTensor, Rank1QTensor, LowRankQTensor))
+_is_record = records.is_record
 
 
 def _record_meta(path: str, q: Any) -> dict[str, torch.Tensor]:
-    fmt = {QTensor: "", Rank1QTensor: "rank1:", LowRankQTensor: "lowrank:"}[type(q)] + q.format
+    kind = records.kind_of(q)
+    fmt = kind.flat_prefix + q.format
     meta = {
         f"{path}/__format__": torch.tensor(list(fmt.encode()), dtype=torch.uint8, device="cpu"),
         f"{path}/__shape__": torch.tensor(q.shape, dtype=torch.int64, device="cpu"),
     }
-    if isinstance(q, (QTensor, LowRankQTensor)):
+    if "block_size" in kind.meta:
         meta[f"{path}/__block_size__"] = torch.tensor(q.block_size, dtype=torch.int64, device="cpu")
     return meta
 

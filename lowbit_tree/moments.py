@@ -21,10 +21,9 @@ from typing import Any, NamedTuple, Sequence
 import optree
 import torch
 
-from .qtensor import QTensor, dequantize, quantize
 from .qtensor import zeros as qzeros
-from .lowrank import LowRankQTensor, lowrank_dequantize
 from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
+from .records import is_record, label, load, store
 from .tree_utils import path_string
 
 __all__ = [
@@ -47,13 +46,6 @@ STATE_FORMAT_NAMES = ("fp32", "bf16", "8bit", "4bit", "nf4", "fp8", "8bit_bnb")
 
 RANK1_STATE_FORMATS = ("4bit", "nf4")
 """The state formats whose second moment may be rank-1 normalized (their ``linear4_unsigned``)."""
-
-
-def is_record(x: Any) -> bool:
-    """A quantized state record (:class:`~lowbit_tree.QTensor`, :class:`Rank1QTensor` or
-    :class:`~lowbit_tree.lowrank.LowRankQTensor`): one leaf as far as states are concerned,
-    though optree sees its tensors."""
-    return isinstance(x, (QTensor, Rank1QTensor, LowRankQTensor))
 
 
 def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
@@ -121,29 +113,6 @@ def init_moment(
     return qzeros(shape, state_format, block_size, device, signed=signed)
 
 
-def load(leaf: Any) -> torch.Tensor:
-    """A moment leaf as a float32 tensor (a new tensor for quantized leaves)."""
-    if isinstance(leaf, QTensor):
-        return dequantize(leaf)
-    if isinstance(leaf, Rank1QTensor):
-        return rank1_dequantize(leaf)
-    if isinstance(leaf, LowRankQTensor):
-        return lowrank_dequantize(leaf)
-    return leaf.float()
-
-
-def store(x: torch.Tensor, like: Any) -> Any:
-    """``x`` (float32) written as a leaf of the same kind, format and block size as ``like``."""
-    if isinstance(like, QTensor):
-        return quantize(x, like.format, like.block_size)
-    if isinstance(like, Rank1QTensor):
-        return rank1_quantize(x, like.reduce)
-    if isinstance(like, LowRankQTensor):
-        raise TypeError("a low-rank momentum record is written by its optimizer's step (it needs the whole "
-                        "matrix's factors), not stored from a float32 tensor")
-    return x.to(like.dtype)
-
-
 # ----------------------------------------------------------------------------
 # What a state costs
 # ----------------------------------------------------------------------------
@@ -152,16 +121,6 @@ class ReportRow(NamedTuple):
     format: str
     shape: tuple[int, ...]
     nbytes: int
-
-
-def _leaf_format(leaf: Any) -> str:
-    if isinstance(leaf, QTensor):
-        return leaf.format
-    if isinstance(leaf, Rank1QTensor):
-        return "rank1_" + leaf.format
-    if isinstance(leaf, LowRankQTensor):
-        return f"{leaf.format}+rank{leaf.rank}"
-    return str(leaf.dtype).replace("torch.", "")
 
 
 def state_report(state: Any) -> list[ReportRow]:
@@ -180,7 +139,7 @@ def state_report(state: Any) -> list[ReportRow]:
             nbytes, shape = leaf.numel() * leaf.element_size(), tuple(leaf.shape)
         else:
             continue
-        rows.append(ReportRow(path_string(acc), _leaf_format(leaf), shape, nbytes))
+        rows.append(ReportRow(path_string(acc), label(leaf), shape, nbytes))
     rows.append(ReportRow("total", "", (), sum(r.nbytes for r in rows)))
     return rows
 

@@ -8,7 +8,6 @@ import torch
 
 import bridge
 from bridge import QState
-from bridge.state_tree import Rank1Holder as _Rank1Holder
 from test_bridge_optimizer import data, mlp, train
 
 
@@ -35,11 +34,11 @@ def test_round_trip_bit_for_bit_weights_only_and_training_continues_identically(
         live = o1.state[o1.param_groups[0]["params"][i]]
         assert sorted(st) == sorted(live)  # torch.optim's names, the live ones
         for k, v in st.items():
-            if isinstance(live[k], QState):  # a nested dict of plain tensors, honest dtypes
+            if isinstance(live[k], QState) and live[k].kind_name == "block":  # nested plain tensors, honest dtypes
                 assert sorted(v) == ["codes", "scale"]
                 assert type(v["codes"]) is torch.Tensor and v["codes"].dtype == torch.uint8
                 assert type(v["scale"]) is torch.Tensor and v["scale"].dtype == torch.float32
-            elif isinstance(live[k], _Rank1Holder):  # AdamW4bit's second moment
+            elif isinstance(live[k], QState):  # AdamW4bit's rank-1 second moment
                 assert sorted(v) == ["codes", "col_max", "row_max"] and v["codes"].dtype == torch.uint8
                 assert all(type(t) is torch.Tensor for t in v.values())
             else:
@@ -51,13 +50,9 @@ def test_round_trip_bit_for_bit_weights_only_and_training_continues_identically(
         for k, v in o1.state[p1].items():
             w = o2.state[p2][k]
             if isinstance(v, QState):
-                assert isinstance(w, QState) and w.format == v.format and w.block_size == v.block_size
-                assert torch.equal(w.codes.view(torch.uint8), v.codes.view(torch.uint8))
-                assert torch.equal(w.scale, v.scale)
-                assert w.codes.dtype == v.codes.dtype  # not cast to the param dtype
-            elif isinstance(v, _Rank1Holder):
-                assert isinstance(w, _Rank1Holder)
-                assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(w.tensors().values(), v.tensors().values()))
+                assert isinstance(w, QState) and w.kind_name == v.kind_name and w.meta == v.meta
+                assert torch.equal(w, v)  # every part, bit for bit
+                assert all(a.dtype == b.dtype for a, b in zip(w.parts.values(), v.parts.values()))  # not cast
             else:
                 assert torch.equal(w, v) and w.dtype == v.dtype
     l1, l2 = train(m1, o1, 3), train(m2, o2, 3)
@@ -205,8 +200,6 @@ def _v1_fixture():
 
 def _assert_loaded_exactly(opt, params, saved_state):
     """Every live state equals the saved tensors of the same param, bit for bit."""
-    from bridge.optimizer import _Rank1Holder
-
     for i, p in enumerate(params):
         saved, live = saved_state[i], opt.state[p]
         assert torch.equal(live["step"], saved["step"])
@@ -214,10 +207,8 @@ def _assert_loaded_exactly(opt, params, saved_state):
             if name == "step":
                 continue
             if isinstance(v, QState):
-                assert torch.equal(v.codes.view(torch.uint8), saved[f"{name}::codes"])
-                assert torch.equal(v.scale, saved[f"{name}::scale"])
-            elif isinstance(v, _Rank1Holder):
-                for part, t in v.tensors().items():
+                for part, t in v.parts.items():
+                    t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
                     assert torch.equal(t, saved[f"{name}::{part}"]) and t.dtype == saved[f"{name}::{part}"].dtype
             else:
                 assert torch.equal(v, saved[name]) and v.dtype == saved[name].dtype
@@ -419,13 +410,13 @@ def test_4bit_default_is_rank1_and_saves_without_the_key():
     opt = bridge.AdamW4bit([p], min_quant_size=1024)
     p.grad = torch.randn(40, 300)
     opt.step()
-    assert isinstance(opt.state[p]["exp_avg_sq"], _Rank1Holder) and isinstance(opt.state[p]["exp_avg"], QState)
+    assert opt.state[p]["exp_avg_sq"].kind_name == "rank1" and opt.state[p]["exp_avg"].kind_name == "block"
     saved = save_load(opt.state_dict())
     assert "rank1_normalization" not in saved["param_groups"][0] and saved["param_groups"][0]["lowbit_tree_version"] == 3
     q = torch.nn.Parameter(p.detach().clone())
     opt2 = bridge.AdamW4bit([q], min_quant_size=1024)
     opt2.load_state_dict(saved)
-    assert "rank1_normalization" not in opt2.param_groups[0] and isinstance(opt2.state[q]["exp_avg_sq"], _Rank1Holder)
+    assert "rank1_normalization" not in opt2.param_groups[0] and opt2.state[q]["exp_avg_sq"].kind_name == "rank1"
 
 
 def test_dcp_load_optimizer_and_an_older_block_4bit_checkpoint(tmp_path):

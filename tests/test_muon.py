@@ -328,12 +328,12 @@ def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
     dcp.save({"optim": get_optimizer_state_dict(model, old)}, checkpoint_id=str(tmp_path))
     new = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1, block_size=block_size)
     _train(model, new, steps=1, seed=3)
-    before = {id(p): {k: t.clone() for k, t in new.state[p]["momentum_buffer"].tensors().items()}
+    before = {id(p): {k: t.clone() for k, t in new.state[p]["momentum_buffer"].parts.items()}
               for p in model.parameters()}
     with pytest.raises(ValueError, match="state_format='4bit' but this optimizer has state_format='nf4'"):
         load_optimizer(model, new, str(tmp_path))
     for p in model.parameters():  # refused before any state was read: the live states are untouched
-        live = new.state[p]["momentum_buffer"].tensors()
+        live = new.state[p]["momentum_buffer"].parts
         assert set(live) == {"codes", "scale", "row_factor", "col_factor"}
         assert all(torch.equal(t, before[id(p)][k]) for k, t in live.items())
 
@@ -464,7 +464,7 @@ def test_muon4bit_state_dicts_old_and_new():
     target_model = copy.deepcopy(old_model)
     target = bridge.Muon4bit(target_model.parameters(), lr=0.02, min_quant_size=1)
     _train(target_model, target, steps=1)
-    before = [{k: t.clone() for k, t in target.state[p]["momentum_buffer"].tensors().items()}
+    before = [{k: t.clone() for k, t in target.state[p]["momentum_buffer"].parts.items()}
               for p in target.param_groups[0]["params"]]
     with pytest.raises(ValueError, match="momentum_rank=0 but this optimizer has momentum_rank=16"):
         target.load_state_dict(with_key)
@@ -477,7 +477,7 @@ def test_muon4bit_state_dicts_old_and_new():
     with pytest.raises(ValueError, match="another momentum_rank"):
         fewer.load_state_dict(relabelled)
     for p, b in zip(target.param_groups[0]["params"], before):
-        assert all(torch.equal(t, b[k]) for k, t in target.state[p]["momentum_buffer"].tensors().items())
+        assert all(torch.equal(t, b[k]) for k, t in target.state[p]["momentum_buffer"].parts.items())
 
     for ours, theirs in _from_torch_muon(bridge.Muon4bit):
         rec = ours.record
