@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 import lowbit_tree as lt
+from lowbit_tree import records
 from lowbit_tree import QTensor, alias
 from lowbit_tree.lowrank import LowRankQTensor, lowrank_expand
 from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, check_momentum_rank, check_ns_args, ns_matrix,
@@ -53,16 +54,20 @@ def _geometry(kind: str, width=None):
 
 
 def _record_parts(x) -> list:
-    """``(local tensor, geometry)`` for each tensor of a Newton-Schulz input or stored buffer."""
-    if isinstance(x, (QTensor, LowRankQTensor)):
-        bits4 = lt.get_format(x.format).bits == 4
-        bs = x.block_size
-        parts = [(x.codes, _geometry("block", (lambda c: (c + 1) // 2) if bits4 else (lambda c: c))),
-                 (x.scale, _geometry("block", lambda c: -(-c // bs)))]
-        if isinstance(x, LowRankQTensor):
-            parts += [(x.row_factor, _geometry("rows", x.rank)), (x.col_factor, _geometry("cols", x.rank))]
-        return parts
-    return [(x, _geometry("block", lambda c: c))]
+    """``(local tensor, geometry)`` for each tensor of a Newton-Schulz input or stored buffer: a
+    record's parts as its kind lays them out (:mod:`lowbit_tree.records`), or a plain matrix."""
+    kind = records.kind_of(x)
+    if kind is None:
+        return [(x, _geometry("block", lambda c: c))]
+    meta, out = kind.meta_of(x), []
+    for part in kind.parts:
+        t = getattr(x, part.name)
+        if part.along == "param":
+            u = part.unit(meta)
+            out.append((t, _geometry("block", lambda c, u=u: -(-c // u))))
+        else:
+            out.append((t, _geometry(part.along, t.shape[1])))
+    return out
 
 
 class ShardedNS:
@@ -301,6 +306,8 @@ class Muon(_TorchOptimizer):
             if fmt is not None:
                 param_group = {**param_group, "state_format": fmt}
         super().add_param_group(param_group)
+
+    _PICKLED = _TorchOptimizer._PICKLED + ("_ortho",)
 
     def _kwargs(self, group: dict) -> dict:
         b1, b2 = group["betas"]

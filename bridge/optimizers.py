@@ -85,7 +85,7 @@ def _betas(owner: str, betas, n: int = 2) -> None:
         _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
 
 
-def _check_implementation_args(owner: str, group: dict, params: list) -> None:
+def _check_implementation_args(owner: str, group: dict, params: list, at_step: bool = False) -> None:
     """torch.optim's foreach / fused / capturable / differentiable / maximize (module docstring)."""
     for name in ("foreach", "fused"):
         _flag(owner, name, group.get(name), allow_none=True)
@@ -101,6 +101,8 @@ def _check_implementation_args(owner: str, group: dict, params: list) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
     if group.get("fused"):
         for p in params:
+            if p.device.type == "meta" and not at_step:
+                continue  # built before materialization, as torch allows: checked again at step()
             if p.device.type not in FUSED_DEVICES:
                 raise RuntimeError(
                     f"{owner}: `fused=True` requires all the params to be on supported devices: {list(FUSED_DEVICES)} "
@@ -141,14 +143,28 @@ class _TorchOptimizer(LowBitOptimizer):
         group = {**self.defaults, **param_group}
         owner = type(self).__name__
         _check_implementation_args(owner, group, _group_params(param_group))
+        if group.get("fused") and any(p.device.type == "meta" for p in _group_params(param_group)):
+            self.__dict__["_fused_pending"] = True  # (before __init__ ends): checked at step()
         _check_storage_args(owner, group)
         self._check_group(owner, group)
         if "has_momentum" in self.defaults and "momentum" in param_group and "has_momentum" not in param_group:
             param_group["has_momentum"] = group["momentum"] != 0  # this group's own momentum decides its buffer
         super().add_param_group(param_group)
 
+    _PICKLED = LowBitOptimizer._PICKLED + ("_fused_pending",)
+
     def _check_group(self, owner: str, group: dict) -> None:
         raise NotImplementedError
+
+    def step(self, closure=None):
+        """torch.optim's step; ``fused=True`` over params built on the meta device is checked
+        here (as torch does), once they have been materialized."""
+        if self.__dict__.get("_fused_pending"):
+            for group in self.param_groups:
+                if group.get("fused"):
+                    _check_implementation_args(type(self).__name__, group, group["params"], at_step=True)
+            self._fused_pending = False
+        return super().step(closure)
 
     @classmethod
     def _state_format(cls, state_format):

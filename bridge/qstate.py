@@ -35,8 +35,8 @@ _c10d_functional = torch.ops._c10d_functional
 
 __all__ = ["QState"]
 
-# gloo has no float8 and (on some builds) no bfloat16: parts travel as integers of the same width
-_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16}
+# gloo has no float8, bfloat16 or int16: such parts travel as their bytes
+_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.uint8}
 
 
 class QState(torch.Tensor):

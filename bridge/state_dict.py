@@ -62,8 +62,9 @@ def save_state_dict(opt) -> dict:
         group[VERSION_KEY] = STATE_DICT_VERSION
     params = [p for g in opt.param_groups for p in g["params"]]
     new_state = {}
+    ids = {i for g in sd["param_groups"] for i in g["params"]}
     for idx, st in sd["state"].items():
-        if not isinstance(idx, int):  # a key that is not a param (a pre-hook's): passed through, as torch does
+        if idx not in ids:  # a key that is not a param's (a pre-hook's): passed through, as torch does
             new_state[idx] = st
             continue
         p = params[idx]
@@ -319,7 +320,8 @@ def load_into(opt, state_dict: dict) -> None:
         if unknown and not migrating:
             raise ValueError(f"{where}: unexpected state entries {unknown}; expected {sorted(fresh)}")
         new_states[id(p)] = (p, st)
-    passed = {k: v for k, v in state_dict["state"].items() if not isinstance(k, int)}  # not params: as torch
+    ids = set(saved_ids)
+    passed = {k: v for k, v in state_dict["state"].items() if k not in ids}  # keys not of params: as torch
 
     # torch restores the groups (hyperparameters from the state dict, as torch.optim does)
     groups = []
@@ -413,7 +415,16 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
     layout, then copied in); or a float state (torch.optim's, our fp32 export), stored into the
     record's kind; or a whole record saved on another block grid (tensor parallel), regridded."""
     kind = q.kind
-    found = _record_parts(saved, name, kind, where)
+    whole = saved.get(name)
+    if isinstance(to_local(whole), QState):  # a record state as a tensor (e.g. gathered with full_tensor())
+        w = to_local(whole)
+        if w.kind_name != q.kind_name or w.meta != q.meta:
+            raise ValueError(f"{where}: {name!r} is {_describe(w)}, but this optimizer's state is {_describe(q)}: "
+                             "the state was written with another state format, block size or momentum_rank")
+        found = {k: (f"{name}.{k}", t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+                 for k, t in w.parts.items()}
+    else:
+        found = _record_parts(saved, name, kind, where)
     if found is not None:
         found = {k: (label, _tensor(label, t, where)) for k, (label, t) in found.items()}
         if kind.regrid and not any(is_dtensor(t) for _, t in found.values()):
@@ -501,8 +512,9 @@ def export_torch(opt) -> dict:
 
     sd = torch.optim.Optimizer.state_dict(opt)
     state = {}
+    ids = {i for g in sd["param_groups"] for i in g["params"]}
     for idx, st in sd["state"].items():
-        if not isinstance(idx, int):  # not a param: passed through, as torch does
+        if idx not in ids:  # not a param's: passed through, as torch does
             state[idx] = st
             continue
         out = {}

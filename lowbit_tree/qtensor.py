@@ -282,7 +282,3 @@ def zeros(shape: Sequence[int], format: str | Format, block_size: int | None = N
 def has_nonfinite(q: QTensor) -> torch.Tensor:
     """0-d bool tensor: does any block hold a non-finite value (no host sync)."""
     return (~torch.isfinite(q.scale)).any()
-
-
-def is_qtensor(x: Any) -> bool:
-    return isinstance(x, QTensor)

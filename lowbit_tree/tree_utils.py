@@ -14,7 +14,7 @@ from typing import Any, Callable
 import optree
 import torch
 
-__all__ = ["flatten", "map_leaves", "map_leaves_n", "tree_device", "path_string", "broadcast_mask"]
+__all__ = ["flatten", "map_leaves", "tree_device", "path_string", "broadcast_mask"]
 
 
 def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
@@ -27,14 +27,6 @@ def map_leaves(fn: Callable, tree: Any, *rests: Any) -> Any:
     leaves, spec = flatten(tree)
     rest_leaves = [spec.flatten_up_to(r) for r in rests]
     return spec.unflatten([fn(*args) for args in zip(leaves, *rest_leaves)])
-
-
-def map_leaves_n(n: int, fn: Callable, tree: Any, *rests: Any) -> tuple:
-    """Like :func:`map_leaves` for an ``fn`` returning an ``n``-tuple: ``n`` trees."""
-    leaves, spec = flatten(tree)
-    rest_leaves = [spec.flatten_up_to(r) for r in rests]
-    outs = [fn(*args) for args in zip(leaves, *rest_leaves)]
-    return tuple(spec.unflatten([o[i] for o in outs]) for i in range(n))
 
 
 def tree_device(tree: Any) -> torch.device:

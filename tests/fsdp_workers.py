@@ -196,27 +196,19 @@ def full_states(opt) -> list[dict[str, torch.Tensor]]:
     from bridge import QState
     from bridge.distributed import is_dtensor
 
-    from bridge.lowrank_shard import lowrank_state_tensors
-    from bridge.rank1_shard import rank1_state_tensors
-    from bridge.state_tree import LowRankHolder, Rank1Holder
-
     out = []
     for group in opt.param_groups:
         for p in group["params"]:
             st = {}
             for name, v in opt.state[p].items():
-                if isinstance(v, (Rank1Holder, LowRankHolder)):  # rank-1 / low-rank: their tensors, gathered
-                    parts = (rank1_state_tensors if isinstance(v, Rank1Holder) else lowrank_state_tensors)(v, p)
-                    for k, t in parts.items():
-                        st[f"{name}::{k}"] = (t.full_tensor() if is_dtensor(t) else t).clone()
-                    continue
-                full = v.full_tensor() if is_dtensor(v) else v
+                assert torch.is_tensor(v), (name, type(v))  # every state a tensor, of every kind
+                full = v.full_tensor() if is_dtensor(v) else v  # all-gather of each record's parts
                 if isinstance(full, QState):
                     assert tuple(full.shape) == tuple(p.shape), (name, full.shape, p.shape)
-                    st[f"{name}::codes"] = full.codes.view(torch.uint8).clone()
-                    st[f"{name}::scale"] = full.scale.clone()
+                    for part, t in full.parts.items():
+                        st[f"{name}::{part}"] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
                     st[f"{name}::deq"] = full.dequantize()
-                    st[f"{name}::format"] = full.format
+                    st[f"{name}::format"] = full.label
                 else:
                     st[name] = full.detach().clone()
             out.append(st)
@@ -296,8 +288,6 @@ def _check_quantized_like_global(opt, min_quant_size):
 
     from bridge import QState
     from bridge.distributed import to_local
-    from bridge.state_tree import LowRankHolder, Rank1Holder
-
     n = 0
     for group in opt.param_groups:
         for p in group["params"]:
@@ -305,10 +295,6 @@ def _check_quantized_like_global(opt, min_quant_size):
                 if name == "step":
                     continue
                 expect = should_quantize(tuple(p.shape), min_quant_size)
-                if isinstance(v, (Rank1Holder, LowRankHolder)):
-                    assert expect, (name, tuple(p.shape))
-                    n += 1
-                    continue
                 assert isinstance(to_local(v), QState) == expect, (name, tuple(p.shape), to_local(v).shape, type(to_local(v)))
                 n += expect
     assert n > 0
@@ -446,12 +432,12 @@ def rank1_exact_worker(rank, world, steps=4):
     """AdamW4bit(rank1_normalization=True) under FSDP2 fed the unsharded run's gradients: params
     and gathered rank-1 records (codes, row and column maxima) bit for bit equal at any world
     size. Returns the bytes this rank sent for the maxima per step."""
-    from bridge.state_tree import Rank1Holder
-
     opt = _exact_run(rank, world, "4bit", steps)
-    holders = [v for st in opt.state.values() for v in st.values() if isinstance(v, Rank1Holder)]
-    assert holders
-    return sum(h.record.reduce.sent for h in holders if h.record.reduce is not None) // steps
+    from bridge.distributed import to_local
+
+    assert any(getattr(to_local(v), "kind_name", None) == "rank1" for st in opt.state.values() for v in st.values())
+    reducers = [r for r in opt._reducers.values() if r is not None]
+    return sum(r.sent for r in reducers) // steps
 
 
 def parity_all_worker(rank, world):
@@ -721,3 +707,26 @@ def kill_during_save_worker(rank, world, root, phase):
     assert_states_equal(full_states(opt), ref["states"], what="resumed from step-3")
     assert [global_batch_step(model, opt, step, rank, world) for step in range(3, 6)] == ref["losses"]
     assert_states_equal(full_states(opt), ref["after"], what="continued after resume")
+
+
+def full_gather_worker(rank, world, path, fmt, steps=3):
+    """A torchtune-style full checkpoint: ``fmt``'s optimizer under FSDP2 for ``steps`` steps on
+    the global gradients, then every state walked in ``opt.state`` and gathered with
+    ``DTensor.full_tensor()`` (records included), saved with ``torch.save`` on rank 0 beside the
+    gathered params and the param groups."""
+    from bridge.distributed import is_dtensor
+
+    model = shard(make_model(), world)
+    opt = make_opt(model.parameters(), fmt)
+    for step in range(steps):
+        set_global_grads(model, step)
+        opt.step()
+    state = {}
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):  # the optimizer's order
+        state[i] = {}
+        for name, v in opt.state[p].items():
+            assert torch.is_tensor(v), (fmt, name, type(v))
+            state[i][name] = v.full_tensor() if is_dtensor(v) else v
+    full_params = [p.full_tensor().detach() for p in model.parameters()]
+    if rank == 0:
+        torch.save({"state": state, "param_groups": opt.state_dict()["param_groups"], "params": full_params}, path)

@@ -84,35 +84,20 @@ def full_states(opt, model) -> dict:
 
     from bridge import QState
 
-    from bridge.lowrank_shard import lowrank_state_tensors
-    from bridge.rank1_shard import rank1_state_tensors
-    from bridge.state_tree import LowRankHolder, Rank1Holder
-
     out = {}
     for name, p in model.named_parameters():
         st = {}
         for k, v in opt.state[p].items():
-            if isinstance(v, LowRankHolder):  # low rank: the residual as a quantized state's, the factors
-                from lowbit_tree.lowrank import LowRankQTensor
-
-                w = {part: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-                     for part, t in lowrank_state_tensors(v, p).items()}
-                r = v.record
-                codes = w["codes"].view(r.codes.dtype)
-                whole = LowRankQTensor(codes, w["scale"], w["row_factor"], w["col_factor"], tuple(p.shape),
-                                       r.block_size, r.format)
-                st[k] = (w["codes"], w["scale"], r.block_size, whole.dequantize())
-                st[f"{k}::row_factor"], st[f"{k}::col_factor"] = w["row_factor"], w["col_factor"]
-                continue
-            if isinstance(v, Rank1Holder):  # rank-1: codes, row and column maxima, gathered
-                parts = rank1_state_tensors(v, p)
-                for part, t in parts.items():
-                    st[f"{k}::{part}"] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-                continue
-            f = v.full_tensor() if isinstance(v, DTensor) else v
+            assert torch.is_tensor(v), (name, k, type(v))  # every state a tensor, of every kind
+            f = v.full_tensor() if isinstance(v, DTensor) else v  # all-gather of each record's parts
             if isinstance(f, QState):
                 assert tuple(f.shape) == tuple(p.shape), (name, k, f.shape)
-                st[k] = (f.codes.view(torch.uint8).clone(), f.scale.clone(), f.block_size, f.dequantize())
+                parts = {n: (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).detach().clone()
+                         for n, t in f.parts.items()}
+                if "scale" in parts:  # block-quantized values (a low-rank record's residual)
+                    st[k] = (parts.pop("codes"), parts.pop("scale"), f.block_size, f.dequantize())
+                for part, t in parts.items():
+                    st[f"{k}::{part}"] = t
             else:
                 st[k] = f.detach().clone()
         out[name] = st

@@ -28,7 +28,7 @@ from ..formats import FORMATS
 from .spec import StepSpec
 from .tables import _CPU_TABLES, code_table
 
-__all__ = ["quantize_rows", "dequantize_rows", "step_leaf", "StateKind"]
+__all__ = ["quantize_rows", "dequantize_rows", "step_leaf"]
 
 
 def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -188,11 +188,6 @@ def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torc
     if spec.lr:
         u = (-lr) * u
     return u, news
-
-
-StateKind = tuple
-"""Static description of one state leaf: ``("q", format, block_size)`` for block
-codes and scales, ``("plain", dtype)`` for a float tensor."""
 
 
 def _step_core(p, g, hyper, key, *state_tensors, spec, kinds, write, sr, leaf_index):
