@@ -202,6 +202,8 @@ def full_states(opt) -> list[dict[str, torch.Tensor]]:
             st = {}
             for name, v in opt.state[p].items():
                 assert torch.is_tensor(v), (name, type(v))  # every state a tensor, of every kind
+                if name != "step" and is_dtensor(p):  # placed like its param
+                    assert is_dtensor(v) and tuple(v.placements) == tuple(p.placements), (name, v)
                 full = v.full_tensor() if is_dtensor(v) else v  # all-gather of each record's parts
                 if isinstance(full, QState):
                     assert tuple(full.shape) == tuple(p.shape), (name, full.shape, p.shape)

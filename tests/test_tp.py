@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_parallel_1d(tmp_path, world):
-    W.launch(W.tp_worker, world, (world,), ("tp",), ("8bit", "4bitblock", "4bit", "muon8bit") if world == 2 else ("8bit", "4bit", "muon8bit", "muon4bitlr"),
+    W.launch(W.tp_worker, world, (world,), ("tp",), ("8bit", "4bitblock", "4bit", "muon8bit", "muon4bitlr") if world == 2 else ("8bit", "4bit", "muon8bit", "muon4bitlr"),
              str(tmp_path))
 
 

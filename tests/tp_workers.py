@@ -89,6 +89,8 @@ def full_states(opt, model) -> dict:
         st = {}
         for k, v in opt.state[p].items():
             assert torch.is_tensor(v), (name, k, type(v))  # every state a tensor, of every kind
+            if k != "step" and isinstance(p, DTensor):  # placed like its param
+                assert isinstance(v, DTensor) and tuple(v.placements) == tuple(p.placements), (name, k, v)
             f = v.full_tensor() if isinstance(v, DTensor) else v  # all-gather of each record's parts
             if isinstance(f, QState):
                 assert tuple(f.shape) == tuple(p.shape), (name, k, f.shape)
