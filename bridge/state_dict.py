@@ -447,10 +447,10 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
             if tuple(t.shape) == tuple(live.shape) and t.dtype != live.dtype:
                 raise ValueError(f"{where}: {label!r} has dtype {t.dtype}, expected {live.dtype}")
             if tuple(t.shape) != tuple(live.shape):
-                hint = (f" (the state dict was written with another momentum_rank)" if part.optional else
+                hint = (" (the state dict was written with another momentum_rank)" if part.optional else
                         ": the state dict was written with another state format, block size or parameter shape")
-                raise ValueError(f"{where}: {name!r} {part.name} is {_describe(t)}, but this optimizer's state "
-                                 f"({_describe(q)}) has {part.name} {_describe(live)}{hint}")
+                raise ValueError(f"{where}: {name!r} {part.name}: the saved {_describe(t)} and this optimizer's "
+                                 f"{_describe(live)} (of {_describe(q)}) do not match{hint}")
             if part.is_scale:
                 _check_scales(t, f"{where}: {label!r}")
             loaded[part.name] = t

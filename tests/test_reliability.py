@@ -493,10 +493,8 @@ def _all_states(opt) -> list[torch.Tensor]:
     out = []
     for p in opt.param_groups[0]["params"]:
         for name, v in sorted(opt.state[p].items()):
-            if isinstance(v, bridge.QState):
-                out += [v.codes.view(torch.uint8), v.scale]
-            elif hasattr(v, "record"):  # a rank-1 record (AdamW4bit's second moment)
-                out += list(v.tensors().values())
+            if isinstance(v, bridge.QState):  # a record of any kind: its parts' bits
+                out += [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in v.parts.values()]
             else:
                 out.append(v)
     return out
