@@ -126,11 +126,16 @@ def make_model(seed: int = 0, dtype=torch.float32) -> TinyLM:
     return TinyLM().to(dtype)
 
 
-def shard(model: TinyLM, world: int, offload: bool = False) -> TinyLM:
+def shard(model: TinyLM, world: int, offload: bool = False, hsdp: bool = False) -> TinyLM:
+    """FSDP2 over ``world`` ranks; ``hsdp``: HSDP, replicated over 2 groups of ``world // 2``
+    shards (placements ``(Replicate(), Shard(0))``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    kw = {"mesh": init_device_mesh("cpu", (world,))}
+    if hsdp:
+        kw = {"mesh": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))}
+    else:
+        kw = {"mesh": init_device_mesh("cpu", (world,))}
     if offload:
         kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)  # pin_memory needs an accelerator
     for blk in model.blocks:
@@ -385,14 +390,14 @@ def report_worker(rank, world):
         assert ref_opt.format_state_report().splitlines()[-1].startswith(f"total {ref_opt.state_bytes()} bytes")
 
 
-def _exact_run(rank, world, fmt, steps):
-    """``fmt``'s optimizer under FSDP2 and unsharded in this process, both fed the same global
-    gradients for ``steps`` steps: params and every gathered state must be equal bit for bit.
-    Returns the sharded optimizer."""
+def _exact_run(rank, world, fmt, steps, hsdp=False):
+    """``fmt``'s optimizer under FSDP2 (or HSDP) and unsharded in this process, both fed the same
+    global gradients for ``steps`` steps: params and every gathered state must be equal bit for
+    bit. Returns the sharded optimizer."""
     _mark(rank, "exact", fmt)
     model = make_model()
     ref = copy.deepcopy(model)
-    shard(model, world)
+    shard(model, world, hsdp=hsdp)
     opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
     for step in range(steps):
         set_global_grads(model, step)
@@ -732,3 +737,10 @@ def full_gather_worker(rank, world, path, fmt, steps=3):
     full_params = [p.full_tensor().detach() for p in model.parameters()]
     if rank == 0:
         torch.save({"state": state, "param_groups": opt.state_dict()["param_groups"], "params": full_params}, path)
+
+
+def hsdp_exact_worker(rank, world, steps=3):
+    """HSDP (2 replicas of ``world // 2`` shards): every state a DTensor placed like its param,
+    params and gathered states of every record kind bit for bit the unsharded run's."""
+    for fmt in ("8bit", "4bit", "fp8", "muon4bitlr"):
+        _exact_run(rank, world, fmt, steps, hsdp=True)

@@ -49,6 +49,12 @@ def test_rank1_fsdp_exact_at_1_2_3_ranks(world):
     W.launch(W.rank1_exact_worker, world)
 
 
+def test_hsdp_exact_for_every_record_kind():
+    """HSDP on a 2x2 gloo mesh (replicated over one dim, sharded over the other): block, rank-1
+    and low-rank records gather with ``full_tensor()`` to the unsharded optimizer's, bit for bit."""
+    W.launch(W.hsdp_exact_worker, 4)
+
+
 @pytest.fixture
 def inductor_cache(tmp_path, monkeypatch):
     """One inductor / AOTAutograd cache directory shared by the launches of a test (the

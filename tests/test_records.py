@@ -235,3 +235,25 @@ def test_a_gathered_record_state_loads_into_load_state_dict():
     (p3, opt3), _ = _pair("AdamW4bit", rank1_normalization=False)
     with pytest.raises(ValueError):
         opt3.load_state_dict(sd)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "Muon4bit", "AdamWFp8"])
+def test_the_move_to_device_idiom_moves_every_state_to_cuda_and_back(name):
+    params, opt = _trained(name, {})
+    before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v) and k != "step":
+                st[k] = v.to("cuda")
+    for p in params:
+        for k, v in opt.state[p].items():
+            if k != "step":
+                assert v.device.type == "cuda" and all(t.is_cuda for t in getattr(v, "parts", {"v": v}).values())
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                st[k] = v.cpu()
+    for p in params:
+        assert _state_equal(opt.state[p], before[id(p)])
