@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import stat
 import subprocess
 import sys
@@ -118,9 +119,15 @@ def test_disabled_library_says_why_without_a_notice(tmp_path):
 
 
 def _python_only_path(tmp_path) -> str:
+    """A PATH holding nothing but ``python``: this interpreter, with its environment. A script
+    that execs ``sys.executable`` rather than a symlink to it: Python finds a virtual
+    environment from the path it was started by (``pyvenv.cfg`` beside it), so a symlink
+    elsewhere starts the base interpreter without the environment's packages."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    os.symlink(sys.executable, bin_dir / "python")
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     return str(bin_dir)
 
 
