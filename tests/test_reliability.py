@@ -152,7 +152,7 @@ def test_demo_without_a_compiler(tmp_path):
                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), MPLCONFIGDIR=str(tmp_path / "mpl"))
     done = subprocess.run([os.path.join(env["PATH"], "python"), "-m", "bridge", "demo", "--tiny", "--no-progress",
                            "--steps", "4", "--out", str(tmp_path / "out")],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+                          env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     text = done.stdout + done.stderr
     assert done.returncode == 0, text[-4000:]
     assert text.count(NOTICE) == 1, text[-4000:]
@@ -622,7 +622,7 @@ def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
     def torchrun(*args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "bridge",
                "demo", "--fsdp", "--tiny", "--steps", "3", "--no-progress", "--out", str(tmp_path / "out"), *args]
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
 
     ok = torchrun("--formats", "fp32,8bit")
     assert ok.returncode == 0, (ok.stdout + ok.stderr)[-4000:]
