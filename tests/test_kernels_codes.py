@@ -169,6 +169,7 @@ def test_nonfinite_and_empty(name, kw):
         check_quantize(torch.randn(shape), fmt, 4, **kw)
 
 
+@pytest.mark.slow  # inductor compiles a graph per shape: ~20 s each on 2 busy cores
 @pytest.mark.parametrize("name", ["dynamic8", "linear4_unsigned", "e4m3_sqrt"])
 def test_compiled_torch_path_bit_identical(name):
     fmt = lt.FORMATS[name]

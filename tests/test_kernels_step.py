@@ -231,6 +231,7 @@ COMPILED_CASES = [(rule, variant, "8bit") for rule, variant in RULES] + [
     ("adam", {}, fmt) for fmt in STATE_FORMATS if fmt != "8bit"]
 
 
+@pytest.mark.slow  # inductor compiles each case: ~2 minutes in all on 2 busy cores
 @pytest.mark.parametrize("rule,variant,fmt", COMPILED_CASES,
                          ids=[f"{r}{'-' + next(iter(v)) if v else ''}-{f}" for r, v, f in COMPILED_CASES])
 def test_compiled_cpu_step_matches_reference(rule, variant, fmt):

@@ -57,8 +57,9 @@ def _lines(out: str, tag: str) -> list[str]:
 
 
 # ----------------------------------------------------------------------------
-# native build
+# native build (slow: each test starts a fresh interpreter, and one builds the kernel)
 # ----------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("cc_kind", ["missing", "not_a_compiler", "failing"])
 def test_broken_cc_names_cc_and_leaves_no_temp_file(tmp_path, cc_kind):
     """A CC that does not exist, is not executable as a program, or exits non-zero: the library
@@ -96,6 +97,7 @@ def test_broken_cc_names_cc_and_leaves_no_temp_file(tmp_path, cc_kind):
     assert not cache.exists() or list(cache.iterdir()) == [], list(cache.iterdir())
 
 
+@pytest.mark.slow
 def test_built_library_is_readable_by_others(tmp_path):
     """A fresh build in an empty cache: loads, and the cached .so is rwxr-xr-x (not mkstemp's 0600)."""
     cache = tmp_path / "cache"
@@ -110,6 +112,7 @@ def test_built_library_is_readable_by_others(tmp_path):
     assert mode in (0o644, 0o755), oct(mode)
 
 
+@pytest.mark.slow
 def test_disabled_library_says_why_without_a_notice(tmp_path):
     done = _python(PROBE, {"LOWBIT_TREE_BACKEND": "eager", "LOWBIT_TREE_CACHE": str(tmp_path)}, drop=("CC",))
     assert done.returncode == 0, done.stderr
@@ -131,6 +134,7 @@ def _python_only_path(tmp_path) -> str:
     return str(bin_dir)
 
 
+@pytest.mark.slow
 def test_no_compiler_reports_it_once(tmp_path):
     """PATH holds only the interpreter and CC is unset: build_error() says there is no compiler."""
     done = _python(PROBE, {"LOWBIT_TREE_CACHE": str(tmp_path / "cache")}, drop=("CC", "LOWBIT_TREE_BACKEND"),

@@ -39,6 +39,7 @@ def test_step_time_case_c_reports_all_columns(tmp_path, capsys):
 AB_SCRIPT = SCRIPT.with_name("kernel_ab.py")
 
 
+@pytest.mark.slow  # two C builds of the kernel
 @pytest.mark.skipif(not AB_SCRIPT.exists(), reason="benchmarks/ not in this checkout")
 def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
     """Two builds of the kernel source, one with its Adam update altered: the
