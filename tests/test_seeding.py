@@ -144,9 +144,9 @@ def scan_source(source: str, where: str) -> list[str]:
 
 
 def test_no_unseeded_random_input_in_the_tests():
-    files = sorted(f for f in TESTS.glob("*.py") if f.name != "test_seeding.py")  # its examples are unseeded
-    assert len(files) > 20 and TESTS / "fsdp_workers.py" in files
-    found = [hit for f in files for hit in scan_source(f.read_text(), f.name)]
+    files = sorted(f for f in TESTS.rglob("*.py") if f.name != "test_seeding.py")  # its examples are unseeded
+    assert len(files) > 20 and TESTS / "fsdp_workers.py" in files and TESTS / "data" / "make_v1_state_dict.py" in files
+    found = [hit for f in files for hit in scan_source(f.read_text(), str(f.relative_to(TESTS)))]
     assert found == [], "random draws with no seeded generator and no seed before them:\n" + "\n".join(found)
 
 
