@@ -1,6 +1,8 @@
 import os
+import random
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +21,20 @@ def _device_params():
         )
     )
     return params
+
+
+SEED = 0
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    """Each test starts from the same global generator states (torch, numpy, ``random``),
+    whichever xdist worker runs it and whatever ran there before. Explicit draws seed
+    themselves too (tests/test_seeding.py checks that); this covers the draws no scan sees,
+    such as a module's weight init."""
+    torch.manual_seed(SEED)
+    np.random.seed(SEED)
+    random.seed(SEED)
 
 
 @pytest.fixture(params=_device_params())

@@ -54,9 +54,10 @@ def launch(fn, world: int, *args) -> None:
         mp.start_processes(_entry, args=(fn, world, store_file, args), nprocs=world, join=True, start_method="spawn")
 
 
-def run_example(nproc: int, ckpt: str, *args, timeout: int = 300) -> tuple[str, str]:
+def run_example(nproc: int, ckpt: str, *args, timeout: int = 180) -> tuple[str, str]:
     """``examples/fsdp_train.py --ckpt ckpt *args`` under ``torchrun --standalone`` with ``nproc``
-    CPU ranks; asserts exit status 0 (printing both streams otherwise), returns (stdout, stderr)."""
+    CPU ranks; asserts exit status 0 (printing both streams otherwise), returns (stdout, stderr).
+    ``timeout`` (s) is per launch: a test makes up to three, within pytest's 600 s per test."""
     import subprocess
     import sys
 

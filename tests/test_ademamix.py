@@ -184,12 +184,14 @@ def test_state_dict_round_trip_and_functional_state_save(tmp_path):
     (dict(slow_state_format="7bit"), "slow_state_format"),
 ])
 def test_argument_errors(kw, match):
+    torch.manual_seed(0)
     p = [torch.nn.Parameter(torch.randn(4, 4))]
     with pytest.raises(ValueError, match=match):
         bridge.AdEMAMix8bit(p, **kw)
 
 
 def test_slow_state_format_quantizes_only_the_slow_ema_otherwise():
+    torch.manual_seed(0)
     p = [torch.nn.Parameter(torch.randn(64, 96))]
     opt = bridge.AdEMAMix4bit(p, min_quant_size=1)  # the class's default: an 8-bit slow EMA
     p[0].grad = torch.randn(64, 96)

@@ -334,6 +334,7 @@ def test_no_step_exceeds_3x_largest_fp32_adam_step(fmt, bursty):
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
 @pytest.mark.parametrize("algo", ["adam", "adamw", "lion", "sgd"])
 def test_always_zero_gradient_leaves_param_unchanged(algo, fmt):
+    torch.manual_seed(0)
     make = {
         "adam": lambda: adam(0.1, state_format=fmt, min_quant_size=0),
         "adamw": lambda: adamw(0.1, weight_decay=0.5, state_format=fmt, min_quant_size=0),

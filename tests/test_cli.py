@@ -16,6 +16,7 @@ def _model():
 
 
 def _stepped(opt_cls, **kw):
+    torch.manual_seed(0)
     m = _model()
     opt = opt_cls(m.parameters(), **kw)
     m(torch.randn(4, 64)).sum().backward()
@@ -85,6 +86,7 @@ def test_inspect_dcp_directory(tmp_path, capsys):
 
 
 def test_inspect_core_state_pytree(tmp_path, capsys):
+    torch.manual_seed(0)
     params = {"w": torch.randn(64, 33), "b": torch.randn(33)}
     tx = alias.adamw(1e-3, state_format="4bit", block_size=64, min_quant_size=0, rank1_normalization=True)
     state = tx.init(params)
@@ -156,6 +158,7 @@ def test_inspect_flattened_dcp_checkpoint(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    torch.manual_seed(0)
     m = _model()
     opt = bridge.AdamW(m.parameters(), state_format="fp8", block_size=32, min_quant_size=0)
     m(torch.randn(4, 64)).sum().backward()
@@ -190,6 +193,7 @@ def test_inspect_infers_the_version_a_flattened_load_dropped(tmp_path, capsys):
 def test_inspect_low_rank_muon_states(tmp_path, capsys):
     """Muon4bit's momentum (rank-16 factors + nf4 residual) in a state dict, a flat core dict and
     a pickled core pytree: one row each, named with the residual's format and the rank."""
+    torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 5, bias=False))
     opt = bridge.Muon4bit(m.parameters(), lr=0.01, min_quant_size=1)
     m(torch.randn(4, 64)).sum().backward()

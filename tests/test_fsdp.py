@@ -119,7 +119,7 @@ def test_readme_torchrun_example(tmp_path, inductor_cache):
     ckpt = str(tmp_path / "ckpt")
 
     def torchrun(nproc, *args):
-        return W.run_example(nproc, ckpt, *args, timeout=180)[0]
+        return W.run_example(nproc, ckpt, *args)[0]
 
     out = torchrun(2, "--steps", "2")
     assert "step 1 loss" in out and "full (97, 64) dynamic8" in out and "saved" in out, out

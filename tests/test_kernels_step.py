@@ -231,6 +231,7 @@ COMPILED_CASES = [(rule, variant, "8bit") for rule, variant in RULES] + [
     ("adam", {}, fmt) for fmt in STATE_FORMATS if fmt != "8bit"]
 
 
+@pytest.mark.slow  # inductor compiles each case: ~2 minutes in all on 2 busy cores
 @pytest.mark.parametrize("rule,variant,fmt", COMPILED_CASES,
                          ids=[f"{r}{'-' + next(iter(v)) if v else ''}-{f}" for r, v, f in COMPILED_CASES])
 def test_compiled_cpu_step_matches_reference(rule, variant, fmt):
@@ -320,7 +321,7 @@ def test_native_kernels_without_avx2(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__, codes,
          "-k", "(step_matches_reference and native and (f32 or bf16)) or random_bit or quantize_dequantize_bit or many_leaves"],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=480,  # under pytest's 600 s: this reports a hang
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "passed" in r.stdout and list(tmp_path.glob("kernels_cpu_*.so")), r.stdout[-2000:]

@@ -91,6 +91,7 @@ def test_refresh_finds_the_top_subspace():
 
 
 def test_refresh_of_a_zero_or_non_finite_matrix():
+    torch.manual_seed(0)
     p, r = refresh_factors(torch.zeros(20, 30), torch.zeros(30, 4, dtype=FACTOR_DTYPE))
     assert not lowrank_expand(p, r).any()
     bad = torch.randn(20, 30)
@@ -147,6 +148,7 @@ def test_step_is_the_definition(fmt, nesterov, shape):
 
 
 def test_update_is_pure_and_state_report_names_the_rank():
+    torch.manual_seed(0)
     gen = torch.Generator().manual_seed(5)
     params = [torch.randn(40, 70, generator=gen), torch.randn(3, 300, generator=gen), torch.randn(8, 8, generator=gen)]
     tx = lt.muon(0.02, state_format="nf4", min_quant_size=100, momentum_rank=8)
@@ -190,6 +192,7 @@ def test_the_split_shrinks_the_stored_error():
 
 
 def test_a_nan_gradient_poisons_only_its_own_matrix():
+    torch.manual_seed(0)
     params = [torch.randn(20, 30), torch.randn(16, 40)]
     tx = lt.muon(0.01, state_format="nf4", min_quant_size=1, momentum_rank=4)
     state = tx.init(params)
@@ -201,6 +204,7 @@ def test_a_nan_gradient_poisons_only_its_own_matrix():
 
 
 def test_checkpoint_round_trip_and_rank_mismatch():
+    torch.manual_seed(0)
     params = [torch.randn(40, 70)]
     tx = lt.muon(0.02, state_format="nf4", min_quant_size=1, momentum_rank=4)
     state = tx.update([torch.randn(40, 70)], tx.init(params), params)[1]

@@ -341,6 +341,7 @@ def test_dcp_refuses_an_old_muon4bit_checkpoint_by_format(tmp_path, block_size):
 def test_adamw_groups_of_nf4_muon_take_8bit_unless_they_say():
     """``"nf4"`` is the momentum's map; an AdamW group without its own format gets ``"8bit"``
     (written into the group), one with its own keeps it, and the step is lt.adamw's in that format."""
+    torch.manual_seed(0)
     emb = torch.randn(40, 24, requires_grad=True)
     mat = torch.randn(24, 24, requires_grad=True)
     opt = bridge.Muon4bit([{"params": [mat]}, {"params": [emb], "use_muon": False}], lr=0.01, min_quant_size=1)

@@ -177,6 +177,7 @@ def test_gaussian_round_trip_error_measured(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_zero_blocks_exact_and_zero_representation(name, device):
+    torch.manual_seed(0)
     x = torch.zeros(3, 300, device=device)
     x[1, 150:] = torch.rand(150, device=device) + 0.1
     q = lt.quantize(x, name, 100)
@@ -202,6 +203,7 @@ def test_second_moment_formats_never_flush_to_zero(name):
 
 @pytest.mark.parametrize("name", ALL)
 def test_nonfinite_input_poisons_only_its_block(name, device):
+    torch.manual_seed(0)
     for bad in (float("nan"), float("inf"), -float("inf")):
         x = torch.rand(2, 20, device=device) + 0.5
         x[0, 3] = bad
@@ -219,6 +221,7 @@ def test_nonfinite_input_poisons_only_its_block(name, device):
 
 @pytest.mark.parametrize("name", ALL)
 def test_layout_shapes_dtypes_and_nbytes(name, device):
+    torch.manual_seed(0)
     fmt = FORMATS[name]
     for shape, rows, r in [((7, 13, 3), 7, 39), ((5,), 1, 5), ((), 1, 1), ((0, 4), 0, 4), ((3, 0), 3, 0)]:
         x = torch.randn(shape, device=device).abs()
@@ -234,6 +237,7 @@ def test_layout_shapes_dtypes_and_nbytes(name, device):
 
 
 def test_default_block_sizes_and_bytes_per_element():
+    torch.manual_seed(0)
     x = torch.randn(256, 1024)
     assert lt.quantize(x, "8bit").nbytes / x.numel() == pytest.approx(1 + 4 / 256)
     assert lt.quantize(x, "4bit").nbytes / x.numel() == pytest.approx(0.5 + 4 / 128)
@@ -241,6 +245,7 @@ def test_default_block_sizes_and_bytes_per_element():
 
 
 def test_quantize_is_pure_and_record_immutable():
+    torch.manual_seed(0)
     x = torch.randn(6, 50)
     before = x.clone()
     q = lt.quantize(x, "dynamic8", 16)
@@ -257,11 +262,13 @@ def test_quantize_is_pure_and_record_immutable():
 
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True, "128"])
 def test_bad_block_size_is_a_clear_error(bad):
+    torch.manual_seed(0)
     with pytest.raises(ValueError, match="block_size must be a positive int"):
         lt.quantize(torch.randn(4, 4), "8bit", bad)
 
 
 def test_bad_inputs_are_clear_errors():
+    torch.manual_seed(0)
     with pytest.raises(TypeError, match="floating-point"):
         lt.quantize(torch.arange(10), "8bit")
     with pytest.raises(TypeError, match="torch.Tensor"):
@@ -271,6 +278,7 @@ def test_bad_inputs_are_clear_errors():
 
 
 def test_optree_reaches_codes_and_scale_as_leaves():
+    torch.manual_seed(0)
     tree = {"a": lt.quantize(torch.randn(4, 8), "8bit"), "b": [lt.quantize(torch.rand(3, 3), "4bit", signed=False)], "c": torch.ones(2)}
     leaves, spec = optree.tree_flatten(tree)
     assert len(leaves) == 5 and all(isinstance(l, torch.Tensor) for l in leaves)
@@ -286,6 +294,7 @@ def test_optree_reaches_codes_and_scale_as_leaves():
 
 
 def test_torch_save_weights_only_round_trip_bit_for_bit():
+    torch.manual_seed(0)
     tree = {n: lt.quantize(torch.randn(5, 33).abs(), n, 8) for n in ALL}
     buf = io.BytesIO()
     torch.save(tree, buf)

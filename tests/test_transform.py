@@ -103,6 +103,7 @@ def test_state_is_created_on_the_param_device_also_meta():
 
 @pytest.mark.parametrize("fmt", ["fp32", "8bit"])
 def test_none_leaves_and_empty_trees(fmt):
+    torch.manual_seed(0)
     tx = adamw(1e-2, state_format=fmt, min_quant_size=0)
     assert tx.update({}, tx.init({}), {})[0] == {}
     u, s = tx.update((), tx.init(()), ())
@@ -119,6 +120,7 @@ def test_none_leaves_and_empty_trees(fmt):
 
 
 def test_update_tolerates_unknown_kwargs_and_chains():
+    torch.manual_seed(0)
     tx = named_chain(("clip", clip_by_global_norm(1.0)), ("adam", scale_by_adam(state_format="fp32")), ("lr", scale_by_learning_rate(0.1)))
     p = {"w": torch.randn(3, 3)}
     s = tx.init(p)
@@ -129,6 +131,7 @@ def test_update_tolerates_unknown_kwargs_and_chains():
 
 
 def test_clip_by_global_norm_matches_torch_clip_grad_norm():
+    torch.manual_seed(0)
     g = [torch.randn(5, 7) * 10, torch.randn(3) * 10, None]
     u, _ = clip_by_global_norm(2.0).update(g, EmptyState())
     ps = [torch.nn.Parameter(torch.zeros_like(t)) for t in g[:2]]
@@ -179,6 +182,7 @@ def test_partition_keeps_fp32_state_for_embeddings():
 
 
 def test_hyperparams_may_be_tensors():
+    torch.manual_seed(0)
     p = {"w": torch.randn(8, 8)}
     g = {"w": torch.randn(8, 8)}
     a = adamw(1e-2, 0.9, 0.999, 1e-8, 0.1, state_format="fp32")

@@ -322,6 +322,7 @@ def refusals_worker(rank, world, workdir):
 
     import bridge
 
+    torch.manual_seed(0)  # every rank draws the same full tensors
     mesh = init_device_mesh("cpu", (world,))
     odd = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))  # 3 + 3 columns
     odd.grad = distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])
