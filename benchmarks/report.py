@@ -157,9 +157,10 @@ def git_commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return sha + (" plus uncommitted changes" if dirty else "")
+        # the measured code: the library and the benchmarks (not the docs this page is part of)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lowbit_tree", "bridge", "benchmarks"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return sha + (" with uncommitted changes to lowbit_tree/, bridge/ or benchmarks/" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
