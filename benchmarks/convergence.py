@@ -24,10 +24,10 @@ Variants:
                           "nf4" residual, the normal-float map on blocks of 32; "8bit" AdamW states)
   muon-4bit-rank8         Muon4bit with momentum_rank=8
   muon-4bit-adamw4        Muon4bit with the AdamW groups' states in 4-bit ("4bit")
-  muon-4bit-rank0         Muon4bit with momentum_rank=0: the whole momentum in "nf4" (Muon4bit of
-                          the tenth and eleventh sessions, with 8-bit AdamW states)
+  muon-4bit-rank0         Muon4bit with momentum_rank=0: the whole momentum in "nf4", i.e.
+                          bridge.Muon(state_format="nf4") with 8-bit AdamW states
   muon-4bit-dynamic       bridge.Muon(state_format="4bit"): the dynamic map on blocks of 128
-                          (Muon4bit's format before the tenth session)
+                          (the dynamic 4-bit map, for comparison with "nf4")
 
     python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
     python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out

@@ -85,7 +85,8 @@ def run(variant: str, seed: int, data, steps: int, batch: int, lr: float, weight
         return float(loss_fn(model(xte), yte))
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict[str, list[float]]:
+    """Prints the table; returns the final held-out losses, ``{variant: [one per seed]}``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", default="0,1,2,3,4")
@@ -110,6 +111,7 @@ def main(argv=None) -> None:
         rel = [100.0 * (a / b - 1.0) for a, b in zip(losses[v], ref)]
         print(f"{v:<14} {statistics.mean(rel):>+14.2f}% [{min(rel):+.2f}%, {max(rel):+.2f}%]".ljust(54)
               + "  " + " ".join(f"{r:+.2f}" for r in rel))
+    return losses
 
 
 if __name__ == "__main__":

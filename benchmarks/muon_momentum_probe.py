@@ -5,8 +5,8 @@ demo's byte-level GPT, Muon on the hidden matrices, fp32 AdamW on the rest, one 
 ``adjust_lr_fn="match_rms_adamw"``), whose momentum buffer is replaced after every step by what
 a storage scheme would give back. The Newton-Schulz input is not quantized (the kernel's
 ``Muon(state_format="nf4")`` also quantizes it; on the benchmark that changed the loss by less than
-the seeds' spread). Muon4bit now keeps the split (``momentum_rank``, the twelfth session; design.md,
-"Muon"). Schemes:
+the seeds' spread). Muon4bit keeps such a split (``momentum_rank``; design.md,
+"Update rules"). Schemes:
 
   fp32        nothing replaced (the reference)
   nf4         nearest code of the normal-float map on blocks of 32 along rows (what

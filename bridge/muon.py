@@ -1,7 +1,7 @@
 """``bridge.Muon``: torch.optim.Muon with low-bit momentum, AdamW groups, and FSDP2.
 
 Newton-Schulz needs a whole matrix. Under FSDP2 each rank holds rows of it (``Shard(0)``; under
-tensor parallel columns, on a 2-D mesh a block); the core hands :class:`ShardedNS` each
+tensor parallel columns, on a 2-D mesh a block); the core hands ``ShardedNS`` each
 matrix's Newton-Schulz input in *storage form*
 (:mod:`lowbit_tree.muon_transform`: the quantized momentum or update, or bfloat16), whose blocks
 are blocks of the unsharded optimizer's (no quantization block straddles a shard). One owner
@@ -257,10 +257,9 @@ ADAMW_FORMATS = {"nf4": "8bit"}
 """The state format of a Muon optimizer's AdamW groups (those without one of their own) where it
 differs from the optimizer's. ``"nf4"`` (Muon4bit) gives them ``"8bit"`` (AdamW8bit's): on the
 convergence benchmark the AdamW groups (embeddings, head) in 4 bits cost more held-out loss than
-the 4-bit momentum itself (Muon4bit against fp32 Muon, three seeds: +1.80% with ``"4bit"``
-AdamW states, +0.51% with ``"8bit"``; README, "Convergence"), and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's
-absmax, and Adam divides its first moment by ``sqrt(v)``: +6.7% in the tenth session). A group
-that names a format keeps it."""
+the 4-bit momentum itself (``benchmarks/convergence.py --variants muon-4bit,muon-4bit-adamw4``),
+and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's absmax, and Adam
+divides its first moment by ``sqrt(v)``). A group that names a format keeps it."""
 
 
 class Muon(_TorchOptimizer):
@@ -271,11 +270,11 @@ class Muon(_TorchOptimizer):
     head: what Muon is not for), with the group's ``lr`` and ``weight_decay``, ``betas`` and
     ``adamw_eps`` (defaults: the constructor's ``adamw_betas`` / ``adamw_eps``); its states are
     ``exp_avg`` / ``exp_avg_sq`` in the group's ``state_format`` (default: the optimizer's, or
-    ``"8bit"`` for ``"nf4"``: :data:`ADAMW_FORMATS`). :func:`muon_param_groups` splits a model
+    ``"8bit"`` for ``"nf4"``: ``ADAMW_FORMATS``). :func:`muon_param_groups` splits a model
     that way. Muon groups take 2-D params only (as torch).
 
     ``momentum_rank=K`` (default 0; Muon4bit's 16) keeps each quantized momentum buffer as
-    bfloat16 factors of rank ``K`` plus a quantized residual (:mod:`lowbit_tree.lowrank`; the
+    bfloat16 factors of rank ``K`` plus a quantized residual (``lowbit_tree.lowrank``; the
     state ``momentum_buffer`` is then a record of four tensors, ``codes``, ``scale``,
     ``row_factor``, ``col_factor``); it needs a quantized ``state_format``.
     """
@@ -299,7 +298,7 @@ class Muon(_TorchOptimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, plus: an AdamW group (``use_muon=False``) without a ``state_format`` of its own
-        takes :data:`ADAMW_FORMATS`'s format for the optimizer's, written into the group (so its
+        takes ``ADAMW_FORMATS``'s format for the optimizer's, written into the group (so its
         ``param_groups``, state dict and ``state_report`` say it)."""
         if not param_group.get("use_muon", self.defaults["use_muon"]) and "state_format" not in param_group:
             fmt = ADAMW_FORMATS.get(self.defaults["state_format"])
@@ -352,7 +351,7 @@ class Muon(_TorchOptimizer):
         return super().step(closure)
 
     def communication(self) -> dict:
-        """Bytes this rank sent for Newton-Schulz in the last step (:class:`ShardedNS`)."""
+        """Bytes this rank sent for Newton-Schulz in the last step (``ShardedNS``)."""
         return dict(self._ortho.sent)
 
 
@@ -365,15 +364,12 @@ class Muon8bit(Muon):
 class Muon4bit(Muon):
     """Muon with a 4-bit momentum: ``state_format="nf4"`` and ``momentum_rank=16``, i.e. each
     matrix's buffer is rank-16 bfloat16 factors plus a residual on the normal-float map, blocks of
-    32 (0.625 bytes a value plus ``64 (m + n)`` bytes a matrix: 0.64 bytes a value at 4096 x
-    4096); its AdamW groups are AdamW8bit's (``"8bit"``) unless they name a format
-    (:data:`ADAMW_FORMATS`). Held-out loss against fp32 Muon on the convergence benchmark, three
-    seeds: +0.51% (rank 8: +1.77%; the whole momentum in nf4, ``momentum_rank=0``: +4.3%;
-    Muon8bit: +0.74%). On that benchmark's 64-wide matrices the factors cost more than they save
-    (1.62 bytes a param, Muon8bit's 1.44): they pay from about 165-wide matrices on. State dicts
-    of Muon4bit before the factors (``"nf4"``, no ``row_factor``) load as the same buffer; those
-    of the dynamic-map days (``state_format='4bit'``) load into ``bridge.Muon(state_format="4bit")``.
-    README, "Convergence"; design.md, "Muon"."""
+    32 (0.625 bytes a value, plus ``2 K (m + n)`` bytes a matrix for the factors: ``32 (m + n)`` at
+    rank 16, so it takes less memory than Muon8bit only on square matrices wider than about 165); its AdamW groups are AdamW8bit's
+    (``"8bit"``) unless they name a format (``ADAMW_FORMATS``). Its held-out loss against fp32
+    Muon is on docs/results.md ("Convergence"). A state dict saved without factors (``"nf4"``, no
+    ``row_factor``) loads as the same buffer; one saved with ``state_format='4bit'`` loads into
+    ``bridge.Muon(state_format="4bit")``."""
 
     _default_format = "nf4"
     _default_momentum_rank = 16

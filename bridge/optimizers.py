@@ -412,9 +412,8 @@ class AdEMAMix8bit(AdEMAMix):
 
 class AdEMAMix4bit(AdEMAMix):
     """AdEMAMix with 4-bit fast EMA and second moment, and an **8-bit slow EMA** by default
-    (``slow_state_format="4bit"`` for all 4-bit): the slow EMA's error is weighted by
-    ``alpha``, and all-4-bit states cost +15% held-out loss on the convergence benchmark where
-    an 8-bit slow EMA is within 1% of fp32 (README, "Convergence"); 2.3 bytes a param."""
+    (``slow_state_format="4bit"`` for all 4-bit): the slow EMA's error is multiplied by
+    ``alpha`` (design.md, "AdEMAMix4bit's slow EMA", has the measurement behind the default)."""
 
     _default_format = "4bit"
     _default_slow_format = "8bit"

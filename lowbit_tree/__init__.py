@@ -41,3 +41,27 @@ from .moments import Rank1QTensor, ReportRow, format_state_report, should_quanti
 from .checkpoint import state_from_dict, state_to_dict
 
 __version__ = "0.1.0"
+
+# The public API, in the order the API reference lists it (docs/api/lowbit_tree.md).
+__all__ = [
+    # records and formats
+    "QTensor", "Rank1QTensor", "quantize", "dequantize", "zeros", "has_nonfinite", "row_layout",
+    "Format", "FORMATS", "STATE_FORMATS", "get_format",
+    # transformations
+    "GradientTransformation", "Schedule", "EmptyState", "identity",
+    "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "trace", "newton_schulz",
+    "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
+    "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
+    # aliases
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon",
+    # applying updates
+    "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
+    # schedules
+    "constant_schedule", "linear_schedule", "polynomial_schedule", "cosine_decay_schedule",
+    "warmup_cosine_decay_schedule", "join_schedules",
+    # state: reports and checkpoints
+    "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
+    # state types
+    "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByScheduleState",
+    "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
+]

@@ -133,7 +133,7 @@ def ademamix(
 ) -> GradientTransformation:
     """AdEMAMix (arXiv 2409.03137) with decoupled decay, as bitsandbytes' ``AdEMAMix``:
     ``p - lr * ((m_hat + alpha * s) / (sqrt(v_hat) + eps) + wd * p)``; ``t_alpha`` and
-    ``t_beta3`` warm ``alpha`` and ``b3`` up (:func:`~lowbit_tree.transform.ademamix_warmups`)."""
+    ``t_beta3`` warm ``alpha`` and ``b3`` up (``ademamix_warmups``)."""
     rule = scale_by_ademamix(
         b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format, block_size=block_size,
         min_quant_size=min_quant_size, slow_state_format=slow_state_format,

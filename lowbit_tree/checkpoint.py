@@ -85,9 +85,9 @@ def state_from_dict(template: Any, d: dict[str, torch.Tensor], *, device: torch.
     on the ``meta`` device -- to ``device`` (default: where it is in ``d``).
 
     Raises:
-      ValueError naming the first differing path (in template order) when the
-      version, structure, a record's format / shape / block size, or a tensor's
-      dtype / shape differs.
+      ValueError: naming the first differing path (in template order) when the
+        version, structure, a record's format / shape / block size, or a tensor's
+        dtype / shape differs.
     """
     if VERSION_KEY not in d:
         raise ValueError(f"{VERSION_KEY!r}: missing (not a lowbit_tree state dict)")

@@ -77,7 +77,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     The first update rule (:func:`~lowbit_tree.scale_by_adam`, ``scale_by_lion``,
     ``trace``) runs together with the elementwise links next to it in one kernel
-    call (see :func:`_fusion_plan`): the same float operations as running them
+    call (``_fusion_plan``): the same float operations as running them
     one after the other, without their passes over memory. The links' states
     advance as if they had run.
     """

@@ -118,7 +118,7 @@ class Format:
       bits: bits per code (4 formats pack two codes a byte within a row).
       signed: whether negative values are representable. Unsigned formats treat a
         negative input as invalid (its block's scale becomes NaN).
-      table: name of the value table (see :func:`_table`).
+      table: name of the value table (``_table``).
       scale_divisor: a block's scale is ``absmax / scale_divisor``.
       sqrt: store ``sqrt(x)``; ``dequantize`` squares it back.
       default_block_size: block size when none is given.

@@ -85,7 +85,7 @@ class NSInput(NamedTuple):
     ``momentum_rank``, the new buffer in stored form against the old factors (a LowRankQTensor
     sharing ``x``'s factors), whose factors the hook refreshes; else ``None``. ``low``: with a
     buffer, the old factors' product for these rows (float32), for a hook that computes on them
-    (:func:`ns_matrix` and :func:`refresh_record` take it); a hook that assembles the whole
+    (``ns_matrix`` and ``refresh_record`` take it); a hook that assembles the whole
     matrix elsewhere rebuilds it there."""
 
     index: int
@@ -224,10 +224,10 @@ def scale_by_muon(
         n)``). Needs a quantized ``state_format``. ``0`` (default): the buffer is one record.
       orthogonalize: ``(inputs: list[NSInput], ns) -> [(o rows, matrix shape)]``, where
         ``ns(matrix) -> bfloat16`` is this transformation's :func:`newton_schulz`; default
-        :func:`local_orthogonalize`. A sharded caller gathers each matrix's rows, runs ``ns``
+        ``local_orthogonalize``. A sharded caller gathers each matrix's rows, runs ``ns``
         and returns each leaf's rows of the result with the whole matrix's shape; for an input
         with a ``buffer`` (``momentum_rank``) also ``(P, R)``, the leaf's rows of
-        :func:`refresh_record` of the whole buffer (its rows of ``P``, its columns' rows of ``R``).
+        ``refresh_record`` of the whole buffer (its rows of ``P``, its columns' rows of ``R``).
     Returns:
       A transformation with state :class:`ScaleByMuonState`; updates are float32.
     """

@@ -162,9 +162,9 @@ def scale_by_adam(
       block_size: block size of quantized leaves (``None``: the format's default).
       min_quant_size: smaller (or 1-D) leaves keep a float32 state.
       rank1_normalization: with ``"4bit"``, store ``nu`` as a
-        :class:`~lowbit_tree.moments.Rank1QTensor` (arXiv 2309.01507: each element normalized
+        :class:`~lowbit_tree.Rank1QTensor` (arXiv 2309.01507: each element normalized
         by its row's and column's maxima) instead of per block. ``None`` (default): the
-        format's choice, :func:`~lowbit_tree.moments.default_rank1` (``True`` for ``"4bit"``,
+        format's choice, ``lowbit_tree.moments.default_rank1`` (``True`` for ``"4bit"``,
         chosen by measurement: design.md, "The 4-bit default").
     Returns:
       A transformation with state :class:`ScaleByAdamState`.
@@ -273,12 +273,12 @@ def scale_by_ademamix(
 
     Args:
       t_alpha, t_beta3: warm-up lengths in steps of ``alpha`` and ``b3``
-        (:func:`ademamix_warmups`); ``None``: no warm-up.
+        (``ademamix_warmups``); ``None``: no warm-up.
       state_format, block_size, min_quant_size: as :func:`scale_by_adam`; both EMAs
         take the signed format, ``v`` the second-moment one.
       slow_state_format: the slow EMA's format if not ``state_format`` (its error is
         weighted by ``alpha``: with 4-bit states, an 8-bit slow EMA recovers most of the
-        loss 4-bit costs; README, "Convergence"). Its block size is that format's default
+        loss 4-bit costs: docs/results.md, "Convergence"). Its block size is that format's default
         unless ``block_size`` is given.
     Returns:
       A transformation with state :class:`ScaleByAdEMAMixState`.

@@ -92,7 +92,7 @@ def inject_hyperparams(
     there. Write a new 0-d tensor into ``state.hyperparams[name]`` (e.g. the
     learning rate) to change it: a compiled ``update`` sees a new input value,
     not a new program, so nothing recompiles. Arguments named in
-    ``static_args`` or :data:`STATIC_HYPERPARAMS`, and non-numeric ones
+    ``static_args`` or ``STATIC_HYPERPARAMS``, and non-numeric ones
     (str, bool, None, trees), are passed through unchanged. Arguments left at
     their defaults are not injected (as in optax).
     """

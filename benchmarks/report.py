@@ -1,0 +1,511 @@
+"""Writes docs/results.md: every figure the README and the docs quote, each table with the
+command that measured it, the machine, the versions and the date.
+
+It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
+``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, the demo and
+``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a
+format") from their results. Step times are medians of three runs of ``step_time.py``, whose
+timed steps interleave every implementation; each ratio is printed beside torch's fused
+AdamW's own ms/step in the same runs, since on a shared machine the ratio moves with the
+machine's state.
+
+    python benchmarks/report.py                         # full batteries, docs/results.md (~20 min, 2 cores)
+    python benchmarks/report.py --quick --out /tmp/r.md # CI smoke: the same code at tiny sizes (~1-2 min)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # the benchmark scripts, imported as modules
+sys.path.insert(0, ROOT)  # lowbit_tree and bridge of this checkout
+
+import convergence  # noqa: E402
+import digits_mlp  # noqa: E402
+import second_moment_formats  # noqa: E402
+import step_time  # noqa: E402
+
+RUNS = 3  # full step-time batteries: medians of this many runs of step_time.py
+
+# (table heading, step_time.py arguments) of the full step-time batteries
+# every row of step_time.py but the slowest comparators (torchao's 4-bit and FP8, bitsandbytes'
+# AdEMAMix): each costs seconds a run on this machine and answers no question of choosing a format
+CASE_A_IMPLS = [i for i in step_time.DEFAULT_IMPLS
+                if i not in ("torchao-4bit", "torchao-fp8", "bnb-ademamix-8bit", "bnb-ademamix-32bit")]
+STEP_BATTERIES = [
+    ("Case (a): 2 x 2048x2048 float32 params, every rule, format and param dtype",
+     ["--case", "a", "--steps", "10", "--impl", *CASE_A_IMPLS]),
+    ("Case (b): a GPT-like set of 76 tensors (10.2M params)",
+     ["--case", "b", "--steps", "10", "--impl", "torch-fused", "torch-foreach", "bridge-fp32", "bridge-8bit",
+      "bridge-4bit", "bridge-fp8", "functional-8bit", "bnb-8bit"]),
+    ("Case (c): 500 small tensors",
+     ["--case", "c", "--steps", "10", "--impl", "torch-fused", "torch-foreach", "bridge-fp32", "bridge-8bit",
+      "functional-8bit"]),
+    ("Muon without its matrix products: case (a), `--muon-ns-steps 0`",
+     ["--case", "a", "--steps", "5", "--muon-ns-steps", "0", "--impl", "torch-fused", "torch-muon", "bridge-muon-fp32",
+      "bridge-muon-8bit", "bridge-muon-4bit", "functional-muon-8bit"]),
+]
+MUON_WHOLE = ("Muon, whole steps (Newton-Schulz included): case (m), 2 x 512x512",
+              ["--case", "m", "--steps", "2", "--impl", "torch-fused", "torch-muon", "bridge-muon-fp32",
+               "bridge-muon-8bit", "bridge-muon-4bit"])
+QUICK_STEP = ("Case (a), quick", ["--quick"])
+
+CONV_VARIANTS = ["fp32", "8bit", "4bit", "fp8", "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
+                 "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank0"]
+CONV_FULL = ["--steps", "400", "--seeds", "0,1,2", "--d-model", "64", "--layers", "2", "--eval-windows", "128",
+             "--threads", "1", "--variants", ",".join(CONV_VARIANTS)]
+CONV_QUICK = ["--steps", "20", "--seeds", "0", "--d-model", "32", "--layers", "1", "--seq-len", "32", "--batch", "8",
+              "--eval-windows", "16", "--evals", "2", "--threads", "1",
+              "--variants", "fp32,8bit,4bit,fp8,muon-fp32,muon-8bit,muon-4bit"]
+DIGITS_VARIANTS = ["fp32", "8bit", "4bit-rank1", "4bit-block", "fp8"]
+DIGITS_FULL = ["--seeds", "0,1,2,3,4", "--variants", ",".join(DIGITS_VARIANTS)]
+DIGITS_QUICK = ["--steps", "30", "--seeds", "0", "--variants", ",".join(DIGITS_VARIANTS)]
+DEMO_FULL = ["demo", "--no-progress"]
+DEMO_QUICK = ["demo", "--tiny", "--no-progress"]
+SECOND_MOMENT_QUICK = ["--steps", "20"]
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def log(msg: str) -> None:
+    print(f"[report {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def isolated(threads: int):
+    """Runs a battery with ``threads`` torch threads, its stdout captured, and torch's thread
+    count and the warning filters restored after (the scripts set both)."""
+    before = torch.get_num_threads()
+    buf = io.StringIO()
+    with warnings_restored(), contextlib.redirect_stdout(buf):
+        torch.set_num_threads(threads)
+        try:
+            yield buf
+        finally:
+            torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def warnings_restored():
+    import warnings
+
+    with warnings.catch_warnings():
+        yield
+
+
+def cmd(script: str, args: list[str]) -> str:
+    return "`" + " ".join(["python", script, *args]) + "`"
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{x:+.2f}%"
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> str:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                return f"{int(line.split()[1]) / 2**20:.0f} GiB"
+    except OSError:
+        pass
+    return "?"
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        # the measured code: the library and the benchmarks (not the docs this page is part of)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "lowbit_tree", "bridge", "benchmarks"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return sha + (" with uncommitted changes to lowbit_tree/, bridge/ or benchmarks/" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def kernel_build_seconds() -> str:
+    """The native kernel's first build, timed in a fresh process with an empty cache."""
+    code = ("import time; from lowbit_tree.kernels import native; t = time.perf_counter(); ok = native.available(); "
+            "print(ok, round(time.perf_counter() - t, 1), native.build_error() or '')")
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "LOWBIT_TREE_CACHE": cache, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.split(maxsplit=2)
+    if not out:
+        return "could not be timed"
+    if out[0] != "True":
+        return f"not built: {' '.join(out[2:])}"
+    return f"{out[1]} s (first use, empty cache; cached after)"
+
+
+def environment(started: datetime.datetime, build: str, load: str) -> list[list[str]]:
+    gpu = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
+           else "none: no GPU figures yet; the CUDA path is tested only where a GPU is present")
+    optional = ", ".join(f"{d} {version(d)}" for d in ("torchao", "bitsandbytes", "scikit-learn") if version(d))
+    return [
+        ["date", started.strftime("%Y-%m-%d %H:%M UTC")],
+        ["machine", f"{platform.system()} {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {memory_gib()}"],
+        ["torch threads", str(torch.get_num_threads())],
+        ["load average (1 min) at start / end", load],
+        ["GPU", gpu],
+        ["Python", platform.python_version()],
+        ["torch", torch.__version__],
+        ["lowbit-tree", f"{version('lowbit-tree') or '?'}, commit {git_commit()}"],
+        ["compared with", optional or "nothing installed (torchao, bitsandbytes, scikit-learn)"],
+        ["native CPU kernel build", build],
+    ]
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+def step_battery(args: list[str], runs: int, tmp: str) -> dict:
+    """``runs`` runs of step_time.py; per implementation the median ms/step, the per-run ratios to
+    torch's fused AdamW and that reference's ms/step in each run."""
+    per_run = []
+    for k in range(runs):
+        path = os.path.join(tmp, f"step_{abs(hash(tuple(args)))}_{k}.json")
+        with isolated(torch.get_num_threads()):
+            step_time.main([*args, "--json", path])
+        with open(path) as f:
+            per_run.append(json.load(f)["cases"][0])
+    rows = {}
+    for case in per_run:
+        fused = next(r["median_ms"] for r in case["results"] if r["impl"] == "torch-fused")
+        for r in case["results"]:
+            row = rows.setdefault(r["impl"], {"impl": r["impl"], "ms": [], "ratio": [], "fused_ms": [], "skipped": None,
+                                              "extra": {}})
+            if "skipped" in r:
+                row["skipped"] = r["skipped"]
+                continue
+            row["ms"].append(r["median_ms"])
+            row["ratio"].append(r["median_ms"] / fused)
+            row["fused_ms"].append(fused)
+            row["bytes"] = r["state_bytes_per_param"]
+            row["first_s"] = r["first_step_s"]
+            for key in ("ratio_to_bridge_muon_fp32", "ratio_to_torch_muon"):
+                if key in r:
+                    row["extra"].setdefault(key, []).append(r[key])
+    return {"rows": rows, "params": per_run[0]["params"], "tensors": per_run[0]["tensors"]}
+
+
+def step_table(b: dict, muon: bool = False) -> str:
+    head = ["implementation", "ms/step", "x torch fused AdamW", "runs (x fused)", "fused AdamW ms/step in those runs",
+            "state B/param", "first step s"]
+    if muon:
+        head[3:3] = ["x ours fp32 Muon", "x torch.optim.Muon"]
+    rows = []
+    for r in b["rows"].values():
+        if not r["ms"]:
+            rows.append([r["impl"], "skipped: " + str(r["skipped"])] + [""] * (len(head) - 2))
+            continue
+        line = [r["impl"], f"{statistics.median(r['ms']):.1f}", f"**{statistics.median(r['ratio']):.2f}**",
+                ", ".join(f"{x:.2f}" for x in r["ratio"]), ", ".join(f"{x:.1f}" for x in r["fused_ms"]),
+                f"{r['bytes']:.3f}", f"{r['first_s']:.2f}"]
+        if muon:
+            line[3:3] = [f"{statistics.median(r['extra'][k]):.2f}" if k in r["extra"] else "-"
+                         for k in ("ratio_to_bridge_muon_fp32", "ratio_to_torch_muon")]
+        rows.append(line)
+    return table(head, rows)
+
+
+# ----------------------------------------------------------------------------- the other batteries
+
+
+def run_demo(argv: list[str], tmp: str) -> dict:
+    from bridge.cli import main as cli
+
+    out = os.path.join(tmp, "demo")
+    with isolated(torch.get_num_threads()):
+        rc = cli([*argv, "--out", out])
+    if rc:
+        raise RuntimeError(f"lowbit-tree {' '.join(argv)} exited {rc}")
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def demo_table(d: dict) -> str:
+    base = next(r for r in d["runs"] if r["name"] == "fp32")
+    rows = [[r["name"], f"{r['held_out_loss']:.4f}", pct(100 * (r["held_out_loss"] / base["held_out_loss"] - 1)),
+             f"{r['state_bytes'] / 2**20:.3f}", f"{r['bytes_per_param']:.3f}", f"{r['ms_per_step']:.1f}",
+             f"{r['opt_ms_per_step']:.1f}", r["state_formats"]] for r in d["runs"]]
+    return table(["optimizer", "held-out loss", "vs fp32", "state MB", "state B/param", "ms/step (whole step)",
+                  "optimizer ms/step", "state formats (share of params)"], rows)
+
+
+def run_convergence(argv: list[str], tmp: str) -> dict:
+    out = os.path.join(tmp, "convergence")
+    with isolated(torch.get_num_threads()):
+        convergence.main([*argv, "--out", out])
+    with open(os.path.join(out, "convergence.json")) as f:
+        return json.load(f)
+
+
+def conv_table(c: dict) -> str:
+    rows = []
+    for r in c["summary"]:
+        ref = convergence.reference_of(r["variant"])
+        per_seed = ", ".join(
+            pct(100 * (c["runs"][r["variant"]][str(s)]["held_out_loss"] / c["runs"][ref][str(s)]["held_out_loss"] - 1))
+            for s in r["seeds"]) if ref in c["runs"] and r["variant"] != ref else "-"
+        rows.append([r["variant"], "-" if r["variant"] == ref else ref, f"{r['held_out_mean']:.4f} +- {r['held_out_std']:.4f}",
+                     "-" if r["variant"] == ref else pct(r["rel_mean"]), per_seed, f"{r['bytes_per_param']:.3f}",
+                     r["state_formats"]])
+    return table(["variant", "compared with", "held-out loss (mean +- sd)", "vs reference (mean)", "per seed",
+                  "state B/param (this model)", "state formats"], rows)
+
+
+def run_digits(argv: list[str]) -> dict | None:
+    if version("scikit-learn") is None:
+        return None
+    with isolated(1):
+        return digits_mlp.main(argv)
+
+
+def digits_rel(losses: dict, variant: str) -> list[float]:
+    return [100.0 * (a / b - 1.0) for a, b in zip(losses[variant], losses["fp32"])]
+
+
+def digits_table(losses: dict) -> str:
+    rows = []
+    for v, ls in losses.items():
+        rel = digits_rel(losses, v)
+        rows.append([v, f"{statistics.mean(ls):.4f}", "-" if v == "fp32" else pct(statistics.mean(rel)),
+                     "-" if v == "fp32" else f"[{min(rel):+.2f}%, {max(rel):+.2f}%]"])
+    return table(["variant", "held-out loss (mean)", "vs fp32 (mean)", "[min, max] over seeds"], rows)
+
+
+def captured(fn, argv) -> str:
+    with isolated(torch.get_num_threads()) as buf:
+        fn(argv)
+    return buf.getvalue().rstrip()
+
+
+# ----------------------------------------------------------------------------- the summary
+
+
+# (class, what it is for, case (a) implementation, convergence variant, digits variant)
+FORMAT_ROWS = [
+    ("`torch.optim.AdamW(fused=True)`", "the reference: fp32 states", "torch-fused", "fp32", "fp32"),
+    ("`AdamW8bit`", "the default choice: 8-bit moments, closest to fp32", "bridge-8bit", "8bit", "8bit"),
+    ("`AdamW4bit`", "least memory for Adam: 4-bit moments, rank-1 normalized second moment", "bridge-4bit", "4bit",
+     "4bit-rank1"),
+    ("`AdamW4bit(rank1_normalization=False)`", "4-bit with per-block second moments (faster, worse on the MLP)",
+     "bridge-4bit-block", None, "4bit-block"),
+    ("`AdamWFp8`", "e4m3 moments: the fastest quantized step", "bridge-fp8", "fp8", "fp8"),
+    ("`Lion8bit`", "Lion: one state", "bridge-lion-8bit", None, None),
+    ("`SGD8bit`", "SGD with momentum", "bridge-sgd-8bit", None, None),
+    ("`AdEMAMix8bit`", "AdEMAMix (three states); compared with fp32 AdEMAMix", "bridge-ademamix-8bit", "ademamix-8bit",
+     None),
+    ("`AdEMAMix4bit`", "AdEMAMix, 4-bit but its slow EMA in 8-bit", "bridge-ademamix-4bit", "ademamix-4bit-slow8", None),
+]
+MUON_ROWS = [
+    ("`Muon8bit`", "Muon's momentum in 8 bits (hidden matrices; AdamW groups 8-bit)", "bridge-muon-8bit", "muon-8bit"),
+    ("`Muon4bit`", "rank-16 bfloat16 factors + `nf4` residual; AdamW groups 8-bit", "bridge-muon-4bit", "muon-4bit"),
+    ("`Muon(state_format=\"nf4\")`", "the normal-float 4-bit map alone (no factors)", None, "muon-4bit-rank0"),
+]
+
+
+def summary(steps: dict, muon: dict | None, conv: dict | None, digits: dict | None, runs: int) -> str:
+    conv_rows = {r["variant"]: r for r in conv["summary"]} if conv else {}
+
+    def quality(variant):
+        r = conv_rows.get(variant)
+        if r is None:
+            return "not measured"
+        if variant == convergence.reference_of(variant):
+            return "reference"
+        return f"{pct(r['rel_mean'])} [{r['rel_min']:+.2f}, {r['rel_max']:+.2f}]"
+
+    def speed(b, impl, key=None):
+        r = b["rows"].get(impl) if b else None
+        if r is None or not r["ms"]:
+            return "not measured", "-"
+        vals = r["extra"].get(key, []) if key else r["ratio"]
+        ratio = f"{statistics.median(vals):.2f}x" if vals else "-"
+        return ratio, f"{r['bytes']:.3f}"
+
+    rows = []
+    for name, what, impl, conv_v, dig_v in FORMAT_ROWS:
+        ratio, nbytes = speed(steps, impl)
+        dig = "not measured"
+        if digits and dig_v in digits:
+            rel = digits_rel(digits, dig_v)
+            dig = "reference" if dig_v == "fp32" else f"{pct(statistics.mean(rel))} [{min(rel):+.2f}, {max(rel):+.2f}]"
+        rows.append([name, nbytes, quality(conv_v) if conv_v else "not measured", dig, ratio, what])
+    fused = steps["rows"]["torch-fused"]["fused_ms"] if steps else []
+    text = table(["optimizer", "state B/param (2048x2048)", "GPT held-out loss vs fp32 (mean [min, max], %)",
+                  "MLP held-out loss vs fp32", "step x torch fused AdamW (case a)", "for"], rows)
+    text += (f"\n\nStep-time ratios are medians of {runs} run(s) in which torch's fused AdamW took "
+             + ", ".join(f"{x:.1f}" for x in fused) + " ms/step.")
+    if muon is not None:
+        mrows = []
+        for name, what, impl, conv_v in MUON_ROWS:
+            ratio_ns, nbytes = speed(muon, impl, "ratio_to_torch_muon") if impl else ("not measured", "-")
+            mrows.append([name, nbytes, quality(conv_v), ratio_ns, what])
+        torch_muon = muon["rows"].get("torch-muon", {}).get("ms") or []
+        text += "\n\n" + table(["optimizer", "state B/param (2048x2048)", "GPT held-out loss vs fp32 Muon (%)",
+                                "step without Newton-Schulz x torch.optim.Muon", "for"], mrows)
+        text += ("\n\ntorch.optim.Muon's step without its matrix products took "
+                 + ", ".join(f"{x:.1f}" for x in torch_muon) + " ms in those runs; whole steps are in \"Muon, whole steps\".")
+    return text
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="CI smoke: every battery at tiny sizes, one run each")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
+    args = ap.parse_args(argv)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    runs = 1 if args.quick else RUNS
+    report = ["python benchmarks/report.py" + (" --quick" if args.quick else "")]
+    sections: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        log("timing the native kernel's first build")
+        build = kernel_build_seconds()
+
+        batteries = [QUICK_STEP] if args.quick else STEP_BATTERIES
+        results = {}
+        for title, sargs in batteries:
+            log(f"step time: {title} ({runs} run(s))")
+            results[title] = step_battery(sargs, runs, tmp)
+        main_steps = results[batteries[0][0]]
+        muon_steps = None if args.quick else results[STEP_BATTERIES[3][0]]
+        whole = None
+        if not args.quick:
+            log(f"step time: {MUON_WHOLE[0]} (1 run)")
+            whole = step_battery(MUON_WHOLE[1], 1, tmp)
+
+        log("the demo")
+        demo = run_demo(DEMO_QUICK if args.quick else DEMO_FULL, tmp)
+        log("convergence (byte-level GPT)")
+        conv_args = CONV_QUICK if args.quick else CONV_FULL
+        conv = run_convergence(conv_args, tmp)
+        log("convergence (digits MLP)")
+        dig_args = DIGITS_QUICK if args.quick else DIGITS_FULL
+        digits = run_digits(dig_args)
+        log("second-moment robustness and round trips")
+        sm_args = SECOND_MOMENT_QUICK if args.quick else []
+        sm = captured(second_moment_formats.main, sm_args)
+        from bridge.cli import main as cli
+
+        rt = captured(cli, ["roundtrip"])
+
+    elapsed = time.perf_counter() - t0
+    load = f"{load_start:.1f} / {os.getloadavg()[0]:.1f} (other processes share the cores)"
+    env = environment(started, build, load)
+    head = [
+        "# Results",
+        "",
+        "<!-- Generated by benchmarks/report.py: rerun it, do not edit this page. -->",
+        "",
+        f"Generated by `{report[0]}` in {elapsed / 60:.1f} minutes"
+        + (" (the CI smoke settings: tiny sizes, one run; not for quoting)." if args.quick else
+           " (battery sizes chosen for about 20 minutes on a quiet 2-core machine; a busy one takes longer).")
+        + " Every figure in the README and the docs comes from this page; each table names the command that"
+        " measured it (run from the repository root). History lives in git, not here.",
+        "",
+        table(["", ""], env),
+        "",
+        "How to read the step times: a ratio is an implementation's ms/step over torch's fused fp32 AdamW"
+        " (`torch.optim.AdamW(fused=True)` on float32 params) in the same run of `step_time.py`, whose timed steps"
+        " interleave every implementation (round r steps each once), so a slow period of the machine hits all of"
+        " them alike. The ratio still moves with the machine's state (this is a shared 2-core machine), so every"
+        " ratio stands beside the fused step's own ms/step in the runs it comes from. `state B/param`: optimizer"
+        " state bytes per parameter (codes, scales, factors; not the step counters).",
+    ]
+    sections.append("## Choose a format\n\nFrom the tables below: memory and step time on case (a) (two"
+                    " 2048x2048 params), quality from the byte-level GPT and the MLP on digits.\n\n"
+                    + summary(main_steps, muon_steps, conv, digits, runs))
+    for title, sargs in batteries:
+        n = results[title]
+        sections.append(f"## Step time: {title}\n\n{n['tensors']} tensors, {n['params'] / 1e6:.2f}M params. "
+                        f"{runs} run(s) of {cmd('benchmarks/step_time.py', sargs)}; medians over the runs.\n\n"
+                        + step_table(n, muon="muon" in title.lower()))
+    if whole is not None:
+        sections.append(f"## Step time: {MUON_WHOLE[0]}\n\nOne run of {cmd('benchmarks/step_time.py', MUON_WHOLE[1])}"
+                        " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"
+                        " same bfloat16 matrix products in every Muon row).\n\n" + step_table(whole, muon=True))
+    cfg = demo["config"]
+    sections.append(
+        f"## The demo\n\n{cmd('-m bridge', DEMO_QUICK if args.quick else DEMO_FULL)} (the README's first command"
+        f" runs it as `lowbit-tree demo`): byte-level GPT, d_model {cfg['d_model']}, {cfg['layers']} layers,"
+        f" {demo['runs'][0]['params']:,} params, {cfg['steps']} steps per optimizer, seed {cfg['seed']},"
+        f" `min_quant_size={cfg['min_quant_size']}`; {demo['corpus']['bytes']:,} bytes of Python"
+        f" {demo['corpus']['python']}'s standard-library source, last 10% held out. One seed: the held-out column"
+        " moves by about a percent from seed to seed (see the next table).\n\n" + demo_table(demo))
+    sections.append(
+        f"## Convergence: byte-level GPT\n\n{cmd('benchmarks/convergence.py', conv_args)}: the demo's model at"
+        f" {conv['params']:,} params; per seed every variant starts from the same weights and sees the same"
+        " batches. Final held-out loss relative to the fp32 run of the same rule and seed (fp32 AdamW, fp32"
+        " AdEMAMix, fp32 Muon). The AdamW groups of the Muon variants (embeddings, head, norms, biases) take the"
+        f" class's formats. Run time {conv['wall_s'] / 60:.1f} min.\n\n" + conv_table(conv))
+    if digits is None:
+        sections.append("## Convergence: MLP on digits\n\nSkipped: scikit-learn is not installed"
+                        " (`pip install -e \".[bench]\"`).")
+    else:
+        sections.append(f"## Convergence: MLP on digits\n\n{cmd('benchmarks/digits_mlp.py', dig_args)}: MLP"
+                        " 64-256-256-10 on scikit-learn's digits; the 256x10 head keeps fp32 states.\n\n"
+                        + digits_table(digits))
+    sections.append(f"## Second-moment robustness\n\n{cmd('benchmarks/second_moment_formats.py', sm_args)}:"
+                    " Adam on rows whose gradients span 1e-8..1 inside a block, half the rows absent (zero"
+                    " gradient) at each step; the largest weight step against fp32 Adam's largest.\n\n```\n"
+                    + sm + "\n```")
+    sections.append(f"## Round-trip error of each format\n\n`lowbit-tree roundtrip`: a heavy-tailed 256x1024 tensor"
+                    " through each format's default block size.\n\n```\n" + rt + "\n```")
+    text = "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    log(f"wrote {args.out} in {elapsed / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
