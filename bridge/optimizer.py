@@ -12,7 +12,7 @@ Static choices (state format, block size, quantize-or-not) are fixed when a
 param's state is created, from the *global* param shape, and never recomputed.
 Numeric hyperparameters (lr, betas, eps, weight decay, momentum) are read from
 the param group at every step, as Python floats or 0-d tensors, and enter the
-core as 0-d float32 tensors (``inject_hyperparams``), so a scheduler can change
+core as 0-d float64 tensors (``inject_hyperparams``), so a scheduler can change
 them at any time.
 """
 from __future__ import annotations
@@ -67,8 +67,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     Extra group options understood by every LowBitOptimizer:
       skip_nonfinite (bool, default False): if any gradient of the step is
-        NaN/inf, leave every param and state of the step unchanged, decided on
-        the device without a host sync. (Without it, a non-finite gradient
+        NaN/inf, leave every param and state of the step unchanged: one flag per
+        step, read on the host (free on CPU, one device sync on CUDA, as
+        GradScaler's). (Without it, a non-finite gradient
         poisons only the blocks of its own parameter's state.)
     """
 

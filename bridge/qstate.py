@@ -45,7 +45,7 @@ class QState(torch.Tensor):
     ``QState(record)`` wraps a record of any kind; ``.record`` gives it back (sharing the
     parts' storage), ``.dequantize()`` its float32 value. ``axes`` maps a process group's name
     to the row-view axis (``"rows"`` or ``"cols"``) that group shards, for kinds with per-row or
-    per-column parts (:func:`bridge.distributed.mesh_axes`)."""
+    per-column parts (``bridge.distributed.mesh_axes``)."""
 
     _OPS: dict = {}
 

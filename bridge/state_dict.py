@@ -7,11 +7,12 @@ are row-sharded, so loading is slicing rows), plain torch.optim state dicts
 mismatches, which must fail loudly, naming what differs, before anything is
 changed.
 
-Layout (version 2): torch.optim's, state names included. A quantized state
-``name`` is a nested dict ``{"codes": uint8 (fp8 codes as their bit pattern),
-"scale": float32}``, a rank-1 record ``{"codes", "row_max", "col_max"}``, a low-rank
-momentum (Muon's ``momentum_rank``) ``{"codes", "scale", "row_factor", "col_factor"}``; all are
-DTensors placed like their param under FSDP2 and tensor parallel. Clients that look states up by the live
+Layout (version 3): torch.optim's, state names included. A record state ``name`` is a
+nested dict of its parts as :mod:`lowbit_tree.records` declares them (``{"codes": uint8
+(fp8 codes as their bit pattern), "scale": float32}``, a rank-1 record ``{"codes", "row_max",
+"col_max"}``, a low-rank momentum (Muon's ``momentum_rank``) ``{"codes", "scale", "row_factor",
+"col_factor"}``); under FSDP2 and tensor parallel each is a DTensor of the whole param's part,
+placed like the param's rows and columns. Clients that look states up by the live
 names of ``optim.state[p]`` (torch's ``flatten_optimizer_state_dict``, which
 writes ``state.<fqn>.exp_avg.codes`` and rebuilds the nested dict from that
 prefix; torchtitan's ``OptimizersContainer``) find them. Version 1 wrote the

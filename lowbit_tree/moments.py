@@ -66,9 +66,8 @@ def check_state_format(state_format: str) -> None:
 
 def default_rank1(state_format: str) -> bool:
     """Whether second moments in ``state_format`` are rank-1 normalized unless told otherwise:
-    ``"4bit"`` and ``"nf4"`` yes (a held-out loss within 1% of fp32 AdamW where per-block
-    normalization loses up to 5%: design.md, "The 4-bit default"); other formats have no
-    rank-1 record."""
+    ``"4bit"`` and ``"nf4"`` yes (the measurement: design.md, "The 4-bit default", and
+    docs/results.md); other formats have no rank-1 record."""
     return state_format in RANK1_STATE_FORMATS
 
 

@@ -4,7 +4,7 @@ A record is an immutable object of tensors ("parts") and static metadata standin
 float32 state of a param's shape. Each kind says here, and nowhere else:
 
 - its parts, and how each is laid out against the param's row view ``(rows, R)``
-  (:func:`~lowbit_tree.qtensor.row_layout`): ``"param"`` parts are 2-D, their rows are the
+  (:func:`~lowbit_tree.row_layout`): ``"param"`` parts are 2-D, their rows are the
   param's rows and each of their columns covers ``unit`` param columns (codes: 1, or 2 for
   4-bit; scales: the block size), so they split with both; ``"rows"`` parts have one entry
   (row) per param row and ``"cols"`` parts one per param column, each whole along the other;
