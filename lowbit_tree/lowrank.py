@@ -142,7 +142,7 @@ def lowrank_expand(row_factor: torch.Tensor, col_factor: torch.Tensor) -> torch.
 def lowrank_dequantize(q: LowRankQTensor, low: torch.Tensor | None = None) -> torch.Tensor:
     """The record's value, float32: ``lowrank_expand(factors) + dequantize(residual)`` (a new
     tensor). ``low``: that product, when the caller has it already (the same bits)."""
-    from . import kernels  # imported here: kernels imports update, which the core imports after this module
+    from . import kernels  # imported on first use
 
     if low is None:
         low = lowrank_expand(q.row_factor, q.col_factor)
