@@ -100,6 +100,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._bindings: dict = {}
         self._param_templates: dict = {}
         self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
+        self._records: dict = {}  # (id(param), name) -> (its QState, the core record over the same storage)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -222,17 +223,24 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if name == "step":
                 continue
             v = to_local(v)
-            out[name] = self._wired(p, v) if isinstance(v, QState) else v
+            if isinstance(v, QState):
+                hit = self._records.get((id(p), name))
+                if hit is None or hit[0] is not v:  # a new state object (created, loaded, moved)
+                    hit = self._records[(id(p), name)] = (v, self._wired(p, v))
+                v = hit[1]
+            out[name] = v
         return out
 
     def _wired(self, p, q: QState):
         """The core record of state ``q`` of param ``p`` (sharing its storage), with the wiring
         its kind takes (:attr:`lowbit_tree.records.RecordKind.wiring`)."""
-        kind, meta = q.kind, q.meta
-        if "reduce" in kind.wiring:
-            if id(p) not in self._reducers:
-                self._reducers[id(p)] = rank1_reduce(p, q)
-            meta["reduce"] = self._reducers[id(p)]
+        kind = q.kind
+        if not kind.wiring:
+            return q.record
+        meta = q.meta
+        if id(p) not in self._reducers:
+            self._reducers[id(p)] = rank1_reduce(p, q)
+        meta["reduce"] = self._reducers[id(p)]
         return kind.make(q.parts, tuple(q.shape), meta)
 
     # -- step -------------------------------------------------------------------

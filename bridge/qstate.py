@@ -35,6 +35,10 @@ _c10d_functional = torch.ops._c10d_functional
 
 __all__ = ["QState"]
 
+# per kind name: (kind, part names, metadata names besides the derived ones): the step reads
+# every state's record, so this lookup stays a dict access
+_KINDS = {k.name: (k, tuple(p.name for p in k.parts), k.meta) for k in records.KINDS}
+
 # gloo has no float8, bfloat16 or int16: such parts travel as their bytes
 _WIRE = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.uint8}
 
@@ -77,22 +81,29 @@ class QState(torch.Tensor):
     # -- the record ------------------------------------------------------------------------
     @property
     def kind(self) -> records.RecordKind:
-        return records.kind_named(self.kind_name)
+        return _KINDS[self.kind_name][0]
 
     @property
     def parts(self) -> dict:
-        return {p.name: getattr(self, p.name) for p in self.kind.parts}
+        d = self.__dict__
+        return {n: d[n] for n in _KINDS[self.kind_name][1]}
 
     @property
     def meta(self) -> dict:
-        kind = self.kind
-        return {k: getattr(self, k) for k in kind.meta + tuple(kind.derived(self))}
+        kind, _, names = _KINDS[self.kind_name]
+        d = self.__dict__
+        out = {n: d[n] for n in names}
+        out.update(kind.derived(self))
+        return out
 
     @property
     def record(self):
         """The core record (shares the parts' storage with this state)."""
-        self._not_stacked("record")
-        return self.kind.make(self.parts, tuple(self.shape), self.meta)
+        if self.stacked:
+            self._not_stacked("record")
+        kind, part_names, names = _KINDS[self.kind_name]
+        d = self.__dict__
+        return kind.make({n: d[n] for n in part_names}, tuple(self.shape), {n: d[n] for n in names})
 
     @classmethod
     def zeros(cls, shape, format: str, block_size: int | None = None, device=None) -> "QState":
