@@ -45,3 +45,16 @@ def device(request):
 # One intra-op thread per test process: the suite runs under pytest-xdist on a
 # 2-core machine, and oversubscribed OpenMP threads make small ops 10-100x slower.
 torch.set_num_threads(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n``, work stealing instead of xdist's default ``load``: an idle worker takes
+    half of another's queue. ``load`` hands out tests in collection order, and on 2 workers
+    the multi-process tests near the end of it kept one worker busy for minutes while the
+    other idled. A ``--dist`` other than the default is left alone."""
+    if config.getoption("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
