@@ -54,12 +54,13 @@ def test_changing_lr_does_not_recompile():
     new programs. Counted with a backend that records each compiled graph."""
     import torch._dynamo
 
-    # Not seed 0: the recorded graph runs, eagerly, the code traced for compilation, whose
-    # float32 rounding is not the eager step's (kernels.torch_backend._exact_sqrt is a plain
-    # float32 sqrt when compiling), so params differ by an ulp here and there, and now and
-    # then an ulp moves an 8-bit state to its neighbouring code: a 4e-5 difference, past the
-    # tolerance below. Measured with this test's data on seeds 0-11: at seed 0 only.
-    torch.manual_seed(1)
+    # The recorded graph runs, eagerly, the code traced for compilation, whose float32
+    # rounding is not the eager step's (kernels.torch_backend._exact_sqrt is a plain float32
+    # sqrt when compiling): params differ by an ulp here and there, and now and then an ulp
+    # moves an 8-bit state to its neighbouring code, which moves a param by up to 4e-5 here
+    # (measured on seeds 0-11; at seed 0). The tolerance below allows one such code step; the
+    # test is about recompilation, and the bit-exact backends are compared elsewhere.
+    torch.manual_seed(0)
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -86,5 +87,5 @@ def test_changing_lr_does_not_recompile():
         ref_params, ref_state = step(ref_params, grads, ref_state)
     assert len(graphs) == 1, f"{len(graphs)} compilations"
     for k in params:
-        torch.testing.assert_close(params[k], ref_params[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(params[k], ref_params[k], rtol=0, atol=1e-4)
     torch._dynamo.reset()
