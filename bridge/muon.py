@@ -17,9 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-import lowbit_tree as lt
-from lowbit_tree import records
-from lowbit_tree import QTensor, alias
+from lowbit_tree import QTensor, alias, records
 from lowbit_tree.lowrank import LowRankQTensor, lowrank_expand
 from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, check_momentum_rank, check_ns_args, ns_matrix,
                                        refresh_record)

@@ -268,19 +268,25 @@ def _rows(x: QState, a: int, b: int) -> QState:
     return x._with(out, _shape_with(x, "rows", max(0, b - a)))
 
 
-def _cut(x: QState, j: int, what: str) -> None:
-    """Columns can be cut at ``j`` only where no unit (block, 4-bit byte) straddles it."""
-    n = _ncols(x)
-    if j in (0, n):
-        return
+def _straddled(x: QState, j: int):
+    """``(part, unit)`` of the first ``"param"`` part whose units (blocks, 4-bit bytes) column
+    ``j`` falls inside, or ``None`` when ``j`` is on a boundary of every one."""
     meta = x.meta
     for part in x.kind.parts:
         if part.along == "param" and j % part.unit(meta):
-            raise NotImplementedError(
-                f"QState.{what}: column {j} of a {x.kind_name} record of shape {tuple(x.shape)} ({x.label}, "
-                f"{part.name} in units of {part.unit(meta)} columns) cuts a block; cut on block boundaries "
-                "(tensor-parallel shards must hold whole blocks, see design.md)"
-            )
+            return part.name, part.unit(meta)
+    return None
+
+
+def _cut(x: QState, j: int, what: str) -> None:
+    """Columns can be cut at ``j`` only where no unit (block, 4-bit byte) straddles it."""
+    hit = None if j in (0, _ncols(x)) else _straddled(x, j)
+    if hit is not None:
+        raise NotImplementedError(
+            f"QState.{what}: column {j} of a {x.kind_name} record of shape {tuple(x.shape)} ({x.label}, "
+            f"{hit[0]} in units of {hit[1]} columns) cuts a block; cut on block boundaries "
+            "(tensor-parallel shards must hold whole blocks, see design.md)"
+        )
 
 
 def _cols(x: QState, a: int, b: int) -> QState:
@@ -322,15 +328,15 @@ def _join(xs, axis: str) -> QState:
         if not _is_q(t) or t.kind_name != x0.kind_name or t.meta != x0.meta or t.ndim != x0.ndim:
             raise NotImplementedError(f"QState.cat of {t!r} and {x0!r}: records of one kind and layout only")
         t._not_stacked("cat")
-    meta, out = x0.meta, {}
+    out = {}
     if axis == "cols":
         for t in xs[:-1]:
-            for part in t.kind.parts:
-                if part.along == "param" and _ncols(t) % part.unit(meta):
-                    raise NotImplementedError(
-                        f"QState.cat along columns: a piece of {_ncols(t)} columns ends inside a block ({part.name} "
-                        f"in units of {part.unit(meta)} columns); tensor-parallel shards must hold whole blocks (see design.md)"
-                    )
+            hit = _straddled(t, _ncols(t))
+            if hit is not None:
+                raise NotImplementedError(
+                    f"QState.cat along columns: a piece of {_ncols(t)} columns ends inside a block ({hit[0]} "
+                    f"in units of {hit[1]} columns); tensor-parallel shards must hold whole blocks (see design.md)"
+                )
     for part in x0.kind.parts:
         if part.along == ("cols" if axis == "rows" else "rows"):
             out[part.name] = _shared(xs, part.name, axis)
@@ -351,14 +357,12 @@ def _pad(x: QState, axis: str, p: int) -> QState:
     """``p`` zero rows or columns after the last (columns: whole new units; the last one must
     be full, as tensor-parallel shards are)."""
     if axis == "cols":
-        n = _ncols(x)
-        meta = x.meta
-        for part in x.kind.parts:
-            if part.along == "param" and n % part.unit(meta):
-                raise NotImplementedError(
-                    f"QState.pad: the last unit ({part.name}, {part.unit(meta)} columns) of a {x.kind_name} record "
-                    f"of shape {tuple(x.shape)} is partial; padding it would change its value"
-                )
+        hit = _straddled(x, _ncols(x))
+        if hit is not None:
+            raise NotImplementedError(
+                f"QState.pad: the last unit ({hit[0]}, {hit[1]} columns) of a {x.kind_name} record "
+                f"of shape {tuple(x.shape)} is partial; padding it would change its value"
+            )
         z = _zeros(x, _shape_with(x, "cols", p))
         for part in x.kind.parts:  # the pad's whole-along-columns parts are the record's own
             if part.along == "rows":
