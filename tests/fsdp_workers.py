@@ -73,7 +73,7 @@ def run_example(nproc: int, ckpt: str, *args, timeout: int = 180) -> tuple[str, 
 
 def _mark(rank: int, phase: str, fmt: str) -> None:
     """A line on stderr at the start of each phase and format: when a rank dies (a crash
-    that is still open, see the sixth session's note), its captured stderr says where."""
+    that is not explained yet), its captured stderr says where."""
     import sys
 
     print(f"[rank {rank}] {phase} {fmt}", file=sys.stderr, flush=True)

@@ -280,8 +280,8 @@ def test_state_dict_round_trip_and_torch_muon_state():
 
 def test_muon4bit_is_nf4_and_loads_checkpoints_of_the_dynamic_4bit_format():
     """Muon4bit keeps its momentum as rank-16 factors and a residual on the normal-float map,
-    blocks of 32 (a 5 x 48 matrix: rank 5); a Muon4bit state dict from before the tenth session
-    (``state_format="4bit"``: the dynamic map, blocks of 128) is refused with the format named,
+    blocks of 32 (a 5 x 48 matrix: rank 5); a Muon4bit state dict written when Muon4bit used
+    ``state_format="4bit"`` (the dynamic map, blocks of 128) is refused with the format named,
     and loads bit for bit into ``bridge.Muon(state_format="4bit")``."""
     model = MLP()
     opt = bridge.Muon4bit(model.parameters(), lr=0.02, min_quant_size=1)
