@@ -30,6 +30,7 @@ import torch
 from ..formats import Format, get_format
 from ..qtensor import QTensor, row_layout
 from ..rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
+from ..rounding import rounding_hash
 from . import buffers, native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
@@ -366,8 +367,6 @@ def run_step(
             out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
             sr_hash = 0
             if sr is not None:
-                from ..update import rounding_hash
-
                 sr_hash = rounding_hash(sr, leaf.index)
             p_in = p if write else (p.contiguous() if spec.needs_param else None)
             job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, sr is not None, sr_hash, hyper,

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..formats import FORMATS
+from ..rounding import stochastic_round
 from .spec import StepSpec
 from .tables import _CPU_TABLES, code_table
 
@@ -214,8 +215,6 @@ def _step_core(p, g, hyper, key, *state_tensors, spec, kinds, write, sr, leaf_in
     if write:
         x = p2 + u
         if sr:
-            from ..update import stochastic_round
-
             out = stochastic_round(x, p.dtype, key, leaf_index)
         else:
             out = x.to(p.dtype)

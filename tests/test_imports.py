@@ -1,0 +1,114 @@
+"""The import graph of lowbit_tree and bridge has no cycle, and every module imports alone.
+
+The graph holds every import statement of every module, those inside functions included (a
+cycle hidden in a function still ties two modules together); a submodule importing its own
+package is not an edge back (the package's ``__init__`` is what imports it)."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("lowbit_tree", "bridge")
+
+
+def modules() -> dict:
+    """``{dotted name: path}`` of every module of the two packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                    out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _targets(name: str, is_package: bool, node, known: dict) -> list:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in known]
+    base = name if is_package else name.rpartition(".")[0]
+    if node.level:
+        parts = base.split(".")
+        base = ".".join(parts[: len(parts) - (node.level - 1)])
+        target = f"{base}.{node.module}" if node.module else base
+    else:
+        target = node.module
+    out = []
+    for alias in node.names:
+        if f"{target}.{alias.name}" in known:
+            out.append(f"{target}.{alias.name}")  # a submodule
+        elif target in known:
+            out.append(target)
+    return out
+
+
+def import_graph() -> dict:
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        is_package = path.endswith("__init__.py")
+        graph[name] = {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                       for t in _targets(name, is_package, node, known)
+                       if t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def find_cycles(graph: dict) -> list:
+    cycles, done, path = [], set(), []
+
+    def visit(n):
+        if n in path:
+            cycles.append(path[path.index(n):] + [n])
+            return
+        if n in done:
+            return
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            visit(m)
+        path.pop()
+        done.add(n)
+
+    for n in sorted(graph):
+        visit(n)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert "lowbit_tree.records" in graph and graph["lowbit_tree.update"], "the graph was read"
+    assert find_cycles(graph) == []
+
+
+def test_the_core_never_imports_the_bridge():
+    graph = import_graph()
+    assert not [(n, m) for n, deps in graph.items() if n.startswith("lowbit_tree") for m in deps
+                if m.startswith("bridge")]
+
+
+@pytest.mark.slow
+def test_every_module_imports_alone_in_a_fresh_interpreter():
+    names = sorted(n for n in modules() if not n.endswith("__main__"))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run(name):
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        return name, done.returncode, done.stderr[-2000:]
+
+    with ThreadPoolExecutor(2) as pool:
+        failed = [r for r in pool.map(run, names) if r[1] != 0]
+    assert not failed, failed
