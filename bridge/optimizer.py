@@ -210,7 +210,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if "block_size" in meta:  # tensor parallel: whole blocks on every shard
                 meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
             if "reduce" in kind.wiring:
-                self._reducers[id(p)] = rank1_reduce(p, local)  # raises for a shard it cannot complete
+                self._reducer(p)  # made now: raises at creation for a shard it cannot complete
             record = kind.zeros(tuple(local.shape), meta, local.device)
             st[name] = wrap_like(QState(record, mesh_axes(p)), p)
         return st
@@ -238,10 +238,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if not kind.wiring:
             return q.record
         meta = q.meta
-        if id(p) not in self._reducers:
-            self._reducers[id(p)] = rank1_reduce(p, q)
-        meta["reduce"] = self._reducers[id(p)]
+        meta["reduce"] = self._reducer(p)
         return kind.make(q.parts, tuple(q.shape), meta)
+
+    def _reducer(self, p):
+        """Param ``p``'s rank-1 ``reduce`` (maxima across its shards; ``None`` unsharded), made
+        once per param and rebuilt after a copy or a pickle."""
+        if id(p) not in self._reducers:
+            self._reducers[id(p)] = rank1_reduce(p, to_local(p))
+        return self._reducers[id(p)]
 
     # -- step -------------------------------------------------------------------
     def _all_finite(self) -> bool | None:

@@ -78,6 +78,11 @@ def save_state_dict(opt) -> dict:
     return sd
 
 
+def _as_saved(t: torch.Tensor) -> torch.Tensor:
+    """A record part as state dicts hold it: float8 codes as their bit pattern (uint8), a view."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def saved_parts(q: QState, p: torch.Tensor) -> dict:
     """A record state's state-dict form: its parts (float8 codes as their bits), each a DTensor
     of the whole param's part shape laid out as its kind declares (placed like the param, or
@@ -86,8 +91,7 @@ def saved_parts(q: QState, p: torch.Tensor) -> dict:
     kind, meta = q.kind, q.meta
     out = {}
     for part in kind.parts:
-        t = getattr(q, part.name)
-        t = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        t = _as_saved(getattr(q, part.name))
         out[part.name] = part_dtensor(t, p, part.along, kind.whole_part_shape(part, tuple(p.shape), meta, t))
     return out
 
@@ -422,7 +426,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
         if w.kind_name != q.kind_name or w.meta != q.meta:
             raise ValueError(f"{where}: {name!r} is {_describe(w)}, but this optimizer's state is {_describe(q)}: "
                              "the state was written with another state format, block size or momentum_rank")
-        found = {k: (f"{name}.{k}", t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t)
+        found = {k: (f"{name}.{k}", _as_saved(t))
                  for k, t in w.parts.items()}
     else:
         found = _record_parts(saved, name, kind, where)
@@ -435,8 +439,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
                 return expected
         loaded = {}
         for part in kind.parts:
-            live = getattr(q, part.name)
-            live = live.view(torch.uint8) if live.dtype == torch.float8_e4m3fn else live
+            live = _as_saved(getattr(q, part.name))
             if part.name not in found:  # an optional part left out: zeros (the same value)
                 loaded[part.name] = torch.zeros_like(live)
                 continue
@@ -456,8 +459,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
                 _check_scales(t, f"{where}: {label!r}")
             loaded[part.name] = t
         for part in kind.parts:
-            live = getattr(q, part.name)
-            (live.view(torch.uint8) if live.dtype == torch.float8_e4m3fn else live).copy_(loaded[part.name])
+            _as_saved(getattr(q, part.name)).copy_(loaded[part.name])
         return expected
     if name in saved:  # a float state (torch.optim, or an fp32 export): stored into this kind
         value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
