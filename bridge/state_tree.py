@@ -3,7 +3,8 @@
 A core transformation's state for a list of params is a pytree whose moment
 leaves sit under field names (``mu``, ``nu``, ``nu_max``, ``trace``) and list
 indices; the bridge keeps them per param under torch.optim's names (``exp_avg``,
-``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) and one ``step``. A
+``exp_avg_sq``, ``max_exp_avg_sq``, ``momentum_buffer``) and one ``step``: the
+names and roles each state class declares (``roles``, :func:`lowbit_tree.base.state_roles`). A
 :class:`Binding` is computed once per transformation and set of params (from
 ``tx.init`` of meta tensors of the *global* shapes): for every leaf of the
 state tree, where its value comes from. :meth:`Binding.tree` then builds the
@@ -17,49 +18,51 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from lowbit_tree.base import HYPERPARAMS, SEED, STEP, state_roles
 from lowbit_tree.records import is_record
 
-__all__ = ["STATE_NAMES", "Slot", "Binding", "binding"]
-
-STATE_NAMES = {
-    "mu": "exp_avg",
-    "nu": "exp_avg_sq",
-    "nu_max": "max_exp_avg_sq",
-    "mu_slow": "exp_avg_slow",
-    "trace": "momentum_buffer",
-}
-"""Core state field -> torch.optim state name."""
+__all__ = ["Slot", "Binding", "binding"]
 
 
 class Slot(NamedTuple):
     """Where one leaf of the state tree comes from: ``kind`` is ``"state"`` (param
     ``index``'s state ``name``), ``"count"``, ``"hyper"`` (group option ``name``) or
     ``"seed"`` (a stochastic-rounding seed: the group's ``seed``, default 0) or
-    ``"fixed"`` (the template's own value, e.g. ``None``)."""
+    ``"fixed"`` (the template's own value: ``None``, or a leaf of no param)."""
 
     kind: str
     name: str
     index: int
 
 
-def _names(accessor) -> list:
-    out = []
-    for entry in accessor:
+_SCALAR_SLOTS = {STEP: "count", SEED: "seed"}
+
+
+def _slot(accessor, leaf) -> Slot:
+    """The slot of one leaf, from the roles its state classes declare
+    (:func:`lowbit_tree.base.state_roles`); a tensor no role covers is an error."""
+    entries = list(accessor)
+    for k, entry in enumerate(entries):
         field = getattr(entry, "field", None)
-        out.append(field if field is not None else entry.entry)
-    return out
-
-
-def _slot(names: list) -> Slot:
-    if "hyperparams" in names:
-        return Slot("hyper", str(names[-1]), -1)
-    strs = [n for n in names if isinstance(n, str)]
-    if strs and strs[-1] in ("count", "seed"):
-        return Slot(strs[-1], strs[-1], -1)
-    for k, n in enumerate(names):
-        if n in STATE_NAMES and k + 1 < len(names) and isinstance(names[k + 1], int):
-            return Slot("state", STATE_NAMES[n], names[k + 1])
-    return Slot("fixed", "/".join(map(str, names)), -1)
+        role = state_roles(entry.type).get(field) if field is not None else None
+        if role is None:
+            continue
+        rest = [e.entry for e in entries[k + 1:]]
+        if role in _SCALAR_SLOTS:
+            return Slot(_SCALAR_SLOTS[role], field, -1)
+        if role == HYPERPARAMS:
+            return Slot("hyper", str(rest[-1]), -1)
+        if rest and isinstance(rest[0], int):
+            return Slot("state", role, rest[0])
+    if leaf is not None and (isinstance(leaf, torch.Tensor) or is_record(leaf)):
+        path = "/".join(str(getattr(e, "field", None) or e.entry) for e in entries)
+        owner = next((e.type.__name__ for e in reversed(entries) if getattr(e, "field", None)), "the state")
+        raise TypeError(
+            f"state leaf {path!r} of {owner} has no declared role: a state class kept by a torch.optim "
+            "wrapper declares roles = {field: role} (lowbit_tree.base.state_roles): STEP, SEED, "
+            "HYPERPARAMS, or a torch.optim state name for a leaf per param"
+        )
+    return Slot("fixed", "/".join(str(e.entry) for e in entries), -1)
 
 
 class Binding(NamedTuple):
@@ -95,7 +98,7 @@ def binding(template: Any) -> Binding:
     accessors, leaves, treespec = optree.tree_flatten_with_accessor(template, is_leaf=is_record, none_is_leaf=True)
     slots = []
     for acc, leaf in zip(accessors, leaves):
-        slot = _slot(_names(acc))
+        slot = _slot(acc, leaf)
         if slot.kind == "state" and leaf is None:
             slot = Slot("fixed", slot.name, slot.index)  # no state for an absent param
         slots.append(slot)

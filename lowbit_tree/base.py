@@ -19,6 +19,10 @@ __all__ = [
     "identity",
     "init_count",
     "scalar_value",
+    "STEP",
+    "SEED",
+    "HYPERPARAMS",
+    "state_roles",
 ]
 
 Params = Any  # a pytree of tensors (None for "no parameter / no gradient")
@@ -46,6 +50,19 @@ class GradientTransformation(NamedTuple):
 
     init: InitFn
     update: UpdateFn
+
+
+STEP, SEED, HYPERPARAMS = "step", "seed", "hyperparams"
+"""The roles of a state's scalar fields (values of a state class's ``roles``): the steps taken
+(a count), a random seed, and the injected hyperparameters ``{name: 0-d tensor}``."""
+
+
+def state_roles(state_type: type) -> dict:
+    """``{field: role}`` that a state class declares in its ``roles`` attribute. A role is
+    :data:`STEP`, :data:`SEED`, :data:`HYPERPARAMS`, or, for a field holding one leaf per
+    param, the state's torch.optim name (``"exp_avg"``): the name a ``torch.optim`` wrapper
+    keeps it under in ``optimizer.state[p]`` and in state dicts."""
+    return getattr(state_type, "roles", {})
 
 
 class EmptyState(NamedTuple):

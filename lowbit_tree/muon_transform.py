@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import kernels, moments
-from .base import GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
 from .transform import _run_rule
@@ -75,6 +75,8 @@ class ScaleByMuonState(NamedTuple):
     count: torch.Tensor  # int32, 0-d: steps taken (a learning-rate schedule's argument)
     trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``);
     # with momentum_rank, quantized buffers are LowRankQTensor records
+
+    roles = {"count": STEP, "trace": "momentum_buffer"}
 
 
 class NSInput(NamedTuple):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import kernels, moments
-from .base import EmptyState, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .base import STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -51,10 +51,14 @@ class ScaleByAdamState(NamedTuple):
     nu: Any  # second moments (QTensor / Rank1QTensor / float tensor leaves)
     nu_max: Any  # running max of nu (amsgrad) or None
 
+    roles = {"count": STEP, "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
+
 
 class ScaleByLionState(NamedTuple):
     count: torch.Tensor
     mu: Any
+
+    roles = {"count": STEP, "mu": "exp_avg"}
 
 
 class ScaleByAdEMAMixState(NamedTuple):
@@ -63,13 +67,19 @@ class ScaleByAdEMAMixState(NamedTuple):
     nu: Any  # the second moment
     mu_slow: Any  # the slow EMA (rate b3, weight alpha; not bias-corrected)
 
+    roles = {"count": STEP, "mu": "exp_avg", "nu": "exp_avg_sq", "mu_slow": "exp_avg_slow"}
+
 
 class TraceState(NamedTuple):
     trace: Any  # the momentum buffer, shaped like params
 
+    roles = {"trace": "momentum_buffer"}
+
 
 class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
+
+    roles = {"count": STEP}
 
 
 class Fusion(NamedTuple):

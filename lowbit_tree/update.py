@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import GradientTransformation
+from .base import SEED, STEP, GradientTransformation
 from .rounding import stochastic_round
 from . import kernels
 from .kernels import buffers, native
@@ -103,6 +103,8 @@ def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, **ext
 class StochasticRoundingState(NamedTuple):
     seed: torch.Tensor  # int64, 0-d
     count: torch.Tensor  # int64, 0-d: steps taken
+
+    roles = {"seed": SEED, "count": STEP}
 
 
 def rounding_key(state: StochasticRoundingState) -> torch.Tensor:

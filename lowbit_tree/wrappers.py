@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from .base import GradientTransformation, init_count
+from .base import HYPERPARAMS, STEP, GradientTransformation, init_count
 from .tree_utils import broadcast_mask, map_leaves
 
 __all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState", "STATIC_HYPERPARAMS"]
@@ -49,6 +49,8 @@ class InjectHyperparamsState(NamedTuple):
     count: torch.Tensor  # int32, 0-d
     hyperparams: dict  # {name: 0-d float32 tensor}; replace entries to change them
     inner_state: Any
+
+    roles = {"count": STEP, "hyperparams": HYPERPARAMS}
 
 
 STATIC_HYPERPARAMS = frozenset(
