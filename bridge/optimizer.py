@@ -1,19 +1,19 @@
 """``LowBitOptimizer``: any lowbit_tree transformation as a ``torch.optim.Optimizer``.
 
 The optimizer holds no arithmetic. Each ``step()`` goes down the layers once:
-per param group (and per distinct step count within it), the core state tree of
-the group's params is bound to the live states (:mod:`bridge.state_tree`), and
-the core's in-place transition :func:`lowbit_tree.step_` runs the group's
-transformation on it: one kernel call that updates params and states in place.
-The same transformation run through ``tx.update`` + ``apply_updates`` gives the
-same bits.
+per param group (and per distinct step count within it), a :class:`bridge.plan.GroupPlan`
+built once binds the core state tree of the group's params to the live states
+(:mod:`bridge.state_tree`) and holds the transformation's in-place form (``tx.plan``);
+a step sets this step's numbers and runs it: one kernel call that updates params and
+states in place. The same transformation run through ``tx.update`` + ``apply_updates``
+gives the same bits.
 
 Static choices (state format, block size, quantize-or-not) are fixed when a
 param's state is created, from the *global* param shape, and never recomputed.
 Numeric hyperparameters (lr, betas, eps, weight decay, momentum) are read from
 the param group at every step, as Python floats or 0-d tensors, and enter the
 core as 0-d float64 tensors (``inject_hyperparams``), so a scheduler can change
-them at any time.
+them at any time without rebuilding anything.
 """
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree import records
 from lowbit_tree.moments import check_state_format
+from lowbit_tree.update import apply_rest_
 from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
 
 from . import report
 from .distributed import is_dtensor, local_grad, mesh_axes, shard_block_size, to_local, wrap_like
+from .plan import GroupPlan
 from .qstate import QState
 from .rank1_shard import rank1_reduce
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
@@ -37,15 +39,6 @@ from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_tor
 from .state_tree import binding
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
-
-
-def _float_tensor(value, device) -> torch.Tensor:
-    """A group's number as the core's injected hyperparameter: float64, so that the
-    step's derived constants (``1 - beta``, bias corrections) are those of the
-    Python float, as in the functional ``lowbit_tree.adamw(b1=0.9, ...)``."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, dtype=torch.float64).reshape(())
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
 # ----------------------------------------------------------------------------
@@ -101,6 +94,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._param_templates: dict = {}
         self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
         self._records: dict = {}  # (id(param), name) -> (its QState, the core record over the same storage)
+        self._plans: dict = {}  # id(group) -> (the static key, GroupPlan) of its last step
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -292,11 +286,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict, params: list, offset: int) -> None:
-        """One group: its params with gradients, batched by step count (torch.optim
-        keeps one per param), each batch one in-place core transition."""
-        tx, _, numeric = self._transform(group)
-        batches: dict = {}
-        local_grads: dict = {}
+        """One group: its params with gradients, batched by step count (torch.optim keeps
+        one per param), each batch one in-place core step through its :class:`GroupPlan`."""
+        tx, key, numeric = self._transform(group)
+        grads: list = [None] * len(params)
+        present = []
         for i, p in enumerate(params):
             if p.grad is None:
                 continue
@@ -305,27 +299,36 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__} does not support sparse gradients (param of shape "
                     f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
                 )
-            local, grad = to_local(p), local_grad(p)
-            if grad.shape != local.shape:
-                raise RuntimeError(f"gradient shape {tuple(grad.shape)} does not match param shape {tuple(local.shape)}")
-            local_grads[i] = grad
+            grads[i] = local_grad(p)
+            present.append(i)
+        present = tuple(present)
+        seed = int(group.get("seed", 0))
+        hit = self._plans.get(id(group))
+        if hit is not None and hit[0] == key and hit[1].current(self, params, present):
+            self._run(hit[1], params, grads, numeric, seed)
+            return
+        batches: dict = {}
+        for i in present:
+            p = params[i]
+            if grads[i].shape != to_local(p).shape:
+                raise RuntimeError(f"gradient shape {tuple(grads[i].shape)} does not match param shape "
+                                   f"{tuple(to_local(p).shape)}")
             st = self.state[p]
             if len(st) == 0:
                 st.update(self._init_state(p, group))
             batches.setdefault(float(st["step"]), []).append(i)
-        for count, present in batches.items():
-            b = self._binding(group, params, tuple(present))
-            live: list = [None] * len(params)
-            locals_: list = [None] * len(params)
-            grads: list = [None] * len(params)
-            for i in present:
-                p = params[i]
-                live[i] = self._live(p, self.state[p])
-                locals_[i], grads[i] = to_local(p), local_grads[i]
-            hyper = {k: _float_tensor(v, "cpu") for k, v in numeric.items()}
-            state = b.tree(live, int(count), hyper, int(group.get("seed", 0)))
-            lt.step_(tx, grads, state, locals_, _leaf_offset=offset)
-            torch._foreach_add_([self.state[params[i]]["step"] for i in present], 1)
+        what = f"{type(self).__name__}'s transformation ({getattr(self._factory, '__name__', 'factory')})"
+        for batch in batches.values():
+            plan = GroupPlan(self, tx, self._binding(group, params, tuple(batch)), params, tuple(batch), numeric,
+                             offset, what)
+            if len(batches) == 1:
+                self._plans[id(group)] = (key, plan)
+            self._run(plan, params, [g if i in set(batch) else None for i, g in enumerate(grads)], numeric, seed)
+
+    def _run(self, plan: GroupPlan, params: list, grads: list, numeric: dict, seed: int) -> None:
+        rest = plan.run(grads, numeric, seed)
+        if any(u is not None for u in rest):  # what the plan left to add (a transformation that writes no params)
+            apply_rest_([to_local(p) for p in params], rest)
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:

@@ -72,21 +72,25 @@ class Binding(NamedTuple):
     slots: tuple
     template: tuple  # the template's leaves (used by "fixed" slots and for kinds)
 
-    def tree(self, live: list, count: int, hyper: dict, seed: int = 0) -> Any:
-        """The state tree for a step: ``live[i]`` is param ``i``'s ``{name: leaf}``
-        (records or plain tensors; ``None`` for params not in this step); counts and
-        seeds become CPU tensors of the template's dtypes."""
-        leaves = []
+    def tree(self, live: list, hyper: dict) -> tuple[Any, list, list]:
+        """The state tree for a step: ``live[i]`` is param ``i``'s ``{name: leaf}`` (records
+        or plain tensors; ``None`` for params not in this step); ``hyper`` the group's
+        injected hyperparameters ``{name: 0-d tensor}``. Returns ``(tree, counts, seeds)``:
+        counts and seeds are new CPU tensors of the template's dtypes, for the caller to set
+        before each step."""
+        leaves, counts, seeds = [], [], []
         for slot, tmpl in zip(self.slots, self.template):
             if slot.kind == "state":
                 leaves.append(live[slot.index][slot.name])
             elif slot.kind in ("count", "seed"):
-                leaves.append(torch.tensor(count if slot.kind == "count" else seed, dtype=tmpl.dtype, device="cpu"))
+                t = torch.zeros((), dtype=tmpl.dtype, device="cpu")
+                (counts if slot.kind == "count" else seeds).append(t)
+                leaves.append(t)
             elif slot.kind == "hyper":
                 leaves.append(hyper[slot.name])
             else:
                 leaves.append(tmpl)
-        return self.treespec.unflatten(leaves)
+        return self.treespec.unflatten(leaves), counts, seeds
 
     def state_leaves(self, index: int) -> dict:
         """Param ``index``'s state leaves in the template: ``{torch name: template leaf}``."""

@@ -4,11 +4,18 @@ A transformation is a pair of pure functions: ``init(params) -> state`` and
 ``update(updates, state, params=None, **extra) -> (updates, state)``. Neither
 modifies its inputs; states are NamedTuples of tensors (and quantized
 records), so they checkpoint with ``torch.save`` and trace with torch.compile.
+
+Its third, optional member is the explicit in-place form: ``plan(state, params, *,
+write=False, leaf_offset=0) -> step``, built once for one state and one set of params;
+``step(updates)`` then runs ``update`` in place every time it is called (see
+:class:`GradientTransformation`). A transformation without one gets it from
+:func:`in_place`, which copies the pure ``update``'s new state back.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
+import optree
 import torch
 
 __all__ = [
@@ -23,6 +30,9 @@ __all__ = [
     "SEED",
     "HYPERPARAMS",
     "state_roles",
+    "Step",
+    "in_place",
+    "plan_of",
 ]
 
 Params = Any  # a pytree of tensors (None for "no parameter / no gradient")
@@ -41,15 +51,85 @@ class UpdateFn(Protocol):
     def __call__(self, updates: Updates, state: State, params: Params | None = None, **extra: Any) -> tuple[Updates, State]: ...
 
 
+Step = Callable[[list], list]
+"""A planned in-place step: this step's updates (gradients) as the leaves of the params tree
+(``None`` for a leaf without one) -> the updates still to add to the params (``None`` where
+the step wrote the param itself, or had no update)."""
+
+
+class PlanFn(Protocol):
+    def __call__(self, state: State, params: Params, *, write: bool = False, leaf_offset: int = 0) -> Step: ...
+
+
 class GradientTransformation(NamedTuple):
-    """``init(params) -> state``; ``update(updates, state, params=None, **extra) -> (updates, state)``.
+    """``init(params) -> state``; ``update(updates, state, params=None, **extra) -> (updates, state)``;
+    optionally ``plan(state, params, *, write=False, leaf_offset=0) -> step``.
 
     ``update`` accepts (and ignores) keyword arguments it does not know, so a
     caller can pass extra context (``loss=...``) to a whole chain.
+
+    ``plan`` is the in-place form, for a caller that gives up the old state (a
+    ``torch.optim`` optimizer): built once for ``state`` and ``params``, the returned
+    :data:`Step` advances ``state``'s own tensors each time it is called, with the same bits
+    as ``update`` (the new state's values land in the old state's tensors). With ``write``
+    it may also write params in place (``p + u`` rounded once into ``p``'s dtype, what
+    :func:`~lowbit_tree.apply_updates` computes) and return ``None`` for them.
+    ``leaf_offset`` is the position of the first leaf among a larger set of params (the
+    stochastic-rounding key of a leaf is its position). ``None``: use :func:`in_place`.
     """
 
     init: InitFn
     update: UpdateFn
+    plan: Optional[PlanFn] = None
+
+
+def _copy_into(old: State, new: State) -> None:
+    """Write every tensor of ``new`` into the tensor at the same place in ``old``."""
+    old_leaves, spec = optree.tree_flatten(old, none_is_leaf=True)
+    new_leaves = spec.flatten_up_to(new)
+    for o, n in zip(old_leaves, new_leaves):
+        if isinstance(o, torch.Tensor):
+            if o.dtype != n.dtype or o.shape != n.shape:
+                raise TypeError(f"in_place: a new state tensor of {n.dtype} {tuple(n.shape)} does not fit the old one "
+                                f"of {o.dtype} {tuple(o.shape)}")
+            o.copy_(n)
+        elif o is not n and o != n:
+            raise TypeError(f"in_place: a state leaf that is not a tensor changed ({o!r} -> {n!r}); it cannot be "
+                            "updated in place")
+
+
+def _pure_plan(update: UpdateFn) -> PlanFn:
+    """The plan that runs the pure ``update`` and copies its new state into the old one."""
+
+    def plan(state, params, *, write: bool = False, leaf_offset: int = 0) -> Step:
+        spec = optree.tree_structure(params, none_is_leaf=True)
+
+        def step(updates: list) -> list:
+            out, new = update(spec.unflatten(list(updates)), state, params)
+            _copy_into(state, new)
+            return spec.flatten_up_to(out)
+
+        return step
+
+    return plan
+
+
+def in_place(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` with an in-place form that runs ``tx.update`` and copies the new state's tensors
+    into the old state's (for a transformation written without ``plan``; its state must keep
+    its structure, shapes and dtypes from step to step)."""
+    return GradientTransformation(tx.init, tx.update, _pure_plan(tx.update))
+
+
+def plan_of(tx: GradientTransformation, what: str = "this transformation") -> PlanFn:
+    """``tx.plan``, or a TypeError naming ``what`` and the fix."""
+    if getattr(tx, "plan", None) is None:
+        raise TypeError(
+            f"{what} has no in-place form (GradientTransformation.plan), which an in-place step needs; wrap it "
+            "with lowbit_tree.in_place(tx) (runs its update and copies the new state into the old tensors) or give "
+            "it a plan"
+        )
+    return tx.plan
 
 
 STEP, SEED, HYPERPARAMS = "step", "seed", "hyperparams"
@@ -78,8 +158,11 @@ def identity() -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return updates, state
 
+    def plan(state, params, *, write=False, leaf_offset=0):
+        return list
+
     update.lowbit_link = ("identity", {})  # chain passes over it when fusing links into a rule
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, plan)
 
 
 def init_count(params: Params) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import Any, Callable, NamedTuple
 import optree
 import torch
 
-from .base import GradientTransformation
+from .base import GradientTransformation, plan_of
 from .tree_utils import broadcast_mask, map_leaves
 
 __all__ = ["chain", "named_chain", "partition", "PartitionState"]
@@ -79,29 +79,52 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     ``trace``) runs together with the elementwise links next to it in one kernel
     call (``_fusion_plan``): the same float operations as running them
     one after the other, without their passes over memory. The links' states
-    advance as if they had run.
+    advance as if they had run. In the in-place form (``plan``), a chain whose rule
+    is fused up to its last link (learning rate, optional stochastic rounding) writes
+    the params in the same kernel.
     """
-    plan = _fusion_plan(transforms)
+    fplan = _fusion_plan(transforms)
+    last = len(transforms) - 1
 
-    def update(updates, state, params=None, **extra):
+    def check(state):
         if len(state) != len(transforms):
             raise ValueError(f"chain of {len(transforms)} transformations got a state of length {len(state)}")
-        write = extra.pop("_write_params", False)
+
+    def update(updates, state, params=None, **extra):
+        check(state)
         new_states = list(state)
-        last = len(transforms) - 1
         i = 0
         while i <= last:
-            if plan is not None and i == plan.start:
-                updates, i = _run_fused(plan, transforms, updates, state, new_states, params, write and plan.end > last,
-                                        extra)
+            if fplan is not None and i == fplan.start:
+                updates = _run_fused(fplan, transforms, updates, state, new_states, params, extra)
+                i = fplan.end
                 continue
-            t = transforms[i]
-            link_extra = dict(extra, _write_params=True) if write and i == last else extra
-            updates, new_states[i] = t.update(updates, state[i], params, **link_extra)
+            updates, new_states[i] = transforms[i].update(updates, state[i], params, **extra)
             i += 1
         return updates, tuple(new_states)
 
-    return GradientTransformation(_init_chain(transforms), update)
+    def plan(state, params, *, write=False, leaf_offset=0):
+        check(state)
+        steps = []
+        i = 0
+        while i <= last:
+            if fplan is not None and i == fplan.start:
+                steps.extend(_plan_fused(fplan, transforms, state, params, write and fplan.end > last, leaf_offset))
+                i = fplan.end
+                continue
+            what = f"link {i} of the chain"
+            steps.append(plan_of(transforms[i], what)(state[i], params, write=write and i == last,
+                                                      leaf_offset=leaf_offset))
+            i += 1
+
+        def step(updates: list) -> list:
+            for s in steps:
+                updates = s(updates)
+            return updates
+
+        return step
+
+    return GradientTransformation(_init_chain(transforms), update, plan)
 
 
 def _init_chain(transforms):
@@ -113,33 +136,54 @@ def _init_chain(transforms):
     return init
 
 
-def _run_fused(plan: _Plan, transforms, updates, state, new_states, params, may_write: bool, extra: dict):
-    """Run links ``[plan.start, plan.end)`` as one kernel call; returns ``(updates, plan.end)``."""
-    from .transform import Fusion
+def _info(transforms, i) -> dict:
+    return _kind(transforms[i])[1]
 
-    def info(i):
-        return _kind(transforms[i])[1]
+
+def _run_fused(plan: _Plan, transforms, updates, state, new_states, params, extra: dict):
+    """Run links ``[plan.start, plan.end)`` as one kernel call (the pure form; a stochastic
+    rounding link, fused only when params are written in place, runs on its own)."""
+    from .transform import Fusion
 
     lr = None
     if plan.lr is not None:
-        lr, new_states[plan.lr] = info(plan.lr)["fused"](state[plan.lr])
-    write = may_write and lr is not None and params is not None
-    sr_key = None
-    if plan.sr is not None and write:
-        sr_key, new_states[plan.sr] = info(plan.sr)["fused"](state[plan.sr])
+        lr, new_states[plan.lr] = _info(transforms, plan.lr)["fused"](state[plan.lr])
     fusion = Fusion(
         maximize=plan.flip is not None,
-        l2=None if plan.l2 is None else info(plan.l2)["weight_decay"],
-        decay=None if plan.decay is None else info(plan.decay)["weight_decay"],
+        l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
+        decay=None if plan.decay is None else _info(transforms, plan.decay)["weight_decay"],
         lr=lr,
-        sr_key=sr_key,
-        leaf_offset=extra.get("_leaf_offset", 0),
     )
-    rule_extra = dict(extra, _fusion=fusion, _write_params=write)
-    updates, new_states[plan.rule] = transforms[plan.rule].update(updates, state[plan.rule], params, **rule_extra)
-    if plan.sr is not None and not write:  # not fused after all: the link runs on its own
+    fused_update = _info(transforms, plan.rule)["fused_update"]
+    updates, new_states[plan.rule] = fused_update(updates, state[plan.rule], params, fusion)
+    if plan.sr is not None:
         updates, new_states[plan.sr] = transforms[plan.sr].update(updates, state[plan.sr], params, **extra)
-    return updates, plan.end
+    return updates
+
+
+def _plan_fused(plan: _Plan, transforms, state, params, may_write: bool, leaf_offset: int) -> list:
+    """The steps of links ``[plan.start, plan.end)`` in place: the rule's plan with the links
+    fused, then (if params are not written in the kernel) the stochastic-rounding link's own."""
+    from .transform import Fusion
+
+    lr = None if plan.lr is None else _info(transforms, plan.lr)["fused_"](state[plan.lr])
+    write = may_write and lr is not None
+    sr = None
+    if plan.sr is not None and write:
+        sr = _info(transforms, plan.sr)["fused_"](state[plan.sr])
+    fusion = Fusion(
+        maximize=plan.flip is not None,
+        l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
+        decay=None if plan.decay is None else _info(transforms, plan.decay)["weight_decay"],
+        lr=lr,
+        sr_key=sr,
+    )
+    fused_plan = _info(transforms, plan.rule)["fused_plan"]
+    steps = [fused_plan(state[plan.rule], params, fusion, write=write, leaf_offset=leaf_offset)]
+    if plan.sr is not None and not write:
+        steps.append(plan_of(transforms[plan.sr], "the stochastic-rounding link")(
+            state[plan.sr], params, write=False, leaf_offset=leaf_offset))
+    return steps
 
 
 def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -157,7 +201,19 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
             updates, new_state[n] = t.update(updates, state[n], params, **extra)
         return updates, new_state
 
-    return GradientTransformation(init, update)
+    def plan(state, params, *, write=False, leaf_offset=0):
+        steps = [plan_of(t, f"named_chain link {n!r}")(state[n], params, write=write and k == len(transforms) - 1,
+                                                        leaf_offset=leaf_offset)
+                 for k, (n, t) in enumerate(transforms)]
+
+        def step(updates: list) -> list:
+            for s in steps:
+                updates = s(updates)
+            return updates
+
+        return step
+
+    return GradientTransformation(init, update, plan)
 
 
 class PartitionState(NamedTuple):
@@ -205,7 +261,24 @@ def partition(transforms: dict[str, GradientTransformation], labels: Any | Calla
             new_updates = map_leaves(lambda u, lb, su: su if lb == k else u, new_updates, lab, sub_updates)
         return new_updates, PartitionState(new_states)
 
-    return GradientTransformation(init, update)
+    def plan(state, params, *, write=False, leaf_offset=0):
+        lab = optree.tree_leaves(full_labels(params), none_is_leaf=True)
+        steps = [(k, plan_of(t, f"partition {k!r}")(state.inner_states[k], _select(params, full_labels(params), k),
+                                                    write=write, leaf_offset=leaf_offset))
+                 for k, t in transforms.items()]
+
+        def step(updates: list) -> list:
+            out = list(updates)
+            for k, s in steps:
+                sub = s([u if lb == k else None for u, lb in zip(updates, lab)])
+                for i, lb in enumerate(lab):
+                    if lb == k:
+                        out[i] = sub[i]
+            return out
+
+        return step
+
+    return GradientTransformation(init, update, plan)
 
 
 torch.serialization.add_safe_globals([PartitionState])

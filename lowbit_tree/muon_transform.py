@@ -43,7 +43,7 @@ from . import kernels, moments
 from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
-from .transform import _run_rule
+from .transform import Fusion, _run_rule
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -264,12 +264,12 @@ def scale_by_muon(
 
         return ScaleByMuonState(init_count(params), map_leaves(buffer, params))
 
-    def update(updates, state, params=None, **extra):
+    def run(updates, state, params, inplace: bool, offset: int):
+        """One step; ``inplace``: the state's own tensors take the new buffer."""
         g_leaves, treespec = flatten(updates)
         for g in g_leaves:
             if g is not None and g.ndim != 2:
                 raise ValueError(f"Muon takes 2-D gradients (matrices), got shape {tuple(g.shape)}")
-        offset = extra.get("_leaf_offset", 0)
         old_leaves = treespec.flatten_up_to(state.trace)
         low = [i for i, g in enumerate(g_leaves) if g is not None and isinstance(old_leaves[i], LowRankQTensor)]
         rule_grads, rule_trace, old_low = updates, state.trace, {}
@@ -281,7 +281,8 @@ def scale_by_muon(
                 t2[i] = kernels.dequantize_fast(rec.residual)  # a new tensor: the rule's scratch state
                 g2[i] = g_leaves[i].float().sub(old_low[i])
             rule_grads, rule_trace = treespec.unflatten(g2), treespec.unflatten(t2)
-        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, extra)
+        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, Fusion(),
+                                         inplace=inplace, leaf_offset=offset)
         u_leaves = treespec.flatten_up_to(u_tree)
         b_leaves = treespec.flatten_up_to(new_trace)
         where = [i for i, g in enumerate(g_leaves) if g is not None]  # empty ones too: a shard may be empty
@@ -298,7 +299,6 @@ def scale_by_muon(
         if len(results) != len(inputs):
             raise RuntimeError(f"orthogonalize returned {len(results)} results for {len(inputs)} inputs")
         if low:
-            inplace = bool(extra.get("_inplace_state"))
             for k, i in enumerate(where):
                 if i not in old_low:
                     continue
@@ -331,9 +331,23 @@ def scale_by_muon(
                 t = p * (1.0 - lr * wd)  # then in place on this new tensor: the same ops, one buffer
                 t.add_(o, alpha=-(lr * adjust_lr_ratio(shape, adjust_lr_fn)))
                 out[i] = t.sub_(p)
-        return treespec.unflatten(out), ScaleByMuonState(state.count + 1, new_trace)
+        return treespec.unflatten(out), new_trace
 
-    return GradientTransformation(init, update)
+    def update(updates, state, params=None, **extra):
+        out, new_trace = run(updates, state, params, False, 0)
+        return out, ScaleByMuonState(state.count + 1, new_trace)
+
+    def plan(state, params, *, write=False, leaf_offset=0):
+        treespec = flatten(params)[1]
+
+        def step(updates: list) -> list:
+            out, _ = run(treespec.unflatten(list(updates)), state, params, True, leaf_offset)
+            state.count.add_(1)
+            return treespec.flatten_up_to(out)
+
+        return step
+
+    return GradientTransformation(init, update, plan)
 
 
 torch.serialization.add_safe_globals([ScaleByMuonState])

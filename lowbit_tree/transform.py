@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import kernels, moments
-from .base import STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .base import STEP, EmptyState, GradientTransformation, ScalarOrSchedule, _pure_plan, init_count, scalar_value
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -88,52 +88,53 @@ class Fusion(NamedTuple):
     before), ``l2`` (an :func:`add_decayed_weights` before: L2 decay of the
     gradient), ``decay`` (one after: decoupled decay), ``lr`` (the learning-rate
     factor's negative, from :func:`scale_by_learning_rate`), ``sr_key`` (a final
-    :func:`~lowbit_tree.stochastic_rounding` when params are written in place)."""
+    :func:`~lowbit_tree.stochastic_rounding` when params are written in place).
+
+    In a rule's ``update`` these are this step's values. In its plan, ``lr`` and
+    ``sr_key`` are functions of no argument, called once a step: each returns that
+    step's value and advances its link's state in place."""
 
     maximize: bool = False
     l2: Any = None
     decay: Any = None
     lr: Any = None
     sr_key: Any = None
-    leaf_offset: int = 0
 
 
-def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, extra: dict):
-    """One rule's step on a tree: every leaf with a gradient goes to the kernels in
-    one call. Returns ``(updates, new state trees)``. With ``extra["_fusion"]`` (from
-    :func:`~lowbit_tree.chain`) the fused links run in the same kernel; with
-    ``_inplace_state`` the old state's tensors are overwritten, and with
-    ``_write_params`` (and a fused learning rate) the params are updated in place
-    and their updates come back as ``None``."""
-    fusion = extra.get("_fusion") or Fusion()
-    spec = dataclasses.replace(
-        spec, maximize=fusion.maximize, l2=fusion.l2 is not None, decay=fusion.decay is not None,
-        lr=fusion.lr is not None,
+def _fused_spec(spec: kernels.StepSpec, fusion: Fusion) -> kernels.StepSpec:
+    return dataclasses.replace(spec, maximize=fusion.maximize, l2=fusion.l2 is not None,
+                               decay=fusion.decay is not None, lr=fusion.lr is not None)
+
+
+def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.Tensor:
+    return kernels.step_hyperparams(
+        spec, count=count, **rule_hyper, lr=0.0 if lr is None else lr,
+        weight_decay=0.0 if fusion.decay is None else fusion.decay, l2=0.0 if fusion.l2 is None else fusion.l2,
+        device=device,
     )
+
+
+def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,
+              *, inplace: bool = False, leaf_offset: int = 0):
+    """One rule's pure step on a tree (``inplace``: the states' tensors are overwritten, for
+    a plan that could not hold the leaves fixed): every leaf with a gradient goes to the
+    kernels in one call, with the ``fusion``'s links. Returns ``(updates, new state trees)``."""
+    spec = _fused_spec(spec, fusion)
     g_leaves, treespec = flatten(updates)
     per_state = [treespec.flatten_up_to(t) for t in state_trees]
     p_leaves = treespec.flatten_up_to(params) if params is not None else [None] * len(g_leaves)
     if spec.needs_param and params is None:
         raise ValueError("add_decayed_weights needs params: call update(updates, state, params)")
-    write = bool(extra.get("_write_params")) and spec.lr and params is not None
     leaves, where = [], []
     for i, g in enumerate(g_leaves):
         if g is None:
             continue
-        leaves.append(kernels.StepLeaf(p_leaves[i], g, tuple(s[i] for s in per_state), fusion.leaf_offset + i))
+        leaves.append(kernels.StepLeaf(p_leaves[i], g, tuple(s[i] for s in per_state), leaf_offset + i))
         where.append(i)
     if not leaves:
         return updates, state_trees
-    device = leaves[0].grad.device
-    hyper = kernels.step_hyperparams(
-        spec, count=count, **rule_hyper, lr=0.0 if fusion.lr is None else fusion.lr,
-        weight_decay=0.0 if fusion.decay is None else fusion.decay, l2=0.0 if fusion.l2 is None else fusion.l2,
-        device=device,
-    )
-    outs, news = kernels.run_step(
-        spec, hyper, leaves, write=write, inplace=bool(extra.get("_inplace_state")),
-        sr_key=fusion.sr_key if write else None,
-    )
+    hyper = _hyper(spec, rule_hyper, count, fusion, fusion.lr, leaves[0].grad.device)
+    outs, news = kernels.run_step(spec, hyper, leaves, inplace=inplace)
     new_updates = list(g_leaves)
     new_states = [list(s) for s in per_state]
     for k, i in enumerate(where):
@@ -141,6 +142,78 @@ def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tu
         for j in range(len(state_trees)):
             new_states[j][i] = news[k][j]
     return treespec.unflatten(new_updates), tuple(treespec.unflatten(s) for s in new_states)
+
+
+class _RulePlan:
+    """A rule's in-place step over fixed leaves (the rule's plan): the kernel plan of its
+    leaves (:class:`~lowbit_tree.kernels.plan.KernelPlan`), built once; a call computes this
+    step's hyperparameter vector and runs it. Params are written in place when ``write`` and
+    a learning rate is fused."""
+
+    def __init__(self, spec, rule_hyper, state_trees: tuple, count, params, fusion: Fusion, write: bool,
+                 leaf_offset: int):
+        from .kernels.plan import KernelPlan
+
+        if params is None:
+            raise ValueError("a rule's plan needs the params tree (plan(state, params))")
+        self.spec = spec = _fused_spec(spec, fusion)
+        self.rule_hyper, self.count, self.fusion = rule_hyper, count, fusion
+        p_leaves, treespec = flatten(params)
+        per_state = [treespec.flatten_up_to(t) for t in state_trees]
+        self.where = [i for i, p in enumerate(p_leaves) if all(s[i] is not None for s in per_state)]
+        self.write = bool(write and spec.lr)
+        self.kernel = KernelPlan(spec, [p_leaves[i] for i in self.where],
+                                 [tuple(s[i] for s in per_state) for i in self.where],
+                                 [leaf_offset + i for i in self.where], write=self.write)
+
+    def __call__(self, updates: list) -> list:
+        fusion, count = self.fusion, self.count
+        lr = fusion.lr() if fusion.lr is not None else None
+        sr_key = fusion.sr_key() if (fusion.sr_key is not None and self.write) else None
+        grads = [updates[i] for i in self.where]
+        out = list(updates)
+        device = next((g.device for g in grads if g is not None), None)
+        if device is not None:
+            rule_hyper = self.rule_hyper(count) if callable(self.rule_hyper) else self.rule_hyper
+            hyper = _hyper(self.spec, rule_hyper, 0 if count is None else count, fusion, lr, device)
+            for i, u in zip(self.where, self.kernel.run(grads, hyper, sr_key)):
+                out[i] = u
+        if count is not None:
+            count.add_(1)
+        return out
+
+
+def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, init) -> GradientTransformation:
+    """A rule as a transformation: its pure ``update``, its ``plan``, and the fused forms
+    :func:`~lowbit_tree.chain` calls with the links around it (``trees_of(state)``: the
+    rule's state trees in its order; ``rebuild(state, new trees)``: the next state;
+    ``rule_hyper(count)`` or a dict: this step's rule hyperparameters; ``count_of(state)``:
+    its step count tensor, or ``None``)."""
+
+    def hyper_at(count):
+        return rule_hyper(count) if callable(rule_hyper) else rule_hyper
+
+    def fused_update(updates, state, params, fusion: Fusion):
+        count = count_of(state)
+        updates, new = _run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
+                                 0 if count is None else count, fusion)
+        return updates, rebuild(state, new)
+
+    def update(updates, state, params=None, **extra):
+        return fused_update(updates, state, params, Fusion())
+
+    def fused_plan(state, params, fusion: Fusion, *, write: bool = False, leaf_offset: int = 0):
+        return _RulePlan(spec, rule_hyper, trees_of(state), count_of(state), params, fusion, write, leaf_offset)
+
+    def plan(state, params, *, write=False, leaf_offset=0):
+        return fused_plan(state, params, Fusion(), write=write, leaf_offset=leaf_offset)
+
+    update.lowbit_link = ("rule", {"fused_update": fused_update, "fused_plan": fused_plan})
+    return GradientTransformation(init, update, plan)
+
+
+def _count(state):
+    return state.count
 
 
 def _link(update, kind: str, **info):
@@ -194,14 +267,14 @@ def scale_by_adam(
         nu_max = map_leaves(moment(False), params) if amsgrad else None
         return ScaleByAdamState(init_count(params), mu, nu, nu_max)
 
-    spec = kernels.StepSpec("adam", amsgrad=amsgrad)
+    def trees_of(state):
+        return (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
 
-    def update(updates, state, params=None, **extra):
-        trees = (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
-        updates, new = _run_rule(spec, dict(b1=b1, b2=b2, eps=eps), updates, trees, params, state.count, extra)
-        return updates, ScaleByAdamState(state.count + 1, new[0], new[1], new[2] if amsgrad else None)
+    def rebuild(state, new):
+        return ScaleByAdamState(state.count + 1, new[0], new[1], new[2] if amsgrad else None)
 
-    return GradientTransformation(init, _link(update, "rule"))
+    return _rule_link(kernels.StepSpec("adam", amsgrad=amsgrad), trees_of, rebuild, dict(b1=b1, b2=b2, eps=eps),
+                      _count, init)
 
 
 def scale_by_lion(
@@ -222,13 +295,10 @@ def scale_by_lion(
         )
         return ScaleByLionState(init_count(params), mu)
 
-    spec = kernels.StepSpec("lion")
+    def rebuild(state, new):
+        return ScaleByLionState(state.count + 1, new[0])
 
-    def update(updates, state, params=None, **extra):
-        updates, (mu,) = _run_rule(spec, dict(b1=b1, b2=b2), updates, (state.mu,), params, state.count, extra)
-        return updates, ScaleByLionState(state.count + 1, mu)
-
-    return GradientTransformation(init, _link(update, "rule"))
+    return _rule_link(kernels.StepSpec("lion"), lambda state: (state.mu,), rebuild, dict(b1=b1, b2=b2), _count, init)
 
 
 def ademamix_warmups(count, b1, b3, alpha, t_alpha: int | None, t_beta3: int | None):
@@ -309,16 +379,15 @@ def scale_by_ademamix(
             map_leaves(moment(True, slow_format), params),
         )
 
-    spec = kernels.StepSpec("ademamix")
+    def rule_hyper(count):
+        b3_t, alpha_t = ademamix_warmups(count, b1, b3, alpha, t_alpha, t_beta3)
+        return dict(b1=b1, b2=b2, eps=eps, b3=b3_t, alpha=alpha_t)
 
-    def update(updates, state, params=None, **extra):
-        b3_t, alpha_t = ademamix_warmups(state.count, b1, b3, alpha, t_alpha, t_beta3)
-        trees = (state.mu, state.nu, state.mu_slow)
-        updates, new = _run_rule(spec, dict(b1=b1, b2=b2, eps=eps, b3=b3_t, alpha=alpha_t), updates, trees, params,
-                                 state.count, extra)
-        return updates, ScaleByAdEMAMixState(state.count + 1, *new)
+    def rebuild(state, new):
+        return ScaleByAdEMAMixState(state.count + 1, *new)
 
-    return GradientTransformation(init, _link(update, "rule"))
+    return _rule_link(kernels.StepSpec("ademamix"), lambda state: (state.mu, state.nu, state.mu_slow), rebuild,
+                      rule_hyper, _count, init)
 
 
 def trace(
@@ -343,13 +412,8 @@ def trace(
         )
         return TraceState(buf)
 
-    spec = kernels.StepSpec("momentum", nesterov=nesterov)
-
-    def update(updates, state, params=None, **extra):
-        updates, (buf,) = _run_rule(spec, dict(b1=momentum), updates, (state.trace,), params, 0, extra)
-        return updates, TraceState(buf)
-
-    return GradientTransformation(init, _link(update, "rule"))
+    return _rule_link(kernels.StepSpec("momentum", nesterov=nesterov), lambda state: (state.trace,),
+                      lambda state, new: TraceState(new[0]), dict(b1=momentum), lambda state: None, init)
 
 
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
@@ -373,7 +437,7 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = No
 
         return map_leaves(leaf, updates, params), state
 
-    tx = GradientTransformation(init, _link(update, "decay", weight_decay=weight_decay))
+    tx = GradientTransformation(init, _link(update, "decay", weight_decay=weight_decay), _pure_plan(update))
     if mask is not None:
         from .wrappers import masked
 
@@ -393,7 +457,7 @@ def flip_sign() -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return map_leaves(lambda u: None if u is None else -u.float(), updates), state
 
-    return GradientTransformation(init, _link(update, "flip"))
+    return GradientTransformation(init, _link(update, "flip"), _pure_plan(update))
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -405,7 +469,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return map_leaves(lambda u: None if u is None else u.float() * step_size, updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, _pure_plan(update))
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -429,7 +493,15 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         lr = scalar_value(learning_rate, state.count)
         return (lr if flip_sign else -lr), ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init, _link(update, "lr", fused=fused))
+    def fused_(state):  # in a plan: a function giving each step's kernel lr, advancing the count in place
+        def value():
+            lr = scalar_value(learning_rate, state.count)
+            state.count.add_(1)
+            return lr if flip_sign else -lr
+
+        return value
+
+    return GradientTransformation(init, _link(update, "lr", fused=fused, fused_=fused_), _pure_plan(update))
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
@@ -451,7 +523,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
         factor = max_norm / torch.clamp(norm, min=max_norm)
         return map_leaves(lambda u: None if u is None else u.float() * factor, updates), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, _pure_plan(update))
 
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .base import SEED, STEP, GradientTransformation
+from .base import SEED, STEP, GradientTransformation, plan_of
 from .rounding import stochastic_round
 from . import kernels
 from .kernels import buffers, native
@@ -22,6 +22,7 @@ from .tree_utils import flatten
 __all__ = [
     "apply_updates",
     "step_",
+    "apply_rest_",
     "stochastic_round",
     "stochastic_rounding",
     "StochasticRoundingState",
@@ -81,23 +82,29 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
     return spec.unflatten(out)
 
 
-def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, **extra) -> Any:
+def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, *, leaf_offset: int = 0) -> Any:
     """``updates, state = tx.update(grads, state, params)`` then ``params = apply_updates(params,
     updates)``, **in place**, for a caller that gives up the old state and param values
-    (as a ``torch.optim`` optimizer does).
+    (as a ``torch.optim`` optimizer does): ``tx.plan(state, params, write=True)`` run once.
 
     The rules' kernels overwrite the state's tensors instead of allocating new ones,
     and when a chain's rule is fused up to its last link (learning rate, optional
     stochastic rounding), they write each param in place too. The result is the same,
-    bit for bit, as the pure path. Returns the new state; its records share storage
-    with ``state``'s, which must not be used afterwards.
+    bit for bit, as the pure path. Returns ``state``, whose tensors now hold the new
+    state. A caller stepping the same state and params again and again builds the plan
+    once and calls it (as :class:`bridge.LowBitOptimizer` does).
     """
-    updates, new_state = tx.update(grads, state, params, _inplace_state=True, _write_params=True, **extra)
+    step = plan_of(tx)(state, params, write=True, leaf_offset=leaf_offset)
     leaves, spec = flatten(params)
-    for p, u in zip(leaves, spec.flatten_up_to(updates)):
-        if p is not None and u is not None:  # not written by a kernel: apply here
+    apply_rest_(leaves, step(spec.flatten_up_to(grads)))
+    return state
+
+
+def apply_rest_(params: list, updates: list) -> None:
+    """Add to each param, in place, the update a planned step left for it (``None``: none)."""
+    for p, u in zip(params, updates):
+        if p is not None and u is not None:
             p.copy_(p.to(_compute_dtype(p)) + u.to(_compute_dtype(p)))
-    return new_state
 
 
 class StochasticRoundingState(NamedTuple):
@@ -133,13 +140,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
             torch.tensor(seed, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.int64, device=device)
         )
 
-    def update(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("stochastic_rounding needs params: call update(updates, state, params)")
-        key = rounding_key(state)
-        offset = extra.get("_leaf_offset", 0)
-        leaves, spec = flatten(params)
-        ups = spec.flatten_up_to(updates)
+    def targets(leaves: list, ups: list, key: torch.Tensor, offset: int) -> list:
         out = []
         for i, (p, u) in enumerate(zip(leaves, ups)):
             if p is None or u is None or p.dtype != torch.bfloat16:
@@ -147,13 +148,35 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
                 continue
             target = stochastic_round(p.float() + u.float(), torch.bfloat16, key, offset + i)
             out.append(target.float() - p.float())
+        return out
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("stochastic_rounding needs params: call update(updates, state, params)")
+        leaves, spec = flatten(params)
+        out = targets(leaves, spec.flatten_up_to(updates), rounding_key(state), 0)
         return spec.unflatten(out), StochasticRoundingState(state.seed, state.count + 1)
 
-    def fused(state):  # chain's fused form: (the key, the link's new state)
-        return rounding_key(state), StochasticRoundingState(state.seed, state.count + 1)
+    def plan(state, params, *, write=False, leaf_offset=0):
+        leaves = flatten(params)[0]
 
-    update.lowbit_link = ("sr", {"fused": fused})
-    return GradientTransformation(init, update)
+        def step(updates: list) -> list:
+            out = targets(leaves, updates, rounding_key(state), leaf_offset)
+            state.count.add_(1)
+            return out
+
+        return step
+
+    def fused_(state):  # in a chain's plan: each step's key, advancing the count in place
+        def value():
+            key = rounding_key(state)
+            state.count.add_(1)
+            return key
+
+        return value
+
+    update.lowbit_link = ("sr", {"fused_": fused_})
+    return GradientTransformation(init, update, plan)
 
 
 torch.serialization.add_safe_globals([StochasticRoundingState])

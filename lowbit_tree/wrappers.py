@@ -5,9 +5,10 @@ import inspect
 import numbers
 from typing import Any, Callable, Iterable, NamedTuple
 
+import optree
 import torch
 
-from .base import HYPERPARAMS, STEP, GradientTransformation, init_count
+from .base import HYPERPARAMS, STEP, GradientTransformation, init_count, plan_of
 from .tree_utils import broadcast_mask, map_leaves
 
 __all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState", "STATIC_HYPERPARAMS"]
@@ -42,7 +43,19 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> G
         new = map_leaves(lambda u, keep, iu: iu if keep else u, updates, m, inner_updates)
         return new, MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    def plan(state, params, *, write=False, leaf_offset=0):
+        m = broadcast_mask(mask, params)
+        keep = optree.tree_leaves(m, none_is_leaf=True)
+        inner_step = plan_of(inner, "masked's inner transformation")(state.inner_state, select(params, m), write=write,
+                                                                     leaf_offset=leaf_offset)
+
+        def step(updates: list) -> list:
+            sub = inner_step([u if k else None for u, k in zip(updates, keep)])
+            return [s if k else u for u, s, k in zip(updates, sub, keep)]
+
+        return step
+
+    return GradientTransformation(init, update, plan)
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -93,7 +106,9 @@ def inject_hyperparams(
     is a schedule, evaluated at ``state.count`` each step and its value stored
     there. Write a new 0-d tensor into ``state.hyperparams[name]`` (e.g. the
     learning rate) to change it: a compiled ``update`` sees a new input value,
-    not a new program, so nothing recompiles. Arguments named in
+    not a new program, so nothing recompiles. The factory is called once per device:
+    its transformation closes over 0-d tensors that each step overwrites with the
+    state's values (numbers change, structure never does). Arguments named in
     ``static_args`` or ``STATIC_HYPERPARAMS``, and non-numeric ones
     (str, bool, None, trees), are passed through unchanged. Arguments left at
     their defaults are not injected (as in optax).
@@ -113,30 +128,65 @@ def inject_hyperparams(
                 schedules[name] = value
             else:
                 static[name] = value
+        names = list(numeric) + list(schedules)
+        built: dict = {}  # device -> (the transformation, its hyperparameter tensors)
 
         def as_tensor(value, device):
             return torch.as_tensor(value, dtype=hyperparam_dtype, device=device).reshape(())
 
-        def build(hyperparams):
-            return factory(**static, **hyperparams)
+        def inner(device):
+            """The factory's transformation on ``device``, built once: its numeric arguments are
+            0-d tensors that each step overwrites with that step's values."""
+            hit = built.get(device)
+            if hit is None:
+                slots = {k: torch.zeros((), dtype=hyperparam_dtype, device=device) for k in names}
+                hit = built[device] = (factory(**static, **slots), slots)
+            return hit
+
+        def load(slots: dict, hyperparams: dict) -> None:
+            for k, t in slots.items():
+                t.copy_(hyperparams[k])
 
         def init(params):
             count = init_count(params)
             hyperparams = {k: as_tensor(v, count.device) for k, v in numeric.items()}
             hyperparams.update({k: as_tensor(s(count), count.device) for k, s in schedules.items()})
-            return InjectHyperparamsState(count, hyperparams, build(hyperparams).init(params))
+            tx, slots = inner(count.device)
+            load(slots, hyperparams)
+            return InjectHyperparamsState(count, hyperparams, tx.init(params))
 
-        def update(updates, state, params=None, **extra):
+        def current(state) -> dict:
             device = state.count.device
             hyperparams = {
                 k: v if isinstance(v, torch.Tensor) and v.dtype == hyperparam_dtype else as_tensor(v, device)
                 for k, v in state.hyperparams.items()
             }
             hyperparams.update({k: s(state.count).to(hyperparam_dtype) for k, s in schedules.items()})
-            updates, inner = build(hyperparams).update(updates, state.inner_state, params, **extra)
-            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner)
+            return hyperparams
 
-        return GradientTransformation(init, update)
+        def update(updates, state, params=None, **extra):
+            hyperparams = current(state)
+            tx, slots = inner(state.count.device)
+            load(slots, hyperparams)
+            updates, inner_state = tx.update(updates, state.inner_state, params, **extra)
+            return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
+
+        def plan(state, params, *, write=False, leaf_offset=0):
+            tx, slots = inner(state.count.device)
+            inner_step = plan_of(tx, f"{getattr(factory, '__name__', 'the factory')}'s transformation")(
+                state.inner_state, params, write=write, leaf_offset=leaf_offset)
+
+            def step(updates: list) -> list:
+                for k, s in schedules.items():
+                    state.hyperparams[k].copy_(s(state.count))
+                load(slots, state.hyperparams)
+                out = inner_step(updates)
+                state.count.add_(1)
+                return out
+
+            return step
+
+        return GradientTransformation(init, update, plan)
 
     return wrapped
 

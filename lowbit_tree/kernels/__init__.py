@@ -317,6 +317,7 @@ def run_step(
     jobs, rank1_jobs = [], []  # native jobs; those with rank-1 states run in chunks (_RANK1_CHUNK)
     waits: list = []  # _Rank1Wait, in leaf order: finished in that order on every rank
     rank1_numel = 0
+    batched: list = []  # leaves for the compiled backend
     backends: dict = {}  # device -> backend, decided once per call
 
     def finish_waits():
@@ -380,13 +381,40 @@ def run_step(
                     finish_waits()
             else:
                 jobs.append(job)
+        elif which == "compiled" and not any(_is_rank1(s) for s in leaf.states):
+            batched.append(i)  # stepped below, with the others of its static combination
         else:
             if which == "native":
                 which = "eager"
             outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
     native.run_jobs(_hyper_jobs(jobs, hyper))
+    _compiled_leaves(spec, hyper, leaves, batched, write, inplace, sr_key, outs, news)
     finish_waits()
     return outs, [tuple(n) for n in news]
+
+
+def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: bool, sr_key, outs: list, news: list):
+    """Leaves ``which`` on the compiled backend: one call per chunk of a static combination
+    (:func:`.torch_backend.step_leaves`), bf16 params written with stochastic rounding apart
+    from the others (a static flag of the graph)."""
+    for stochastic in (False, True):
+        chosen = [i for i in which if (write and sr_key is not None and leaves[i].param.dtype is torch.bfloat16)
+                  == stochastic]
+        if not chosen:
+            continue
+        items = [(leaves[i].param, leaves[i].grad, leaves[i].states, leaves[i].index) for i in chosen]
+        results = torch_backend.step_leaves(spec, hyper, items, write=write, sr=stochastic,
+                                            key=sr_key if stochastic else None)
+        for i, (out, new) in zip(chosen, results):
+            states = leaves[i].states
+            if inplace:
+                for old, n in zip(states, new):
+                    _copy_leaf_(old, n)
+                new = list(states)
+            if write:
+                leaves[i].param.copy_(out)
+                out = None
+            outs[i], news[i] = out, list(new)
 
 
 def _hyper_jobs(jobs: list, hyper: torch.Tensor) -> list:

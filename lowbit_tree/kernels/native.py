@@ -37,7 +37,7 @@ from .tables import cpu_code_table
 
 __all__ = [
     "available", "build_error", "library", "quantize", "dequantize", "apply", "rank1_encode",
-    "NativeState", "NativeJob", "run_jobs", "RULE_IDS",
+    "NativeState", "NativeJob", "run_jobs", "run_rows", "RULE_IDS",
 ]
 
 _SOURCE = Path(__file__).with_name("cpu.c")
@@ -501,3 +501,9 @@ def run_jobs(jobs: list) -> None:
         flat.extend(job_row(job, h))
         total += job.rows * job.r
     library().lbt_step_jobs(len(jobs), flat.buffer_info()[0], _threads(total))
+
+
+def run_rows(rows: array.array, njobs: int, numel: int) -> None:
+    """Run ``njobs`` rows built by :func:`job_row` (and since rewritten only where a step
+    changes them: :class:`lowbit_tree.kernels.plan.KernelPlan`), over ``numel`` elements."""
+    library().lbt_step_jobs(njobs, rows.buffer_info()[0], _threads(numel))

@@ -1,0 +1,83 @@
+"""A param group's step, built once: the core's in-place plan over the group's live states.
+
+:class:`GroupPlan` binds the core state tree of the group's params with gradients to their
+states in ``optimizer.state`` (:mod:`bridge.state_tree`), builds the transformation's in-place
+form once (``tx.plan``: :class:`lowbit_tree.base.GradientTransformation`), and keeps what a
+step has to set: the injected hyperparameters, the step counts and seeds of the state tree.
+A step then checks that nothing it holds has been replaced, writes this step's numbers and
+calls the plan.
+
+Step counts: torch.optim keeps one ``step`` tensor per param; a plan's params share one
+count (they are batched by it), so their ``step`` tensors become 0-d views of one tensor
+of the plan, and one ``add_`` advances them all. A ``step`` tensor replaced (a loaded state
+dict) or changed in place (its version counter moves) rebuilds the plan.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowbit_tree.base import plan_of
+
+from .distributed import to_local
+
+__all__ = ["GroupPlan"]
+
+
+class GroupPlan:
+    """The in-place step of one param group over the params at positions ``present`` (those
+    with gradients), all at step count ``count``."""
+
+    def __init__(self, opt, tx, binding, params: list, present: tuple, numeric: dict, offset: int, what: str):
+        self.present = present
+        self.params = [params[i] for i in present]
+        self.locals = [to_local(p) for p in self.params]
+        self.states = [opt.state[p] for p in self.params]
+        live: list = [None] * len(params)
+        for i, p, st in zip(present, self.params, self.states):
+            live[i] = opt._live(p, st)
+        self.held = [tuple(v for k, v in st.items() if k != "step") for st in self.states]
+        self.hyper = {k: torch.zeros((), dtype=torch.float64, device="cpu") for k in numeric}
+        tree, self.counts, self.seeds = binding.tree(live, self.hyper)
+        self.count = int(float(self.states[0]["step"])) if self.states else 0
+        # one tensor of step counts; each param's "step" a view of it (module docstring)
+        self.steps = torch.full((len(self.params),), float(self.count), dtype=torch.float32, device="cpu")
+        self.views = [self.steps[k] for k in range(len(self.params))]
+        for st, v in zip(self.states, self.views):
+            st["step"] = v
+        self.version = self.steps._version
+        local_params = [to_local(p) if i in set(present) else None for i, p in enumerate(params)]
+        self.step = plan_of(tx, what)(tree, local_params, write=True, leaf_offset=offset)
+        self.size = len(params)
+
+    def current(self, opt, params: list, present: tuple) -> bool:
+        """Whether this plan still holds: the same params with gradients, the same state
+        objects, step counts untouched since the last step."""
+        if present != self.present or len(params) != self.size or self.steps._version != self.version:
+            return False
+        for p, local, st, held, view in zip(self.params, self.locals, self.states, self.held, self.views):
+            if opt.state.get(p) is not st or st.get("step") is not view or to_local(p) is not local:
+                return False
+            if len(st) != len(held) + 1 or any(a is not b for a, b in zip((v for k, v in st.items() if k != "step"), held)):
+                return False
+        return True
+
+    def run(self, grads: list, numeric: dict, seed: int) -> list:
+        """One step: this step's hyperparameters and counts into the state tree, then the plan.
+        Returns the updates the plan did not write into the params."""
+        for k, v in numeric.items():
+            t = self.hyper[k]
+            if isinstance(v, torch.Tensor):
+                t.copy_(v.detach().reshape(()))
+            else:
+                t.fill_(float(v))
+        for c in self.counts:
+            c.fill_(self.count)
+        for s in self.seeds:
+            s.fill_(seed)
+        rest = self.step(grads)
+        self.steps.add_(1)
+        self.version = self.steps._version
+        self.count += 1
+        return rest
