@@ -6,7 +6,7 @@ Depends on torch, optree and numpy only.
 """
 from .formats import FORMATS, STATE_FORMATS, Format, get_format
 from .qtensor import QTensor, dequantize, has_nonfinite, quantize, row_layout, zeros
-from .base import EmptyState, GradientTransformation, Schedule, identity
+from .base import HYPERPARAMS, SEED, STEP, EmptyState, GradientTransformation, Schedule, identity, in_place, state_roles
 from .combine import PartitionState, chain, named_chain, partition
 from .transform import (
     ScaleByAdamState,
@@ -48,7 +48,8 @@ __all__ = [
     "QTensor", "Rank1QTensor", "quantize", "dequantize", "zeros", "has_nonfinite", "row_layout",
     "Format", "FORMATS", "STATE_FORMATS", "get_format",
     # transformations
-    "GradientTransformation", "Schedule", "EmptyState", "identity",
+    "GradientTransformation", "Schedule", "EmptyState", "identity", "in_place", "state_roles", "STEP", "SEED",
+    "HYPERPARAMS",
     "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "trace", "newton_schulz",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",

@@ -495,7 +495,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
     def fused_(state):  # in a plan: a function giving each step's kernel lr, advancing the count in place
         def value():
-            lr = scalar_value(learning_rate, state.count)
+            lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             state.count.add_(1)
             return lr if flip_sign else -lr
 
