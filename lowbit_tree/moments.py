@@ -90,9 +90,9 @@ def check_state_format(state_format: StateFormat, names: Sequence[str] | None = 
                          f"{state_format!r}")
     for name, fmt in state_format.items():
         if not isinstance(name, str) or (names is not None and name not in names):
-            known = f"the states here are {', '.join(map(repr, names))}" if names is not None else "keys are state names"
-            raise ValueError(f"{argument} has an entry for {name!r}, which is not one of the states here: {known} "
-                             f"(torch.optim's names, as in optimizer.state[p]); name only those, e.g. "
+            known = f"the states are {', '.join(map(repr, names))}" if names is not None else "keys are state names"
+            raise ValueError(f"{argument} names {name!r}, which is not a state here; {known} (torch.optim's "
+                             f"names, as in optimizer.state[p]): name only those, e.g. "
                              f"{argument}={{{names[0] if names else 'exp_avg'!r}: '8bit'}}")
         if not isinstance(fmt, str) or fmt not in STATE_FORMAT_NAMES:
             raise ValueError(f"{argument}[{name!r}] must be one of {STATE_FORMAT_NAMES}, got {fmt!r}")
