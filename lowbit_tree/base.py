@@ -68,7 +68,7 @@ def state_roles(state_type: type) -> dict:
 
 def state_names(*state_types: type) -> tuple[str, ...]:
     """The torch.optim names that state classes declare for their per-param fields (every role
-    but :data:`STEP`, :data:`SEED` and :data:`HYPERPARAMS`), in declaration order, each once:
+    but ``STEP``, ``SEED`` and ``HYPERPARAMS``), in declaration order, each once:
     ``state_names(ScaleByAdamState) == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")``."""
     names: list[str] = []
     for state_type in state_types:
