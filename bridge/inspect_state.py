@@ -5,7 +5,8 @@ Reads, without running any pickled code (``torch.load(weights_only=True)``, DCP 
 - a ``torch.save``d ``LowBitOptimizer.state_dict()`` (or a plain torch.optim one): each
   quantized state is a nested dict ``{"codes", "scale"}`` under its torch name (versions 2 and 3;
   version 1 wrote ``name::codes`` / ``name::scale`` keys, also read); the format comes from
-  the param group's ``state_format`` (first or second moment by state name) and the block
+  the param group's ``state_format`` (first or second moment by state name; a mapping's entry
+  for the state, or the group's own argument for it such as ``slow_state_format``) and the block
   size from its ``block_size`` (or the format's default), checked against the tensors' shapes;
 - a distributed checkpoint (DCP) directory: global shapes and dtypes from its metadata,
   the groups' ``state_format`` / ``block_size`` / version read from the checkpoint, nested
@@ -32,12 +33,13 @@ import lowbit_tree.update  # noqa: F401
 import lowbit_tree.wrappers  # noqa: F401
 from lowbit_tree.formats import STATE_FORMATS, get_format
 from lowbit_tree import records
+from lowbit_tree.moments import FORMAT_ARGUMENTS
 
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
                  "exp_avg_slow": True}
 GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
-OWN_FORMAT_KEYS = {"exp_avg_slow": "slow_state_format"}  # states a group may store in a format of their own
+MAPPING_GROUP_KEYS = ("state_format",)  # group keys whose value may be a mapping (DCP saves one key per entry)
 RECORD_PARTS = ("codes", "scale", "row_max", "col_max", "row_factor", "col_factor")  # the tensors of a quantized
 # state (versions 2 and 3 nest them): a QTensor's, a rank-1 record's, a low-rank record's (Muon's momentum_rank)
 
@@ -102,7 +104,7 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
         rank = parts["row_factor"][0][-1] if len(parts["row_factor"][0]) == 2 else "?"
         return Row(path, f"{row.format}+rank{rank}", row.block, row.shape, nbytes, detail)
     codes, scale = parts.get("codes"), parts.get("scale")
-    state_format = group.get(OWN_FORMAT_KEYS.get(name, "")) or group.get("state_format")
+    state_format = _state_format_of(group, name)
     signed = SIGNED_STATES.get(name)
     if state_format not in STATE_FORMATS or signed is None or codes is None or scale is None:
         return Row(path, f"?({state_format})", "?", codes[0] if codes else (), nbytes, detail)
@@ -121,6 +123,17 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     if packed:  # two codes a byte: the row length is 2*cols or 2*cols - 1
         detail += "  [row view; 4-bit rows may be one shorter]"
     return Row(path, fmt.name, block_text, (rows, 2 * cols if packed else cols), nbytes, detail)
+
+
+def _state_format_of(group: dict, name: str):
+    """The format ``group`` keeps state ``name`` in: the group's own argument for that state
+    (``FORMAT_ARGUMENTS``: ``slow_state_format``), else its ``state_format`` mapping's entry, else
+    its ``state_format``."""
+    own = group.get(FORMAT_ARGUMENTS.get(name, ""))
+    if own:
+        return own
+    state_format = group.get("state_format")
+    return state_format.get(name) if isinstance(state_format, dict) else state_format
 
 
 def _rank1_shape(parts) -> tuple:
@@ -196,7 +209,13 @@ def _block_size_text(group: dict) -> str:
     format's default, as the rows show it; ``-`` for unquantized formats."""
     if group.get("block_size") is not None:
         return str(group["block_size"])
-    names = STATE_FORMATS.get(group.get("state_format"))
+    state_format = group.get("state_format")
+    per_state = state_format.items() if isinstance(state_format, dict) else [(None, state_format)]
+    names = set()
+    for state, fmt in per_state:
+        if isinstance(fmt, str) and fmt in STATE_FORMATS:  # a state's own pair member, or both for a plain name
+            pair = STATE_FORMATS[fmt]
+            names.update(pair if state is None else [pair[0 if SIGNED_STATES.get(state, True) else 1]])
     if not names:
         return "-"
     sizes = sorted({get_format(n).default_block_size for n in names})
@@ -244,7 +263,7 @@ def inspect_dcp(path: str) -> Report:
     for key, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
             tensors[key] = (tuple(m.size), m.properties.dtype, math.prod(m.size) * _itemsize(m.properties.dtype))
-        elif (".param_groups." in f".{key}" and key.rsplit(".", 1)[-1] in GROUP_KEYS) or _flat_group_key(key):
+        elif _group_entry(key):
             group_keys.append(key)
     groups_by_prefix = _read_dcp_groups(path, group_keys)
     entries, other = {}, []
@@ -269,6 +288,16 @@ def inspect_dcp(path: str) -> Report:
     if other:
         kind += f"; {len(other)} non-optimizer tensors not listed"
     return Report(kind, _versions(groups, _layout(entries)) if groups else "unknown (no param_groups saved)", rows)
+
+
+def _group_entry(key: str) -> bool:
+    """A DCP metadata key that holds (an entry of) a param group key we read: nested
+    (``...param_groups.<i>.<key>``) or flattened (:func:`_flat_group_key`); a mapping's entries are
+    keys of their own (``...state_format.exp_avg``)."""
+    head, _, _ = key.rpartition(".")
+    if head.rpartition(".")[2] in MAPPING_GROUP_KEYS:
+        key = head
+    return (".param_groups." in f".{key}" and key.rsplit(".", 1)[-1] in GROUP_KEYS) or _flat_group_key(key)
 
 
 def _flat_group_key(key: str) -> bool:

@@ -18,9 +18,11 @@ from typing import Any, NamedTuple
 import torch
 
 from lowbit_tree import QTensor, alias, records
+from lowbit_tree.base import state_names
 from lowbit_tree.lowrank import LowRankQTensor, lowrank_expand
-from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, check_momentum_rank, check_ns_args, ns_matrix,
-                                       refresh_record)
+from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, ScaleByMuonState, check_momentum_rank, check_ns_args,
+                                       ns_matrix, refresh_record)
+from lowbit_tree.transform import ScaleByAdamState
 
 from .distributed import is_dtensor
 from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
@@ -271,6 +273,11 @@ class Muon(_TorchOptimizer):
     ``"8bit"`` for ``"nf4"``: ``ADAMW_FORMATS``). :func:`muon_param_groups` splits a model
     that way. Muon groups take 2-D params only (as torch).
 
+    A ``state_format`` mapping may name the states of both kinds of group (``momentum_buffer``;
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``); each group takes the entries of its own
+    states, and the states it leaves out keep the class's format (for AdamW groups, the
+    ``ADAMW_FORMATS`` one: ``"8bit"`` in Muon4bit).
+
     ``momentum_rank=K`` (default 0; Muon4bit's 16) keeps each quantized momentum buffer as
     bfloat16 factors of rank ``K`` plus a quantized residual (``lowbit_tree.lowrank``; the
     state ``momentum_buffer`` is then a record of four tensors, ``codes``, ``scale``,
@@ -278,6 +285,14 @@ class Muon(_TorchOptimizer):
     """
 
     _default_momentum_rank = 0
+    _state_types = (ScaleByMuonState, ScaleByAdamState)
+
+    def _group_state_types(self, group: dict) -> tuple:
+        return (ScaleByMuonState,) if group["use_muon"] else (ScaleByAdamState,)
+
+    def _default_formats(self, names: tuple) -> dict:
+        adamw = ADAMW_FORMATS.get(self._default_format, self._default_format)
+        return {n: adamw if n in state_names(ScaleByAdamState) else self._default_format for n in names}
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=DEFAULT_NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
@@ -298,8 +313,10 @@ class Muon(_TorchOptimizer):
         """torch's, plus: an AdamW group (``use_muon=False``) without a ``state_format`` of its own
         takes ``ADAMW_FORMATS``'s format for the optimizer's, written into the group (so its
         ``param_groups``, state dict and ``state_report`` say it)."""
-        if not param_group.get("use_muon", self.defaults["use_muon"]) and "state_format" not in param_group:
-            fmt = ADAMW_FORMATS.get(self.defaults["state_format"])
+        default = self.defaults["state_format"]
+        if (not param_group.get("use_muon", self.defaults["use_muon"]) and "state_format" not in param_group
+                and isinstance(default, str)):  # (a mapping's left-out states: _default_formats)
+            fmt = ADAMW_FORMATS.get(default)
             if fmt is not None:
                 param_group = {**param_group, "state_format": fmt}
         super().add_param_group(param_group)
@@ -328,7 +345,8 @@ class Muon(_TorchOptimizer):
         _flag(owner, "use_muon", group["use_muon"])
         try:
             check_ns_args(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
-            check_momentum_rank(group["momentum_rank"], group["state_format"] if group["use_muon"] else None)
+            check_momentum_rank(group["momentum_rank"],
+                                self._state_formats(group)["momentum_buffer"] if group["use_muon"] else None)
         except ValueError as e:
             raise ValueError(f"{owner}: {e}") from None
         if group["use_muon"]:

@@ -125,11 +125,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: parameter of dtype {p.dtype} is not a floating-point tensor")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if "state_format" in group:
+        if "state_format" in group:  # a name, or a mapping whose state names the factory checks
             check_state_format(group["state_format"])
         bs = group.get("block_size")
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
             raise ValueError(f"block_size must be a positive int or None, got {bs!r}")
+
+    def _state_formats(self, group: dict) -> dict | None:
+        """``{state name: format}`` of the states a param of ``group`` keeps, where the optimizer
+        knows its rule's states (the named classes); ``None`` here: a factory's states are its
+        own, so state dicts compare ``state_format`` values as they are."""
+        return None
 
     def _takes_learning_rate(self) -> bool:
         accepted = inspect.signature(self._factory).parameters

@@ -2,8 +2,17 @@
 
 Each is a :class:`~bridge.optimizer.LowBitOptimizer` over a chain of core
 building blocks; the math lives in ``lowbit_tree``. Every param group may
-override ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``,
+override ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``, ``"nf4"``,
 ``"fp8"``, ``"8bit_bnb"``), ``block_size`` and ``min_quant_size``.
+
+``state_format`` may also be a mapping from the optimizer's torch.optim state names to formats,
+``{"exp_avg": "8bit", "exp_avg_sq": "4bit"}``: the states it names take those formats, the others
+the class's own (``"fp32"`` for ``AdamW``, ``"8bit"`` for ``AdamW8bit``, ...), in the constructor
+and in a param group alike (a group's ``state_format`` replaces the constructor's as a whole, as
+any group option does). The names are those the core's state classes declare
+(:func:`lowbit_tree.base.state_names`); any other is refused, naming the valid ones. Each group
+keeps the whole mapping, every state of its rule named, so its ``param_groups`` entry and state
+dicts say each state's format.
 
 torch.optim's implementation arguments are accepted, because frameworks pass them
 blindly (torchtitan puts ``fused`` and ``foreach`` in every param group), and kept in
@@ -27,11 +36,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
 from lowbit_tree import alias
-from lowbit_tree.moments import RANK1_STATE_FORMATS, STATE_FORMAT_NAMES, check_state_format
+from lowbit_tree.base import state_names
+from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
+from lowbit_tree.transform import ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, TraceState
 
 from .optimizer import LowBitOptimizer
 
@@ -110,9 +122,11 @@ def _check_implementation_args(owner: str, group: dict, params: list, at_step: b
                 )
 
 
-def _check_storage_args(owner: str, group: dict) -> None:
-    if group["state_format"] not in STATE_FORMAT_NAMES:
-        raise ValueError(f"{owner}: state_format must be one of {STATE_FORMAT_NAMES}, got {group['state_format']!r}")
+def _check_storage_args(owner: str, group: dict, names: tuple) -> None:
+    try:
+        check_state_format(group["state_format"], names)
+    except ValueError as e:
+        raise ValueError(f"{owner}: {e}") from None
     bs = group["block_size"]
     if bs is not None and (isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1):
         raise ValueError(f"{owner}: block_size must be a positive int or None, got {bs!r}")
@@ -134,6 +148,52 @@ class _TorchOptimizer(LowBitOptimizer):
     before it is added, the constructor's defaults included."""
 
     _default_format = "fp32"
+    _state_types: tuple = ()
+    """The core state classes of this optimizer's rules: their roles name its states."""
+
+    def _group_state_types(self, group: dict) -> tuple:
+        """The state classes of ``group``'s rule (Muon: by ``use_muon``)."""
+        return self._state_types
+
+    def _default_formats(self, names: tuple) -> dict:
+        """The class's format for each state a ``state_format`` mapping leaves out."""
+        return dict.fromkeys(names, self._default_format)
+
+    def _state_formats(self, group: dict) -> dict:
+        """``{state name: format}`` for every state of ``group``'s rule, from its ``state_format``
+        (a name, or a mapping checked against every state this optimizer keeps) and the
+        arguments that set one state (``slow_state_format``); a ValueError names what is wrong."""
+        names = state_names(*self._group_state_types(group))
+        sf = group["state_format"]
+        if isinstance(sf, Mapping):
+            check_state_format(sf, state_names(*self._state_types))
+            sf = {k: v for k, v in sf.items() if k in names}  # Muon: a mapping names both kinds' states
+        arguments = {arg: group.get(arg) for state, arg in FORMAT_ARGUMENTS.items() if state in names}
+        return state_formats(sf, names, default=self._default_formats(names), **arguments)
+
+    def _resolve_formats(self, owner: str, param_group: dict, group: dict) -> dict:
+        """The entries a group with a ``state_format`` mapping stores: the whole mapping (every
+        state of its rule), and ``slow_state_format`` agreeing with it. A group's own setting of a
+        state (mapping entry or argument) replaces the constructor's other spelling of it; both
+        spellings in one place must agree."""
+        sf = group["state_format"]
+        if not isinstance(sf, Mapping):
+            return {}
+        values = dict(group, state_format=dict(sf))
+        for state, arg in FORMAT_ARGUMENTS.items():
+            own_arg, own_sf = arg in param_group, "state_format" in param_group
+            if own_arg and not own_sf:
+                values["state_format"].pop(state, None)
+            elif own_sf and not own_arg and state in sf:
+                values[arg] = None
+        try:
+            formats = self._state_formats(values)
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
+        out = {"state_format": formats}
+        out.update({arg: formats[state] for state, arg in FORMAT_ARGUMENTS.items()
+                    if state in formats and group.get(arg) is not None})
+        return out
 
     def add_param_group(self, param_group: dict) -> None:
         param_group = dict(param_group)
@@ -145,7 +205,10 @@ class _TorchOptimizer(LowBitOptimizer):
         _check_implementation_args(owner, group, _group_params(param_group))
         if group.get("fused") and any(p.device.type == "meta" for p in _group_params(param_group)):
             self.__dict__["_fused_pending"] = True  # (before __init__ ends): checked at step()
-        _check_storage_args(owner, group)
+        _check_storage_args(owner, group, state_names(*self._state_types))
+        resolved = self._resolve_formats(owner, param_group, group)
+        param_group.update(resolved)
+        group.update(resolved)
         self._check_group(owner, group)
         if "has_momentum" in self.defaults and "momentum" in param_group and "has_momentum" not in param_group:
             param_group["has_momentum"] = group["momentum"] != 0  # this group's own momentum decides its buffer
@@ -168,14 +231,18 @@ class _TorchOptimizer(LowBitOptimizer):
 
     @classmethod
     def _state_format(cls, state_format):
-        """The constructor's ``state_format``: a low-bit named class takes only its own format."""
+        """The constructor's ``state_format``: a low-bit named class takes its own format, or a
+        mapping for the states to keep otherwise (the rest keep the class's format)."""
+        if isinstance(state_format, Mapping):
+            return dict(state_format)  # checked, and completed per group, by add_param_group
         if state_format is None or cls._default_format == "fp32" or state_format == cls._default_format:
             return state_format or cls._default_format
         base = next(c for c in cls.__mro__ if c._default_format == "fp32")
         raise ValueError(
             f"{cls.__name__} stores {cls._default_format!r} states; state_format={state_format!r} conflicts with it: use "
             f"bridge.{base.__name__}(params, state_format={state_format!r}) (a param group may still override "
-            "state_format for its own params)"
+            "state_format for its own params), or a mapping for the states to store otherwise, e.g. "
+            f"{cls.__name__}(params, state_format={{{state_names(*cls._state_types)[0]!r}: {state_format!r}}})"
         )
 
 
@@ -221,6 +288,7 @@ def _adam_kwargs(group):
 class _AdamBase(_TorchOptimizer):
     _factory_fn = None
     _default_wd = 0.0
+    _state_types = (ScaleByAdamState,)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
@@ -247,11 +315,11 @@ class _AdamBase(_TorchOptimizer):
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _flag(owner, "amsgrad", group["amsgrad"])
         _flag(owner, "rank1_normalization", group.get("rank1_normalization"), allow_none=True)
-        if group.get("rank1_normalization") and group["state_format"] not in RANK1_STATE_FORMATS:
+        if group.get("rank1_normalization") and self._state_formats(group)["exp_avg_sq"] not in RANK1_STATE_FORMATS:
             raise ValueError(
                 f"{owner}: rank1_normalization=True is a 4-bit second moment (row and column maxima instead of "
                 f"block scales); this group's state_format is {group['state_format']!r}: use state_format='4bit' "
-                "(bridge.AdamW4bit / Adam4bit) or 'nf4'"
+                "(bridge.AdamW4bit / Adam4bit) or 'nf4', or a mapping with 'exp_avg_sq': '4bit'"
             )
 
 
@@ -315,6 +383,8 @@ def _lion_kwargs(group):
 class Lion(_TorchOptimizer):
     """Lion (arXiv 2302.06675) with decoupled weight decay; one state, ``exp_avg``."""
 
+    _state_types = (ScaleByLionState,)
+
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, foreach=None, maximize=False,
                  capturable=False, differentiable=False, fused=None, state_format=None, block_size=None,
                  min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
@@ -372,12 +442,14 @@ class AdEMAMix(_TorchOptimizer):
     stores the slow EMA in its own format (default: ``state_format``; AdEMAMix4bit: ``"8bit"``)."""
 
     _default_slow_format = None
+    _state_types = (ScaleByAdEMAMixState,)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
                  weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
                  bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None):
         owner = type(self).__name__
-        slow_state_format = self._default_slow_format if slow_state_format is None else slow_state_format
+        if slow_state_format is None and not (isinstance(state_format, Mapping) and "exp_avg_slow" in state_format):
+            slow_state_format = self._default_slow_format  # the class's, unless the mapping names the slow EMA
         _betas(owner, betas, 3)
         _warmup_steps(owner, "t_alpha", t_alpha)
         _warmup_steps(owner, "t_beta3", t_beta3)
@@ -397,11 +469,10 @@ class AdEMAMix(_TorchOptimizer):
         _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
         _warmup_steps(owner, "t_alpha", group["t_alpha"])
         _warmup_steps(owner, "t_beta3", group["t_beta3"])
-        if group.get("slow_state_format") is not None:
-            try:
-                check_state_format(group["slow_state_format"])
-            except ValueError as e:
-                raise ValueError(f"{owner}: slow_state_format: {e}") from None
+        try:
+            self._state_formats(group)  # slow_state_format: a format name, agreeing with a mapping
+        except ValueError as e:
+            raise ValueError(f"{owner}: {e}") from None
 
 
 class AdEMAMix8bit(AdEMAMix):
@@ -431,6 +502,8 @@ class SGD(_TorchOptimizer):
     """torch.optim.SGD (momentum, nesterov, L2 weight decay; dampening 0) with a
     ``state_format`` momentum buffer. Whether a group has a buffer is fixed when the
     group is added (its ``momentum != 0``); the momentum value may change later."""
+
+    _state_types = (TraceState,)
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, state_format=None, block_size=None,

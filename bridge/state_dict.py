@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 import lowbit_tree as lt
 from lowbit_tree import QTensor, records
+from lowbit_tree.moments import FORMAT_ARGUMENTS
 
 from .distributed import is_dtensor, part_dtensor, part_local, to_local, wrap_like
 from .qstate import QState
@@ -197,6 +199,9 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
         for key in STATIC_KEYS:
             if key == RANK1_KEY:
                 continue
+            if key == "state_format" and key in group:
+                _check_formats(opt, gi, saved, group)
+                continue
             value, mine = saved.get(key), group.get(key)
             if key == RANK_KEY and key not in saved:
                 continue  # written before momentum_rank: its buffers have no factors (_load_lowrank)
@@ -209,11 +214,41 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
     return adopted
 
 
-def _static_mismatch(gi: int, key: str, value, mine) -> str:
+def _static_mismatch(gi: int, key: str, value, mine, detail: str = "") -> str:
     return (f"param group {gi}: the state dict has {key}={value!r} but this optimizer has "
-            f"{key}={mine!r}; build the optimizer with {key}={value!r}, or convert: "
+            f"{key}={mine!r}{detail}; build the optimizer with {key}={value!r}, or convert: "
             "load it into a matching optimizer, then new_opt.load_state_dict(old_opt.torch_state_dict()) "
             "re-quantizes its fp32 export")
+
+
+FORMAT_KEYS = ("state_format",) + tuple(FORMAT_ARGUMENTS.values())  # the group keys that say states' formats
+
+
+def _check_formats(opt, gi: int, saved: dict, group: dict) -> None:
+    """The saved group's state formats against this group's, state by state, as this optimizer
+    reads both (``opt._state_formats``): a mapping that gives every state the format a name gives
+    matches that name; any state in another format is refused, naming it. An optimizer that
+    cannot say its states (a plain ``LowBitOptimizer``) compares the values as they are."""
+    theirs_group = {k: v for k, v in group.items() if k not in FORMAT_KEYS}
+    theirs_group.update({k: saved[k] for k in FORMAT_KEYS if k in saved})
+    value, mine = saved.get("state_format"), group["state_format"]
+    mine_formats = opt._state_formats(group)
+    if mine_formats is None:
+        if value != mine:
+            raise ValueError(_static_mismatch(gi, "state_format", value, mine))
+        return
+    try:
+        theirs = opt._state_formats(theirs_group) if "state_format" in saved else None
+    except ValueError as e:
+        raise ValueError(_static_mismatch(gi, "state_format", value, mine, f" ({e})")) from None
+    if theirs == mine_formats:
+        return
+    if theirs is None:
+        raise ValueError(_static_mismatch(gi, "state_format", value, mine))
+    name = next(n for n in mine_formats if theirs[n] != mine_formats[n])
+    key = FORMAT_ARGUMENTS.get(name, "state_format") if value == mine else "state_format"  # (that argument differs)
+    detail = f" (the state dict keeps {name!r} in {theirs[name]!r}, this optimizer in {mine_formats[name]!r})"
+    raise ValueError(_static_mismatch(gi, key, saved.get(key), group.get(key), detail))
 
 
 def _takes_rank1(opt) -> bool:
@@ -248,16 +283,21 @@ def _rank1_on_load(gi: int, saved: dict, group: dict, version, state_dict: dict)
     ValueError if this group chose otherwise explicitly."""
     from lowbit_tree.moments import STATE_FORMAT_NAMES, resolve_rank1
 
-    fmt = saved.get("state_format", group.get("state_format"))
+    fmt = _second_moment_format(saved.get("state_format", group.get("state_format")))
     if fmt not in STATE_FORMAT_NAMES:
         return None  # the format check names it
     value = resolve_rank1(_saved_rank1(saved, state_dict, version), fmt)
     mine = group.get(RANK1_KEY)
-    if value == resolve_rank1(mine, group.get("state_format", fmt)):
+    if value == resolve_rank1(mine, _second_moment_format(group.get("state_format", fmt))):
         return None
     if mine is not None:
         raise ValueError(_static_mismatch(gi, RANK1_KEY, value, mine))
     return value
+
+
+def _second_moment_format(state_format):
+    """The format ``exp_avg_sq`` is kept in, whose rank-1 choice ``rank1_normalization`` is."""
+    return state_format.get("exp_avg_sq") if isinstance(state_format, Mapping) else state_format
 
 
 def _is_ours(state_dict: dict) -> bool:
@@ -337,6 +377,8 @@ def load_into(opt, state_dict: dict) -> None:
         for k, v in group.items():
             if k != "params" and k not in g:
                 g[k] = v
+        if not migrating and "state_format" in group:
+            g["state_format"] = group["state_format"]  # the same formats (checked): this optimizer's spelling
         groups.append(g)
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
     for p, st in new_states.values():
@@ -529,5 +571,6 @@ def export_torch(opt) -> dict:
             else:
                 out[name] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         state[idx] = out
-    groups = [{k: v for k, v in g.items() if k not in STATIC_KEYS and k != "skip_nonfinite"} for g in sd["param_groups"]]
+    groups = [{k: v for k, v in g.items() if k not in STATIC_KEYS + FORMAT_KEYS and k != "skip_nonfinite"}
+              for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}

@@ -1,9 +1,12 @@
 """Ready-made optimizers as chains of building blocks (optax's ``alias``).
 
-Each takes ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``,
-``"fp8"``, ``"8bit_bnb"``), ``block_size`` and ``min_quant_size`` for its moment
-states, and ``stochastic_round`` (with ``seed``) to round bfloat16 params
-stochastically (see :func:`~lowbit_tree.update.stochastic_rounding`).
+Each takes ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``, ``"nf4"``,
+``"fp8"``, ``"8bit_bnb"``, or a mapping from state names to formats such as
+``{"exp_avg": "8bit", "exp_avg_sq": "4bit"}``, the states it leaves out in ``"8bit"``:
+:func:`~lowbit_tree.moments.state_formats`), ``block_size`` and ``min_quant_size`` for its
+moment states, and ``stochastic_round`` (with ``seed``) to round bfloat16 params
+stochastically (see :func:`~lowbit_tree.update.stochastic_rounding`). The state names are
+torch.optim's, as each state class declares them (``ScaleByAdamState.roles``).
 """
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from typing import Any
 
 import torch
 
-from .base import GradientTransformation, ScalarOrSchedule, identity
+from .base import GradientTransformation, ScalarOrSchedule, identity, state_names
+from .moments import StateFormat, check_state_format
 from .combine import chain
 from .transform import (
-    add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate, scale_by_lion, trace,
+    TraceState, add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate,
+    scale_by_lion, trace,
 )
 from .muon_transform import DEFAULT_NS_COEFFICIENTS, scale_by_muon
 from .update import stochastic_rounding
@@ -58,7 +63,7 @@ def adam(
     weight_decay: float | torch.Tensor = 0.0,
     amsgrad: bool = False,
     maximize: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     rank1_normalization: bool | None = None,
@@ -92,7 +97,7 @@ def adamw(
     *,
     amsgrad: bool = False,
     maximize: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     rank1_normalization: bool | None = None,
@@ -124,7 +129,7 @@ def ademamix(
     t_alpha: int | None = None,
     t_beta3: int | None = None,
     maximize: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     slow_state_format: str | None = None,
@@ -150,7 +155,7 @@ def lion(
     mask: Any = None,
     *,
     maximize: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     stochastic_round: bool = False,
@@ -174,7 +179,7 @@ def sgd(
     weight_decay: float | torch.Tensor = 0.0,
     *,
     maximize: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     stochastic_round: bool = False,
@@ -185,6 +190,7 @@ def sgd(
     first moment) unless ``momentum`` is the number 0."""
     if nesterov and _is_zero(momentum):
         raise ValueError("nesterov momentum needs momentum > 0")
+    check_state_format(state_format, state_names(TraceState))  # checked even when no buffer is kept
     return _finish(
         identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
         identity() if _is_zero(momentum) else trace(
@@ -207,7 +213,7 @@ def muon(
     ns_steps: int = 5,
     adjust_lr_fn: str | None = None,
     *,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     momentum_rank: int = 0,

@@ -30,6 +30,7 @@ __all__ = [
     "SEED",
     "HYPERPARAMS",
     "state_roles",
+    "state_names",
     "Step",
     "in_place",
     "plan_of",
@@ -143,6 +144,18 @@ def state_roles(state_type: type) -> dict:
     param, the state's torch.optim name (``"exp_avg"``): the name a ``torch.optim`` wrapper
     keeps it under in ``optimizer.state[p]`` and in state dicts."""
     return getattr(state_type, "roles", {})
+
+
+def state_names(*state_types: type) -> tuple[str, ...]:
+    """The torch.optim names that state classes declare for their per-param fields (every role
+    but ``STEP``, ``SEED`` and ``HYPERPARAMS``), in declaration order, each once:
+    ``state_names(ScaleByAdamState) == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")``."""
+    names: list[str] = []
+    for state_type in state_types:
+        for role in state_roles(state_type).values():
+            if role not in (STEP, SEED, HYPERPARAMS) and role not in names:
+                names.append(role)
+    return tuple(names)
 
 
 class EmptyState(NamedTuple):

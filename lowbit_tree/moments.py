@@ -16,7 +16,8 @@ map.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Sequence, Union
 
 import optree
 import torch
@@ -28,6 +29,10 @@ from .tree_utils import path_string
 
 __all__ = [
     "STATE_FORMAT_NAMES",
+    "StateFormat",
+    "FORMAT_ARGUMENTS",
+    "check_state_format",
+    "state_formats",
     "RANK1_FORMAT",
     "is_record",
     "Rank1QTensor",
@@ -59,9 +64,74 @@ def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
     return len(shape) >= 2 and math.prod(shape) >= min_quant_size
 
 
-def check_state_format(state_format: str) -> None:
-    if state_format not in STATE_FORMAT_NAMES:
-        raise ValueError(f"state_format must be one of {STATE_FORMAT_NAMES}, got {state_format!r}")
+StateFormat = Union[str, Mapping[str, str]]
+"""A ``state_format`` argument: one format name for every state, or a mapping from torch.optim
+state names to format names (``{"exp_avg": "8bit", "exp_avg_sq": "4bit"}``) for the states it
+sets (:func:`state_formats`)."""
+
+FORMAT_ARGUMENTS = {"exp_avg_slow": "slow_state_format"}
+"""Arguments (and bridge param-group keys) that set one state's format beside ``state_format``:
+AdEMAMix's ``slow_state_format`` is the ``exp_avg_slow`` entry (:func:`state_formats`)."""
+
+
+def check_state_format(state_format: StateFormat, names: Sequence[str] | None = None, *,
+                       argument: str = "state_format") -> None:
+    """A ValueError naming ``argument`` unless ``state_format`` is a format name or a mapping
+    from state names to format names; with ``names``, the mapping's keys must be among them
+    (``None``: any string, for a caller that does not know the states)."""
+    if isinstance(state_format, str):
+        if state_format not in STATE_FORMAT_NAMES:
+            raise ValueError(f"{argument} must be one of {STATE_FORMAT_NAMES} or a mapping {{state name: format}}, "
+                             f"got {state_format!r}")
+        return
+    if not isinstance(state_format, Mapping):
+        raise ValueError(f"{argument} must be one of {STATE_FORMAT_NAMES} or a mapping {{state name: format}} such "
+                         f"as {{'exp_avg': '8bit', 'exp_avg_sq': '4bit'}}, got {type(state_format).__name__} "
+                         f"{state_format!r}")
+    for name, fmt in state_format.items():
+        if not isinstance(name, str) or (names is not None and name not in names):
+            known = f"the states are {', '.join(map(repr, names))}" if names is not None else "keys are state names"
+            raise ValueError(f"{argument} names {name!r}, which is not a state here; {known} (torch.optim's "
+                             f"names, as in optimizer.state[p]): name only those, e.g. "
+                             f"{argument}={{{names[0] if names else 'exp_avg'!r}: '8bit'}}")
+        if not isinstance(fmt, str) or fmt not in STATE_FORMAT_NAMES:
+            raise ValueError(f"{argument}[{name!r}] must be one of {STATE_FORMAT_NAMES}, got {fmt!r}")
+
+
+def state_formats(state_format: StateFormat, names: Sequence[str], *, default: StateFormat = "8bit",
+                  **arguments: str | None) -> dict[str, str]:
+    """The format of each state in ``names``: ``{name: format name}``.
+
+    Args:
+      state_format: a format name for every state, or a mapping ``{state name: format}`` that sets
+        the states it names; the others take ``default``. Its keys must be in ``names``.
+      names: the states' torch.optim names (:func:`lowbit_tree.base.state_names` of the state class).
+      default: the format of the states a mapping leaves out (a format name, or a complete mapping).
+      arguments: :data:`FORMAT_ARGUMENTS` given beside ``state_format`` (``slow_state_format=...``;
+        ``None``: not given). With a format name such an argument overrides its state's format; with
+        a mapping it sets its state when the mapping does not name it, and a mapping that names the
+        state with another format contradicts it: a ValueError naming both.
+    """
+    check_state_format(state_format, names)
+    if isinstance(state_format, str):
+        formats = dict.fromkeys(names, state_format)
+    else:
+        fill = default if isinstance(default, Mapping) else dict.fromkeys(names, default)
+        formats = {name: state_format.get(name, fill[name]) for name in names}
+    for name, argument in FORMAT_ARGUMENTS.items():
+        value = arguments.pop(argument, None)
+        if value is None or name not in names:
+            continue
+        if not isinstance(value, str) or value not in STATE_FORMAT_NAMES:
+            raise ValueError(f"{argument} must be one of {STATE_FORMAT_NAMES}, got {value!r}")
+        given = None if isinstance(state_format, str) else state_format.get(name)
+        if given is not None and given != value:
+            raise ValueError(f"{argument}={value!r} and state_format[{name!r}]={given!r} contradict each other: "
+                             f"they set the same state; give its format once")
+        formats[name] = value
+    if arguments:
+        raise TypeError(f"state_formats() got unexpected arguments {sorted(arguments)}")
+    return formats
 
 
 def default_rank1(state_format: str) -> bool:
@@ -80,7 +150,8 @@ def resolve_rank1(rank1_normalization: bool | None, state_format: str) -> bool:
         raise ValueError(f"rank1_normalization must be True, False or None (the format's default), "
                          f"got {rank1_normalization!r}")
     if rank1_normalization and state_format not in RANK1_STATE_FORMATS:
-        raise ValueError(f"rank1_normalization=True needs state_format='4bit' or 'nf4', got {state_format!r}")
+        raise ValueError(f"rank1_normalization=True needs a 4-bit second moment (state_format='4bit' or 'nf4', or "
+                         f"a mapping with 'exp_avg_sq': '4bit'), got {state_format!r} for it")
     return rank1_normalization
 
 

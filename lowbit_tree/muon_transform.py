@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import kernels, moments
-from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
 from .transform import Fusion, _run_rule
@@ -203,7 +203,7 @@ def scale_by_muon(
     *,
     learning_rate: Optional[ScalarOrSchedule] = None,
     weight_decay: float | torch.Tensor = 0.0,
-    state_format: str = "8bit",
+    state_format: moments.StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     momentum_rank: int = 0,
@@ -220,7 +220,8 @@ def scale_by_muon(
         other links. A float, 0-d tensor or schedule: the update is torch.optim.Muon's whole
         param step (step 4; needs params; tensor values are read on the host once a step).
       state_format, block_size, min_quant_size: the buffer's storage (as
-        :func:`~lowbit_tree.scale_by_adam`; signed formats).
+        :func:`~lowbit_tree.scale_by_adam`; signed formats; a mapping's one name is
+        ``"momentum_buffer"``).
       momentum_rank: ``K > 0``: each quantized buffer keeps its top-``K`` part as bfloat16 factors
         and quantizes only the residual (the module docstring; a matrix gets rank ``min(K, m,
         n)``). Needs a quantized ``state_format``. ``0`` (default): the buffer is one record.
@@ -233,13 +234,13 @@ def scale_by_muon(
     Returns:
       A transformation with state :class:`ScaleByMuonState`; updates are float32.
     """
-    moments.check_state_format(state_format)
+    buffer_format = moments.state_formats(state_format, state_names(ScaleByMuonState))["momentum_buffer"]
     coefficients = check_ns_args(ns_coefficients, ns_steps, adjust_lr_fn)
     if isinstance(eps, numbers.Real) and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     if isinstance(momentum, numbers.Real) and not 0 <= momentum:
         raise ValueError(f"momentum must be >= 0, got {momentum!r}")
-    check_momentum_rank(momentum_rank, state_format)
+    check_momentum_rank(momentum_rank, buffer_format)
     spec = kernels.StepSpec("muon", nesterov=nesterov)
     hook = orthogonalize or local_orthogonalize
 
@@ -254,7 +255,7 @@ def scale_by_muon(
                     "biases and the head to AdamW (bridge.Muon: a param group with use_muon=False; functional: "
                     "lowbit_tree.partition)"
                 )
-            m = moments.init_moment(p, state_format, signed=True, block_size=block_size,
+            m = moments.init_moment(p, buffer_format, signed=True, block_size=block_size,
                                     min_quant_size=min_quant_size)
             if momentum_rank and isinstance(m, QTensor):  # the quantized buffer is the residual; zero factors
                 k = lowrank_rank(m.shape, momentum_rank)

@@ -23,7 +23,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import kernels, moments
-from .base import STEP, EmptyState, GradientTransformation, ScalarOrSchedule, _pure_plan, init_count, scalar_value
+from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, _pure_plan, init_count, scalar_value,
+                   state_names)
+from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -228,7 +230,7 @@ def scale_by_adam(
     eps: float | torch.Tensor = 1e-8,
     *,
     amsgrad: bool = False,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     rank1_normalization: bool | None = None,
@@ -238,33 +240,37 @@ def scale_by_adam(
     Args:
       b1, b2: decay rates of the first and second moments.
       eps: added to ``sqrt(v_hat)`` (outside the square root, as torch.optim.Adam).
-      amsgrad: keep the running maximum of ``v`` (state ``nu_max``, stored like ``nu``).
+      amsgrad: keep the running maximum of ``v`` (state ``nu_max``, ``"max_exp_avg_sq"``).
       state_format: ``"fp32"``, ``"bf16"`` (all leaves), or a quantized format
-        (``"8bit"``, ``"4bit"``, ``"fp8"``, ``"8bit_bnb"``; see
-        ``lowbit_tree.STATE_FORMATS``) for leaves that pass :func:`should_quantize`.
-      block_size: block size of quantized leaves (``None``: the format's default).
+        (``"8bit"``, ``"4bit"``, ``"nf4"``, ``"fp8"``, ``"8bit_bnb"``; see
+        ``lowbit_tree.STATE_FORMATS``) for leaves that pass :func:`should_quantize`; or a
+        mapping from the states' torch.optim names (``"exp_avg"``: ``mu``, ``"exp_avg_sq"``:
+        ``nu``, ``"max_exp_avg_sq"``: ``nu_max``) to formats, e.g. ``{"exp_avg": "8bit",
+        "exp_avg_sq": "4bit"}``; a state it leaves out is ``"8bit"``
+        (:func:`~lowbit_tree.moments.state_formats`).
+      block_size: block size of quantized leaves (``None``: each format's default).
       min_quant_size: smaller (or 1-D) leaves keep a float32 state.
-      rank1_normalization: with ``"4bit"``, store ``nu`` as a
+      rank1_normalization: store a ``"4bit"`` / ``"nf4"`` second moment (``nu``, ``nu_max``) as a
         :class:`~lowbit_tree.Rank1QTensor` (arXiv 2309.01507: each element normalized
         by its row's and column's maxima) instead of per block. ``None`` (default): the
-        format's choice, ``lowbit_tree.moments.default_rank1`` (``True`` for ``"4bit"``,
-        chosen by measurement: design.md, "The 4-bit default").
+        format's choice, ``lowbit_tree.moments.default_rank1`` (``True`` for the 4-bit formats,
+        chosen by measurement: design.md, "The 4-bit default"); ``True`` needs ``nu`` in 4 bits.
     Returns:
       A transformation with state :class:`ScaleByAdamState`.
     """
-    moments.check_state_format(state_format)
-    rank1_normalization = moments.resolve_rank1(rank1_normalization, state_format)
+    formats = moments.state_formats(state_format, state_names(ScaleByAdamState))
+    moments.resolve_rank1(rank1_normalization, formats["exp_avg_sq"])  # True needs a 4-bit exp_avg_sq
 
-    def moment(signed):
+    def moment(name, signed):
+        rank1 = rank1_normalization is not False and moments.default_rank1(formats[name])
         return lambda p: moments.init_moment(
-            p, state_format, signed=signed, block_size=block_size, min_quant_size=min_quant_size,
-            rank1=rank1_normalization,
+            p, formats[name], signed=signed, block_size=block_size, min_quant_size=min_quant_size, rank1=rank1,
         )
 
     def init(params):
-        mu = map_leaves(moment(True), params)
-        nu = map_leaves(moment(False), params)
-        nu_max = map_leaves(moment(False), params) if amsgrad else None
+        mu = map_leaves(moment("exp_avg", True), params)
+        nu = map_leaves(moment("exp_avg_sq", False), params)
+        nu_max = map_leaves(moment("max_exp_avg_sq", False), params) if amsgrad else None
         return ScaleByAdamState(init_count(params), mu, nu, nu_max)
 
     def trees_of(state):
@@ -281,16 +287,17 @@ def scale_by_lion(
     b1: float | torch.Tensor = 0.9,
     b2: float | torch.Tensor = 0.99,
     *,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
 ) -> GradientTransformation:
-    """Lion's sign update (arXiv 2302.06675); one state, the momentum (signed format)."""
-    moments.check_state_format(state_format)
+    """Lion's sign update (arXiv 2302.06675); one state, the momentum (signed format).
+    ``state_format``: as :func:`scale_by_adam`; the state's name is ``"exp_avg"``."""
+    fmt = moments.state_formats(state_format, state_names(ScaleByLionState))["exp_avg"]
 
     def init(params):
         mu = map_leaves(
-            lambda p: moments.init_moment(p, state_format, signed=True, block_size=block_size, min_quant_size=min_quant_size),
+            lambda p: moments.init_moment(p, fmt, signed=True, block_size=block_size, min_quant_size=min_quant_size),
             params,
         )
         return ScaleByLionState(init_count(params), mu)
@@ -342,7 +349,7 @@ def scale_by_ademamix(
     *,
     t_alpha: int | None = None,
     t_beta3: int | None = None,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
     slow_state_format: str | None = None,
@@ -355,28 +362,31 @@ def scale_by_ademamix(
       t_alpha, t_beta3: warm-up lengths in steps of ``alpha`` and ``b3``
         (``ademamix_warmups``); ``None``: no warm-up.
       state_format, block_size, min_quant_size: as :func:`scale_by_adam`; both EMAs
-        take the signed format, ``v`` the second-moment one.
+        take the signed format, ``v`` the second-moment one. A mapping's names are
+        ``"exp_avg"`` (``m``), ``"exp_avg_sq"`` (``v``) and ``"exp_avg_slow"`` (``s``).
       slow_state_format: the slow EMA's format if not ``state_format`` (its error is
         weighted by ``alpha``: with 4-bit states, an 8-bit slow EMA recovers most of the
-        loss 4-bit costs: docs/results.md, "Convergence"). Its block size is that format's default
-        unless ``block_size`` is given.
+        loss 4-bit costs: docs/results.md, "Convergence"). It is the ``"exp_avg_slow"`` entry:
+        with a mapping that leaves the slow EMA out it sets it, and a mapping that names it with
+        another format is refused. Its block size is that format's default unless ``block_size``
+        is given.
     Returns:
       A transformation with state :class:`ScaleByAdEMAMixState`.
     """
-    moments.check_state_format(state_format)
-    slow_format = state_format if slow_state_format is None else slow_state_format
-    moments.check_state_format(slow_format)
+    formats = moments.state_formats(state_format, state_names(ScaleByAdEMAMixState),
+                                    slow_state_format=slow_state_format)
     for name, t in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{name} must be a positive int (steps) or None, got {t!r}")
 
-    def moment(signed, fmt=state_format):
-        return lambda p: moments.init_moment(p, fmt, signed=signed, block_size=block_size, min_quant_size=min_quant_size)
+    def moment(name, signed):
+        return lambda p: moments.init_moment(p, formats[name], signed=signed, block_size=block_size,
+                                             min_quant_size=min_quant_size)
 
     def init(params):
         return ScaleByAdEMAMixState(
-            init_count(params), map_leaves(moment(True), params), map_leaves(moment(False), params),
-            map_leaves(moment(True, slow_format), params),
+            init_count(params), map_leaves(moment("exp_avg", True), params),
+            map_leaves(moment("exp_avg_sq", False), params), map_leaves(moment("exp_avg_slow", True), params),
         )
 
     def rule_hyper(count):
@@ -394,20 +404,21 @@ def trace(
     momentum: float | torch.Tensor,
     nesterov: bool = False,
     *,
-    state_format: str = "8bit",
+    state_format: StateFormat = "8bit",
     block_size: int | None = None,
     min_quant_size: int = 4096,
 ) -> GradientTransformation:
     """Heavy-ball (or Nesterov) momentum as in torch.optim.SGD with ``dampening=0``.
 
     A zero buffer reproduces torch's first step (``buf = g``). The buffer is a
-    first moment: signed format when quantized.
+    first moment: signed format when quantized. ``state_format``: as
+    :func:`scale_by_adam`; the state's name is ``"momentum_buffer"``.
     """
-    moments.check_state_format(state_format)
+    fmt = moments.state_formats(state_format, state_names(TraceState))["momentum_buffer"]
 
     def init(params):
         buf = map_leaves(
-            lambda p: moments.init_moment(p, state_format, signed=True, block_size=block_size, min_quant_size=min_quant_size),
+            lambda p: moments.init_moment(p, fmt, signed=True, block_size=block_size, min_quant_size=min_quant_size),
             params,
         )
         return TraceState(buf)

@@ -160,7 +160,9 @@ OPTIMIZERS = {
     "muon4bit": "Muon",
     "muonfp32": "Muon",
     "muon4bitlr": "Muon4bit",  # its defaults: nf4 residual + rank-16 factors, refreshed on the owner ranks
+    "mixed": "AdamW",  # MIXED_FORMATS: each state in its own format
 }
+MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
 
 def make_opt(params, fmt: str, **kw):
@@ -171,6 +173,8 @@ def make_opt(params, fmt: str, **kw):
     kw.setdefault("min_quant_size", 1)  # quantize every 2-D state of the tiny model
     if fmt == "4bitblock":
         kw["rank1_normalization"] = False
+    if fmt == "mixed":
+        kw.setdefault("state_format", MIXED_FORMATS)
     if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
         ps = list(params)
         if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
@@ -437,12 +441,17 @@ def muon_exact_worker(rank, world, steps=4):
 
 
 def rank1_exact_worker(rank, world, steps=4):
-    """AdamW4bit(rank1_normalization=True) under FSDP2 fed the unsharded run's gradients: params
-    and gathered rank-1 records (codes, row and column maxima) bit for bit equal at any world
-    size. Returns the bytes this rank sent for the maxima per step."""
-    opt = _exact_run(rank, world, "4bit", steps)
+    """AdamW4bit(rank1_normalization=True), and AdamW with ``MIXED_FORMATS`` (8-bit ``exp_avg``,
+    rank-1 4-bit ``exp_avg_sq``), under FSDP2 fed the unsharded run's gradients: params and
+    gathered states (block records, rank-1 codes, row and column maxima) bit for bit equal at any
+    world size. Returns the bytes AdamW4bit's rank sent for the maxima per step."""
     from bridge.distributed import to_local
 
+    mixed = _exact_run(rank, world, "mixed", steps)
+    kinds = {(name, to_local(v).label) for p, st in mixed.state.items() if p.ndim == 2 for name, v in st.items()
+             if name != "step"}
+    assert kinds == {("exp_avg", "dynamic8"), ("exp_avg_sq", "rank1_linear4_unsigned")}, kinds
+    opt = _exact_run(rank, world, "4bit", steps)
     assert any(getattr(to_local(v), "kind_name", None) == "rank1" for st in opt.state.values() for v in st.values())
     reducers = [r for r in opt._reducers.values() if r is not None]
     return sum(r.sent for r in reducers) // steps

@@ -43,8 +43,9 @@ def test_muon_fsdp_exact_at_1_2_3_ranks(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_rank1_fsdp_exact_at_1_2_3_ranks(world):
-    """AdamW4bit(rank1_normalization=True) under FSDP2 (uneven shards, an empty one at 3 ranks):
-    params and gathered rank-1 records (codes, row and column maxima) bit for bit those of the
+    """AdamW4bit(rank1_normalization=True), and AdamW with state_format={"exp_avg": "8bit",
+    "exp_avg_sq": "4bit"}, under FSDP2 (uneven shards, an empty one at 3 ranks): params and
+    gathered states (block records, rank-1 codes, row and column maxima) bit for bit those of the
     unsharded optimizer; the column maxima are one all-reduce(MAX) per state and step."""
     W.launch(W.rank1_exact_worker, world)
 

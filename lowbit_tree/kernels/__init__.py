@@ -169,7 +169,8 @@ def _is_rank1(s) -> bool:
 def _native_ok(leaf: StepLeaf, write: bool) -> bool:
     """Whether the C kernel takes this leaf (else the torch backend runs it). Plain states
     (a rank-1 record counts as one: the kernel steps its float32 values) go beside quantized
-    ones only after a quantized first state."""
+    ones only after a quantized first state, and a record (rank-1 too) only after a record
+    (``native.job_row``): a plain ``exp_avg`` beside a rank-1 ``exp_avg_sq`` runs in torch."""
     p, g = leaf.param, leaf.grad
     if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
         return False
@@ -189,6 +190,8 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
             plain += 1
         else:
             return False
+    if leaf.states and isinstance(leaf.states[0], torch.Tensor) and any(_is_rank1(s) for s in leaf.states):
+        return False
     return not (quantized and plain) or _is_q(leaf.states[0])
 
 
