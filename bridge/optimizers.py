@@ -131,10 +131,21 @@ def _check_storage_args(owner: str, group: dict, names: tuple) -> None:
     if bs is not None and (isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1):
         raise ValueError(f"{owner}: block_size must be a positive int or None, got {bs!r}")
     _flag(owner, "bf16_stochastic_round", group["bf16_stochastic_round"])
+    _flag(owner, "param_correction", group.get("param_correction", False))
+    if group["bf16_stochastic_round"] and group.get("param_correction", False):
+        raise ValueError(f"{owner}: bf16_stochastic_round=True and param_correction=True both keep small updates of a "
+                         "bfloat16 param; choose one (param_correction keeps a 16-bit-mantissa master value)")
     _flag(owner, "skip_nonfinite", group["skip_nonfinite"])
     mqs = group["min_quant_size"]
     if isinstance(mqs, bool) or not isinstance(mqs, numbers.Integral) or mqs < 0:
         raise ValueError(f"{owner}: min_quant_size must be an int >= 0, got {mqs!r}")
+
+
+def _with_correction(defaults: dict, param_correction) -> None:
+    """``param_correction`` as a group option, only when asked for: a group key older checkpoints
+    lack would make DCP's load of them fail (as ``rank1_normalization``)."""
+    if param_correction is not False:
+        defaults["param_correction"] = param_correction
 
 
 def _group_params(param_group: dict) -> list:
@@ -247,33 +258,39 @@ class _TorchOptimizer(LowBitOptimizer):
 
 
 def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None):
+            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None,
+            param_correction=False):
     """torch.optim.Adam: L2 ``weight_decay`` added to the gradient before the moments."""
     return alias.adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                       state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                      stochastic_round=stochastic_round, rank1_normalization=rank1_normalization)
+                      stochastic_round=stochastic_round, rank1_normalization=rank1_normalization,
+                      param_correction=param_correction)
 
 
 def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None):
+                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None,
+                    param_correction=False):
     """torch.optim.AdamW: decoupled decay, ``p - lr * (adam + wd * p)``."""
     return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
                        state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                       stochastic_round=stochastic_round, rank1_normalization=rank1_normalization)
+                       stochastic_round=stochastic_round, rank1_normalization=rank1_normalization,
+                       param_correction=param_correction)
 
 
 def lion_decoupled(learning_rate, b1, b2, weight_decay, *, maximize=False, state_format="8bit", block_size=None,
-                   min_quant_size=4096, stochastic_round=False):
+                   min_quant_size=4096, stochastic_round=False, param_correction=False):
     return alias.lion(learning_rate, b1, b2, weight_decay, maximize=maximize, state_format=state_format,
-                      block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round)
+                      block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round,
+                      param_correction=param_correction)
 
 
 def sgd_momentum(learning_rate, momentum, weight_decay, *, has_momentum=False, nesterov=False, maximize=False,
-                 state_format="8bit", block_size=None, min_quant_size=4096, stochastic_round=False):
+                 state_format="8bit", block_size=None, min_quant_size=4096, stochastic_round=False,
+                 param_correction=False):
     """torch.optim.SGD (dampening 0). ``has_momentum`` (static) decides whether a buffer exists."""
     return alias.sgd(learning_rate, momentum if has_momentum else 0.0, nesterov, weight_decay, maximize=maximize,
                      state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                     stochastic_round=stochastic_round)
+                     stochastic_round=stochastic_round, param_correction=param_correction)
 
 
 def _adam_kwargs(group):
@@ -282,6 +299,7 @@ def _adam_kwargs(group):
                 amsgrad=group["amsgrad"], maximize=bool(group.get("maximize", False)),
                 state_format=group["state_format"], block_size=group["block_size"],
                 min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
+                param_correction=group.get("param_correction", False),
                 rank1_normalization=group.get("rank1_normalization"))
 
 
@@ -293,7 +311,7 @@ class _AdamBase(_TorchOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
-                 skip_nonfinite=False, rank1_normalization=None):
+                 skip_nonfinite=False, rank1_normalization=None, param_correction=False):
         weight_decay = self._default_wd if weight_decay is None else weight_decay
         _betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -306,6 +324,7 @@ class _AdamBase(_TorchOptimizer):
             # them fail ("Missing key ... rank1_normalization"); absent, the format decides
             # (lowbit_tree.moments.default_rank1: rank-1 for "4bit")
             defaults["rank1_normalization"] = rank1_normalization
+        _with_correction(defaults, param_correction)
         super().__init__(params, type(self)._factory_fn, defaults, group_to_kwargs=_adam_kwargs)
 
     def _check_group(self, owner, group):
@@ -377,7 +396,8 @@ def _lion_kwargs(group):
     return dict(learning_rate=group["lr"], b1=b1, b2=b2, weight_decay=group["weight_decay"],
                 maximize=bool(group.get("maximize", False)),
                 state_format=group["state_format"], block_size=group["block_size"],
-                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"])
+                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
+                param_correction=group.get("param_correction", False))
 
 
 class Lion(_TorchOptimizer):
@@ -387,13 +407,14 @@ class Lion(_TorchOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, foreach=None, maximize=False,
                  capturable=False, differentiable=False, fused=None, state_format=None, block_size=None,
-                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
+                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False, param_correction=False):
         _betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach, maximize=maximize,
                         capturable=capturable, differentiable=differentiable, fused=fused,
                         state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
+        _with_correction(defaults, param_correction)
         super().__init__(params, lion_decoupled, defaults, group_to_kwargs=_lion_kwargs)
 
     def _check_group(self, owner, group):
@@ -412,12 +433,12 @@ class Lion4bit(Lion):
 
 def ademamix_decoupled(learning_rate, b1, b2, b3, alpha, eps, weight_decay, *, t_alpha=None, t_beta3=None,
                        maximize=False, state_format="8bit", block_size=None, min_quant_size=4096,
-                       slow_state_format=None, stochastic_round=False):
+                       slow_state_format=None, stochastic_round=False, param_correction=False):
     """bitsandbytes' AdEMAMix: decoupled decay, ``p - lr * (ademamix + wd * p)``."""
     return alias.ademamix(learning_rate, b1, b2, b3, alpha, eps, weight_decay, t_alpha=t_alpha, t_beta3=t_beta3,
                           maximize=maximize, state_format=state_format, block_size=block_size,
                           min_quant_size=min_quant_size, slow_state_format=slow_state_format,
-                          stochastic_round=stochastic_round)
+                          stochastic_round=stochastic_round, param_correction=param_correction)
 
 
 def _ademamix_kwargs(group):
@@ -426,7 +447,8 @@ def _ademamix_kwargs(group):
                 weight_decay=group["weight_decay"], t_alpha=group["t_alpha"], t_beta3=group["t_beta3"],
                 maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
                 block_size=group["block_size"], min_quant_size=group["min_quant_size"],
-                slow_state_format=group.get("slow_state_format"), stochastic_round=group["bf16_stochastic_round"])
+                slow_state_format=group.get("slow_state_format"), stochastic_round=group["bf16_stochastic_round"],
+                param_correction=group.get("param_correction", False))
 
 
 def _warmup_steps(owner: str, name: str, value) -> None:
@@ -446,7 +468,7 @@ class AdEMAMix(_TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
                  weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None):
+                 bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None, param_correction=False):
         owner = type(self).__name__
         if slow_state_format is None and not (isinstance(state_format, Mapping) and "exp_avg_slow" in state_format):
             slow_state_format = self._default_slow_format  # the class's, unless the mapping names the slow EMA
@@ -459,6 +481,7 @@ class AdEMAMix(_TorchOptimizer):
                         bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
         if slow_state_format is not None:  # a group key only when asked for (older checkpoints lack it)
             defaults["slow_state_format"] = slow_state_format
+        _with_correction(defaults, param_correction)
         super().__init__(params, ademamix_decoupled, defaults, group_to_kwargs=_ademamix_kwargs)
 
     def _check_group(self, owner, group):
@@ -495,7 +518,8 @@ def _sgd_kwargs(group):
                 has_momentum=group["has_momentum"], nesterov=group["nesterov"],
                 maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
                 block_size=group["block_size"], min_quant_size=group["min_quant_size"],
-                stochastic_round=group["bf16_stochastic_round"])
+                stochastic_round=group["bf16_stochastic_round"],
+                param_correction=group.get("param_correction", False))
 
 
 class SGD(_TorchOptimizer):
@@ -507,12 +531,13 @@ class SGD(_TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, state_format=None, block_size=None,
-                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False):
+                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False, param_correction=False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         has_momentum=momentum != 0, maximize=maximize, foreach=foreach, differentiable=differentiable,
                         fused=fused, state_format=self._state_format(state_format), block_size=block_size,
                         min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
                         skip_nonfinite=skip_nonfinite)
+        _with_correction(defaults, param_correction)
         super().__init__(params, sgd_momentum, defaults, group_to_kwargs=_sgd_kwargs)
 
     def _check_group(self, owner, group):

@@ -36,6 +36,7 @@ from .schedule import (
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
 from .alias import adam, adamw, ademamix, lion, muon, sgd
+from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
 from .checkpoint import state_from_dict, state_to_dict
@@ -57,6 +58,7 @@ __all__ = [
     "adam", "adamw", "ademamix", "lion", "sgd", "muon",
     # applying updates
     "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
+    "param_correction", "master_weights", "from_master",
     # schedules
     "constant_schedule", "linear_schedule", "polynomial_schedule", "cosine_decay_schedule",
     "warmup_cosine_decay_schedule", "join_schedules",
@@ -65,4 +67,5 @@ __all__ = [
     # state types
     "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
+    "ParamCorrectionState",
 ]

@@ -5,7 +5,9 @@ Each takes ``state_format`` (``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``, ``"
 ``{"exp_avg": "8bit", "exp_avg_sq": "4bit"}``, the states it leaves out in ``"8bit"``:
 :func:`~lowbit_tree.moments.state_formats`), ``block_size`` and ``min_quant_size`` for its
 moment states, and ``stochastic_round`` (with ``seed``) to round bfloat16 params
-stochastically (see :func:`~lowbit_tree.update.stochastic_rounding`). The state names are
+stochastically (see :func:`~lowbit_tree.update.stochastic_rounding`) or ``param_correction``
+to keep each bfloat16 / float16 param's master value as the param plus an int8 correction
+(:mod:`lowbit_tree.correction`; at most one of the two). The state names are
 torch.optim's, as each state class declares them (``ScaleByAdamState.roles``).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .transform import (
     scale_by_lion, trace,
 )
 from .muon_transform import DEFAULT_NS_COEFFICIENTS, scale_by_muon
+from .correction import param_correction as correction_link
 from .update import stochastic_rounding
 
 __all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd"]
@@ -32,16 +35,21 @@ def _is_zero(x) -> bool:
     return not isinstance(x, torch.Tensor) and not callable(x) and x == 0
 
 
-def _finish(*txs, stochastic_round: bool, seed: int, maximize: bool = False) -> GradientTransformation:
+def _finish(*txs, stochastic_round: bool, seed: int, maximize: bool = False,
+            param_correction: bool = False) -> GradientTransformation:
     """The chain of ``txs`` (with :func:`flip_sign` first for ``maximize``, and the
-    stochastic-rounding link last): one kernel call per step when the links sit
-    next to the rule (see :func:`~lowbit_tree.chain`)."""
+    stochastic-rounding or param-correction link last): one kernel call per step when the
+    links sit next to the rule (see :func:`~lowbit_tree.chain`)."""
+    if stochastic_round and param_correction:
+        raise ValueError("stochastic_round and param_correction are two ways to keep small updates of a "
+                         "bfloat16 param; choose one (param_correction keeps a 16-bit-mantissa master value)")
     head = (flip_sign(),) if maximize else ()
-    tail = (stochastic_rounding(seed),) if stochastic_round else ()
+    tail = (stochastic_rounding(seed),) if stochastic_round else ((correction_link(),) if param_correction else ())
     return chain(*head, *txs, *tail)
 
 
 def _decoupled(rule: GradientTransformation, learning_rate, weight_decay, mask, *, stochastic_round: bool, seed: int,
+               param_correction: bool = False,
                maximize: bool) -> GradientTransformation:
     """``rule`` then decoupled decay then the learning rate: ``p - lr * (rule's update + wd * p)``."""
     return _finish(
@@ -50,6 +58,7 @@ def _decoupled(rule: GradientTransformation, learning_rate, weight_decay, mask, 
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        param_correction=param_correction,
         maximize=maximize,
     )
 
@@ -68,6 +77,7 @@ def adam(
     min_quant_size: int = 4096,
     rank1_normalization: bool | None = None,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """Adam as torch.optim.Adam: ``chain([flip_sign], [add_decayed_weights], scale_by_adam,
@@ -83,6 +93,7 @@ def adam(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        param_correction=param_correction,
         maximize=maximize,
     )
 
@@ -102,6 +113,7 @@ def adamw(
     min_quant_size: int = 4096,
     rank1_normalization: bool | None = None,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """AdamW with decoupled decay as torch.optim.AdamW: ``p - lr * (adam_update + wd * p)``.
@@ -113,6 +125,7 @@ def adamw(
         min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
     )
     return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
+                      param_correction=param_correction,
                       maximize=maximize)
 
 
@@ -134,6 +147,7 @@ def ademamix(
     min_quant_size: int = 4096,
     slow_state_format: str | None = None,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """AdEMAMix (arXiv 2409.03137) with decoupled decay, as bitsandbytes' ``AdEMAMix``:
@@ -144,6 +158,7 @@ def ademamix(
         min_quant_size=min_quant_size, slow_state_format=slow_state_format,
     )
     return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
+                      param_correction=param_correction,
                       maximize=maximize)
 
 
@@ -159,6 +174,7 @@ def lion(
     block_size: int | None = None,
     min_quant_size: int = 4096,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """Lion (arXiv 2302.06675) with decoupled decay: ``p - lr * (sign(...) + wd * p)``."""
@@ -168,6 +184,7 @@ def lion(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        param_correction=param_correction,
         maximize=maximize,
     )
 
@@ -183,6 +200,7 @@ def sgd(
     block_size: int | None = None,
     min_quant_size: int = 4096,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """SGD as torch.optim.SGD (dampening 0): L2 ``weight_decay`` is added to the
@@ -199,6 +217,7 @@ def sgd(
         scale_by_learning_rate(learning_rate),
         stochastic_round=stochastic_round,
         seed=seed,
+        param_correction=param_correction,
         maximize=maximize,
     )
 
@@ -219,6 +238,7 @@ def muon(
     momentum_rank: int = 0,
     orthogonalize=None,
     stochastic_round: bool = False,
+    param_correction: bool = False,
     seed: int = 0,
 ) -> GradientTransformation:
     """Muon as torch.optim.Muon, for 2-D params: :func:`~lowbit_tree.scale_by_muon` with its
@@ -229,5 +249,5 @@ def muon(
         scale_by_muon(momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, learning_rate=learning_rate,
                       weight_decay=weight_decay, state_format=state_format, block_size=block_size,
                       min_quant_size=min_quant_size, momentum_rank=momentum_rank, orthogonalize=orthogonalize),
-        stochastic_round=stochastic_round, seed=seed,
+        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction,
     )

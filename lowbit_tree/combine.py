@@ -19,7 +19,9 @@ def _kind(t: GradientTransformation) -> tuple[str | None, dict]:
 class _Plan(NamedTuple):
     """Which links of a chain run inside its first rule's kernel: links
     ``[start, end)``, the rule at ``rule``; ``flip``, ``l2``, ``decay``, ``lr``,
-    ``sr``: the index of each fused link, or None."""
+    ``sr``: the index of each fused link, or None (``sr``: the link that rounds a param
+    written in place, :func:`~lowbit_tree.stochastic_rounding` or
+    :func:`~lowbit_tree.param_correction`)."""
 
     start: int
     rule: int
@@ -34,9 +36,9 @@ class _Plan(NamedTuple):
 def _fusion_plan(transforms) -> _Plan | None:
     """The elementwise links next to the first update rule, in the orders the
     kernel computes them: ``[flip_sign] [add_decayed_weights]`` before it (maximize,
-    L2 decay), ``[add_decayed_weights] [scale_by_learning_rate] [stochastic_rounding]``
-    after it (decoupled decay, learning rate, bf16 rounding of a param written in
-    place). ``identity`` links in between are passed over."""
+    L2 decay), ``[add_decayed_weights] [scale_by_learning_rate] [stochastic_rounding |
+    param_correction]`` after it (decoupled decay, learning rate, the rounding of a param
+    written in place). ``identity`` links in between are passed over."""
     kinds = [_kind(t)[0] for t in transforms]
     rules = [i for i, k in enumerate(kinds) if k == "rule"]
     if not rules:
@@ -57,16 +59,16 @@ def _fusion_plan(transforms) -> _Plan | None:
     while start < r and kinds[start] == "identity":
         start += 1
 
-    def ahead(k, kind):
+    def ahead(k, kind, *others):
         m = k
         while m < len(kinds) and kinds[m] == "identity":
             m += 1
-        if m < len(kinds) and kinds[m] == kind:
+        if m < len(kinds) and kinds[m] in (kind, *others):
             found[kind] = m
             return m + 1
         return k
 
-    end = ahead(ahead(ahead(r + 1, "decay"), "lr"), "sr")
+    end = ahead(ahead(ahead(r + 1, "decay"), "lr"), "sr", "corr")
     if "sr" in found and found["sr"] != len(kinds) - 1:  # fused only as the chain's last link
         end = found.pop("sr")
     return _Plan(start, r, end, found.get("flip"), found.get("l2"), found.get("decay"), found.get("lr"), found.get("sr"))
@@ -168,20 +170,25 @@ def _plan_fused(plan: _Plan, transforms, state, params, may_write: bool, leaf_of
 
     lr = None if plan.lr is None else _info(transforms, plan.lr)["fused_"](state[plan.lr])
     write = may_write and lr is not None
-    sr = None
+    sr = correction = None
     if plan.sr is not None and write:
-        sr = _info(transforms, plan.sr)["fused_"](state[plan.sr])
+        fused = _info(transforms, plan.sr)["fused_"](state[plan.sr])
+        if _kind(transforms[plan.sr])[0] == "corr":
+            correction = fused
+        else:
+            sr = fused
     fusion = Fusion(
         maximize=plan.flip is not None,
         l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
         decay=None if plan.decay is None else _info(transforms, plan.decay)["weight_decay"],
         lr=lr,
         sr_key=sr,
+        correction=correction,
     )
     fused_plan = _info(transforms, plan.rule)["fused_plan"]
     steps = [fused_plan(state[plan.rule], params, fusion, write=write, leaf_offset=leaf_offset)]
     if plan.sr is not None and not write:
-        steps.append(plan_of(transforms[plan.sr], "the stochastic-rounding link")(
+        steps.append(plan_of(transforms[plan.sr], "the rounding link")(
             state[plan.sr], params, write=False, leaf_offset=leaf_offset))
     return steps
 

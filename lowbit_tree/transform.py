@@ -90,7 +90,9 @@ class Fusion(NamedTuple):
     before), ``l2`` (an :func:`add_decayed_weights` before: L2 decay of the
     gradient), ``decay`` (one after: decoupled decay), ``lr`` (the learning-rate
     factor's negative, from :func:`scale_by_learning_rate`), ``sr_key`` (a final
-    :func:`~lowbit_tree.stochastic_rounding` when params are written in place).
+    :func:`~lowbit_tree.stochastic_rounding` when params are written in place),
+    ``correction`` (a final :func:`~lowbit_tree.param_correction` when params are written
+    in place: its tree of int8 corrections, read and written by the kernel).
 
     In a rule's ``update`` these are this step's values. In its plan, ``lr`` and
     ``sr_key`` are functions of no argument, called once a step: each returns that
@@ -101,6 +103,7 @@ class Fusion(NamedTuple):
     decay: Any = None
     lr: Any = None
     sr_key: Any = None
+    correction: Any = None
 
 
 def _fused_spec(spec: kernels.StepSpec, fusion: Fusion) -> kernels.StepSpec:
@@ -164,9 +167,13 @@ class _RulePlan:
         per_state = [treespec.flatten_up_to(t) for t in state_trees]
         self.where = [i for i, p in enumerate(p_leaves) if all(s[i] is not None for s in per_state)]
         self.write = bool(write and spec.lr)
+        corrections = None
+        if fusion.correction is not None and self.write:
+            c_leaves = treespec.flatten_up_to(fusion.correction)
+            corrections = [c_leaves[i] for i in self.where]
         self.kernel = KernelPlan(spec, [p_leaves[i] for i in self.where],
                                  [tuple(s[i] for s in per_state) for i in self.where],
-                                 [leaf_offset + i for i in self.where], write=self.write)
+                                 [leaf_offset + i for i in self.where], write=self.write, corrections=corrections)
 
     def __call__(self, updates: list) -> list:
         fusion, count = self.fusion, self.count

@@ -27,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..correction import CORRECTED_DTYPES
 from ..formats import Format, get_format
 from ..qtensor import QTensor, row_layout
 from ..rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
@@ -156,6 +157,7 @@ class StepLeaf(NamedTuple):
     grad: torch.Tensor
     states: tuple
     index: int = 0
+    correction: Optional[torch.Tensor] = None  # int8 rounding error of a param written in place (lowbit_tree.correction)
 
 
 def _is_q(s) -> bool:
@@ -172,6 +174,8 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
     ones only after a quantized first state, and a record (rank-1 too) only after a record
     (``native.job_row``): a plain ``exp_avg`` beside a rank-1 ``exp_avg_sq`` runs in torch."""
     p, g = leaf.param, leaf.grad
+    if leaf.correction is not None:  # a corrected param: the torch backend's step (see lowbit_tree.correction)
+        return False
     if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
         return False
     if write and not p.is_contiguous():
@@ -254,8 +258,9 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
     rank1 = [_is_rank1(s) for s in states]
     if any(rank1):
         plain = [rank1_dequantize(s) if k else s for s, k in zip(states, rank1)]
-        out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
-                                           sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=False)
+        out, new, corr = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
+                                                 sr=sr_key is not None, key=sr_key, leaf_index=leaf.index,
+                                                 compile=False, correction=leaf.correction)
         new = list(new)
         for k, s in enumerate(states):
             if rank1[k]:
@@ -263,8 +268,9 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
                 waits.append(_Rank1Wait(i, k, new[k].reshape(rows, r), s))
                 new[k] = s
     else:
-        out, new = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
-                                           sr=sr_key is not None, key=sr_key, leaf_index=leaf.index, compile=compile)
+        out, new, corr = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
+                                                 sr=sr_key is not None, key=sr_key, leaf_index=leaf.index,
+                                                 compile=compile, correction=leaf.correction)
     if inplace:
         for old, n, k in zip(states, new, rank1):
             if not k:
@@ -272,6 +278,8 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
         new = states
     if write:
         leaf.param.copy_(out)
+        if corr is not None:
+            leaf.correction.copy_(corr)
         out = None
     return out, list(new)
 
@@ -339,6 +347,11 @@ def run_step(
                 raise ValueError(f"{spec} needs params: call update(updates, state, params)")
             if p.shape != g.shape:
                 raise ValueError(f"gradient shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
+        if leaf.correction is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES
+                                                 and leaf.correction.shape == p.shape
+                                                 and leaf.correction.dtype is torch.int8):
+            raise ValueError("a param correction goes with a bfloat16 / float16 param written in place and is an "
+                             f"int8 tensor of its shape (param {None if p is None else (p.dtype, tuple(p.shape))})")
         if len(leaf.states) != spec.nstates:
             raise ValueError(f"the {spec.rule} rule takes {spec.nstates} states per leaf, got {len(leaf.states)}")
         sr = sr_key if write and p is not None and p.dtype is torch.bfloat16 else None
@@ -405,10 +418,11 @@ def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: boo
                   == stochastic]
         if not chosen:
             continue
-        items = [(leaves[i].param, leaves[i].grad, leaves[i].states, leaves[i].index) for i in chosen]
+        items = [(leaves[i].param, leaves[i].grad, leaves[i].states, leaves[i].index, leaves[i].correction)
+                 for i in chosen]
         results = torch_backend.step_leaves(spec, hyper, items, write=write, sr=stochastic,
                                             key=sr_key if stochastic else None)
-        for i, (out, new) in zip(chosen, results):
+        for i, (out, new, corr) in zip(chosen, results):
             states = leaves[i].states
             if inplace:
                 for old, n in zip(states, new):
@@ -416,6 +430,8 @@ def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: boo
                 new = list(states)
             if write:
                 leaves[i].param.copy_(out)
+                if corr is not None:
+                    leaves[i].correction.copy_(corr)
                 out = None
             outs[i], news[i] = out, list(new)
 

@@ -45,9 +45,11 @@ class KernelPlan:
     """
 
     def __init__(self, spec: StepSpec, params: Sequence[Optional[torch.Tensor]], states: Sequence[tuple],
-                 indices: Sequence[int], *, write: bool, backend: Optional[str] = None):
+                 indices: Sequence[int], *, write: bool, backend: Optional[str] = None,
+                 corrections: Optional[Sequence[Optional[torch.Tensor]]] = None):
         self.spec, self.write, self.backend = spec, write, backend
         self.params, self.states, self.indices = list(params), [tuple(s) for s in states], list(indices)
+        self.corrections = list(corrections) if corrections is not None else [None] * len(self.params)
         self._rows: Optional[array.array] = None  # built at the first run, from its gradients
         self._native: list = []  # leaf positions whose rows are in _rows, in row order
         self._other: list = []  # leaf positions run through run_step
@@ -57,7 +59,7 @@ class KernelPlan:
     def _static(self, k: int, g: torch.Tensor) -> bool:
         """Whether leaf ``k`` can keep a fixed native row."""
         p, states = self.params[k], self.states[k]
-        if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states):
+        if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states) or self.corrections[k] is not None:
             return False
         if backend_for(g.device, self.backend) != "native":
             return False
@@ -132,7 +134,8 @@ class KernelPlan:
             self._hyper.copy_(hyper)
             native.run_rows(rows, len(self._native), self._numel)
         if self._other:
-            leaves = [StepLeaf(self.params[k], grads[k], self.states[k], self.indices[k]) for k in self._other]
+            leaves = [StepLeaf(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k])
+                      for k in self._other]
             o, _ = run_step(self.spec, hyper, leaves, write=self.write, inplace=True, sr_key=sr_key,
                             backend=self.backend)
             for k, u in zip(self._other, o):

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..correction import master_value, split_master
 from ..formats import FORMATS
 from ..rounding import stochastic_round
 from .spec import StepSpec
@@ -191,11 +192,14 @@ def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torc
     return u, news
 
 
-def _step_core(p, g, hyper, key, leaf_index, *state_tensors, spec, kinds, write, sr):
+def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, write, sr):
     """One leaf's step on plain tensors (eager, or compiled by :func:`_compiled`).
 
     ``leaf_index`` (the leaf's stochastic-rounding index) is a 0-d int64 tensor, not a
     static argument, so leaves of one static combination share one compiled graph.
+    ``corr`` (with ``write``; else ``None``): the param's int8 correction
+    (:mod:`lowbit_tree.correction`): the new param is rounded from the corrected master
+    value, and the new correction follows ``out`` in the results.
 
     ``state_tensors``: per state, ``(codes, scale, decode, base, thresholds, encode)``
     for ``("q", ...)`` kinds, ``(values,)`` for plain ones. Returns ``(out, *new
@@ -215,15 +219,21 @@ def _step_core(p, g, hyper, key, leaf_index, *state_tensors, spec, kinds, write,
         else:
             olds.append(next(it).reshape(rows, r).float())
     u, news = _rule(spec, hyper, g2, p2, olds)
+    new_corr = None
     if write:
-        x = p2 + u
-        if sr:
-            out = stochastic_round(x, p.dtype, key, leaf_index)
+        if corr is not None:
+            out, new_corr = split_master(master_value(p.reshape(rows, r), corr.reshape(rows, r)) + u, p.dtype)
         else:
-            out = x.to(p.dtype)
+            x = p2 + u
+            if sr:
+                out = stochastic_round(x, p.dtype, key, leaf_index)
+            else:
+                out = x.to(p.dtype)
     else:
         out = u
     results, it = [out.reshape(g.shape)], iter(state_tensors)
+    if new_corr is not None:
+        results.append(new_corr.reshape(g.shape))
     for kind, new in zip(kinds, news):
         if kind[0] == "q":
             next(it), next(it), next(it)
@@ -237,13 +247,14 @@ def _step_core(p, g, hyper, key, leaf_index, *state_tensors, spec, kinds, write,
 
 def _step_many_core(hyper, key, *flat, spec, kinds, write, sr, width):
     """:func:`_step_core` of several leaves of one static combination in one graph: ``flat``
-    holds ``width`` tensors per leaf (param, gradient, index, then its state tensors).
+    holds ``width`` tensors per leaf (param, gradient, index, correction, then its state
+    tensors).
     The code tables (a quantized state's decode / base / thresholds / encode) are per
     format, the same for every leaf."""
     out = []
     for k in range(0, len(flat), width):
-        p, g, index, *tensors = flat[k:k + width]
-        out.extend(_step_core(p, g, hyper, key, index, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
+        p, g, index, corr, *tensors = flat[k:k + width]
+        out.extend(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
     return tuple(out)
 
 
@@ -323,37 +334,21 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, blo
 
 
 def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], *, write: bool, sr: bool = False,
-              key: Optional[torch.Tensor] = None, leaf_index: int = 0, compile: bool = False):
+              key: Optional[torch.Tensor] = None, leaf_index: int = 0, compile: bool = False,
+              correction: Optional[torch.Tensor] = None):
     """One leaf's step (pure: new tensors out). ``states``: QTensor records or plain
-    float tensors. Returns ``(out, new_states)`` (see :func:`_step_core`)."""
-    from ..qtensor import QTensor
-
+    float tensors. Returns ``(out, new_states, new_correction)`` (see :func:`_step_core`;
+    ``new_correction`` is ``None`` without a ``correction``)."""
     device = g.device
-    kinds, tensors = [], []
-    for s in states:
-        if isinstance(s, QTensor):
-            tab = code_table(s.format, device)
-            kinds.append(("q", s.format, s.block_size))
-            tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode]
-        else:
-            kinds.append(("plain", s.dtype))
-            tensors.append(s)
-    static = {"spec": spec, "kinds": tuple(kinds), "write": write, "sr": sr}
+    kinds, tensors = _state_inputs(states, device)
+    static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
     h = hyper.to(device=device, dtype=torch.float32)
     index = torch.tensor(leaf_index, dtype=torch.int64, device=device) if sr else None
     if isinstance(p, torch.nn.Parameter):  # dynamo keeps a Parameter's shape static: one graph per shape
         p = p.detach()
-    res = _run("step", (p, g, h, key, index, *tensors), static, device, compile)
-    out, it, new_states = res[0], iter(res[1:]), []
-    for s in states:
-        if isinstance(s, QTensor):
-            codes, scale = next(it), next(it)
-            if FORMATS[s.format].float8:
-                codes = codes.view(torch.float8_e4m3fn)
-            new_states.append(QTensor(codes, scale, s.shape, s.block_size, s.format))
-        else:
-            new_states.append(next(it))
-    return out, new_states
+    res = _run("step", (p, g, h, key, index, correction, *tensors), static, device, compile)
+    k = 1 if correction is None else 2
+    return res[0], _new_states(states, res[k:]), (res[1] if correction is not None else None)
 
 
 def _state_inputs(states, device) -> tuple[tuple, list]:
@@ -388,23 +383,23 @@ def _new_states(states, results) -> list:
 
 def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bool, sr: bool = False,
                 key: Optional[torch.Tensor] = None) -> list:
-    """The compiled step of several leaves ``(param, grad, states, leaf_index)`` (pure: new
-    tensors out), those of one static combination (rule, state kinds and formats, ``write``,
-    ``sr``) in chunks of :data:`BATCH`. Returns ``(out, new_states)`` per leaf, the bits of
-    :func:`step_leaf` on each."""
+    """The compiled step of several leaves ``(param, grad, states, leaf_index, correction)``
+    (pure: new tensors out), those of one static combination (rule, state kinds and formats,
+    ``write``, ``sr``, with or without a correction) in chunks of :data:`BATCH`. Returns
+    ``(out, new_states, new_correction)`` per leaf, the bits of :func:`step_leaf` on each."""
     groups: dict = {}
     prepared = []
-    for p, g, states, index in leaves:
+    for p, g, states, index, corr in leaves:
         kinds, tensors = _state_inputs(states, g.device)
         if isinstance(p, torch.nn.Parameter):
             p = p.detach()
         idx = torch.tensor(index, dtype=torch.int64, device=g.device) if sr else None
-        prepared.append((p, g, idx, tensors, states))
-        groups.setdefault((kinds, g.device), []).append(len(prepared) - 1)
+        prepared.append((p, g, idx, corr, tensors, states))
+        groups.setdefault((kinds, corr is not None, g.device), []).append(len(prepared) - 1)
     results: list = [None] * len(prepared)
-    for (kinds, device), members in groups.items():
+    for (kinds, corrected, device), members in groups.items():
         static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
-        width = 3 + len(prepared[members[0]][3])
+        width = 4 + len(prepared[members[0]][4])
         h = hyper.to(device=device, dtype=torch.float32)
         start = 0
         while start < len(members):
@@ -412,12 +407,13 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
             chunk = members[start:start + n]
             flat = []
             for j in chunk:
-                p, g, idx, tensors, _ = prepared[j]
-                flat += [p, g, idx, *tensors]
+                p, g, idx, corr, tensors, _ = prepared[j]
+                flat += [p, g, idx, corr, *tensors]
             res = _compiled("step_many", tuple(sorted({**static, "width": width}.items())), device.type)(h, key, *flat)
             per = len(res) // n
+            k = 2 if corrected else 1
             for m, j in enumerate(chunk):
                 part = res[m * per:(m + 1) * per]
-                results[j] = (part[0], _new_states(prepared[j][4], part[1:]))
+                results[j] = (part[0], _new_states(prepared[j][5], part[k:]), part[1] if corrected else None)
             start += n
     return results
