@@ -37,9 +37,9 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..formats import FORMATS as _FORMATS
+from . import spec
 from .spec import (
-    DTYPE_IDS, DTYPES, FLAGS, HYPER_NAMES, JOB_HEADER, JOB_ROW, NHYPER, RANK1_BLOCK, RULE_IDS, RULES, STATE_FIELDS,
-    STATE_SLOTS, StepSpec, flag_bits,
+    DTYPE_IDS, JOB_HEADER, NHYPER, RANK1_BLOCK, RULE_IDS, STATE_FIELDS, STATE_SLOTS, StepSpec, flag_bits,
 )
 from .tables import cpu_code_table
 
@@ -158,22 +158,24 @@ def abi_header() -> str:
         else:
             lines.extend(f"#define {name} {value}" for name, value in pairs)
 
-    section("rule ids (spec.RULES)", ((_c_name("LBT_", n), i) for i, n in enumerate(RULES)), enum=True)
+    section("rule ids (spec.RULES)", [(_c_name("LBT_", n), i) for i, n in enumerate(spec.RULES)], enum=True)
     section("param, gradient and plain-state dtype ids (spec.DTYPES)",
-            ((_c_name("LBT_", n), i) for i, (n, _) in enumerate(DTYPES)), enum=True)
-    section("flag bits (spec.FLAGS)", ((_c_name("LBT_", n), 1 << i) for i, n in enumerate(FLAGS)))
-    section("the block size of a rank-1 record's state (spec.RANK1_BLOCK)", [("LBT_RANK1", f"({RANK1_BLOCK})")])
+            [(_c_name("LBT_", n), i) for i, (n, _) in enumerate(spec.DTYPES)], enum=True)
+    section("flag bits (spec.FLAGS)", [(_c_name("LBT_", n), 1 << i) for i, n in enumerate(spec.FLAGS)])
+    section("the block size of a rank-1 record's state (spec.RANK1_BLOCK)",
+            [("LBT_RANK1", f"({spec.RANK1_BLOCK})")])
     section("the float32 hyperparameter vector's entries (spec.HYPER_NAMES)",
-            [(_c_name("LBT_H_", n), i) for i, n in enumerate(HYPER_NAMES)] + [("LBT_NHYPER", NHYPER)])
+            [(_c_name("LBT_H_", n), i) for i, n in enumerate(spec.HYPER_NAMES)] + [("LBT_NHYPER", spec.NHYPER)])
+    header, state = spec.JOB_HEADER, spec.STATE_FIELDS
     section("the job row, one int64 each: the header fields (spec.JOB_HEADER), then LBT_STATE_SLOTS states "
             "(spec.STATE_FIELDS)",
-            [(_c_name("LBT_JOB_", n), i) for i, n in enumerate(JOB_HEADER)] + [("LBT_JOB_FIELDS", len(JOB_HEADER))]
-            + [(_c_name("LBT_STATE_", n), i) for i, n in enumerate(STATE_FIELDS)]
-            + [("LBT_STATE_FIELDS", len(STATE_FIELDS)), ("LBT_STATE_SLOTS", STATE_SLOTS), ("LBT_JOB_INT64S", JOB_ROW)])
+            [(_c_name("LBT_JOB_", n), i) for i, n in enumerate(header)] + [("LBT_JOB_FIELDS", len(header))]
+            + [(_c_name("LBT_STATE_", n), i) for i, n in enumerate(state)] + [("LBT_STATE_FIELDS", len(state))]
+            + [("LBT_STATE_SLOTS", spec.STATE_SLOTS), ("LBT_JOB_INT64S", spec.JOB_ROW)])
     section("the fields with their indices, for cpu.c's layout checks: X(member, index)",
             [(f"{macro}(X)", " ".join(f"X({n}, {_c_name(prefix, n)})" for n in fields))
-             for macro, prefix, fields in (("LBT_JOB_LAYOUT", "LBT_JOB_", JOB_HEADER),
-                                           ("LBT_STATE_LAYOUT", "LBT_STATE_", STATE_FIELDS))])
+             for macro, prefix, fields in (("LBT_JOB_LAYOUT", "LBT_JOB_", header),
+                                           ("LBT_STATE_LAYOUT", "LBT_STATE_", state))])
     if len(set(names)) != len(names):
         raise ValueError(f"spec.py's names make equal C names: {sorted(n for n in names if names.count(n) > 1)}")
     return "\n".join(lines) + "\n"
@@ -269,18 +271,23 @@ def build_error() -> Optional[str]:
     return _load()[1]
 
 
+def _library_path(cc: str, flags: list[str], header: str) -> Path:
+    """Where the library built from ``cpu.c`` with ``header``, ``cc`` and ``flags`` for this CPU is
+    cached: the name hashes all four, so a changed spec.py builds a new library."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + header.encode() + " ".join([cc] + flags).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree"))
+    return cache / f"kernels_cpu_{key}.so"
+
+
 def _build_and_load() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise BuildError("no C compiler: none of cc, gcc, clang is on PATH and CC is not set")
-    src = _SOURCE.read_bytes()
     # LOWBIT_TREE_CFLAGS: extra compiler flags (e.g. "-mno-avx2" to build and test
     # the plain-C paths that CPUs without AVX2 run)
     flags = _FLAGS + (_AMD_FLAGS if _is_amd() else []) + os.environ.get("LOWBIT_TREE_CFLAGS", "").split()
-    key = hashlib.sha256(src + abi_header().encode() + " ".join([cc] + flags).encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree"))
-    so = cache / f"kernels_cpu_{key}.so"
+    so = _library_path(cc, flags, abi_header())
     if not so.exists():
         _build(cc, flags, so)
     lib = ctypes.CDLL(str(so))
@@ -313,8 +320,9 @@ def _build_and_load() -> ctypes.CDLL:
 def expected_abi_layout() -> list[int]:
     """What :func:`abi_layout` returns for a library built with :func:`abi_header`: byte sizes
     and offsets, every field 8 bytes wide at ``8 *`` its index in :mod:`.spec`."""
-    return ([8 * JOB_ROW] + [8 * i for i in range(len(JOB_HEADER))] + [8 * len(JOB_HEADER)]
-            + [8 * len(STATE_FIELDS)] + [8 * i for i in range(len(STATE_FIELDS))])
+    header, state = len(spec.JOB_HEADER), len(spec.STATE_FIELDS)
+    return ([8 * spec.JOB_ROW] + [8 * i for i in range(header)] + [8 * header]
+            + [8 * state] + [8 * i for i in range(state)])
 
 
 def abi_layout(lib) -> list[int]:
