@@ -949,6 +949,8 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *   rule      ADAM      m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*(g*g);
  *                       [amsgrad: w = max(w, v), the root below of w]
  *                       u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)
+ *             ADEMAMIX  ADAM's m, v and a slow EMA s = b3*s + (1-b3)*g;
+ *                       u = (m * (1/bc1) + alpha * s) / (sqrt(v) * (1/sqrt(bc2)) + eps)
  *             LION      c = b1*m + (1-b1)*g; u = sign(c) (0 for 0 and NaN);
  *                       m = b2*m + (1-b2)*g
  *             MOMENTUM  b = mu*b + g; u = b, or g + mu*b (nesterov)
@@ -1144,7 +1146,9 @@ static inline __attribute__((always_inline)) void rule_run(
     for (int64_t k = 0; k < n; k++) {
         const float gi = g[k];
         float u, t0, t1 = 0.0f, t2 = 0.0f;
-        if (RULE == LBT_ADAM) {
+        if (RULE == LBT_ADAM || RULE == LBT_ADEMAMIX) {
+            /* one body: AdEMAMix is Adam's m and v plus a slow EMA s in the numerator; the
+             * literal RULE leaves each its own operations, so the bits are those of two bodies */
             float m0, v0;
             if (DEC) {
                 float t = dv[vc[k]] * svs;
@@ -1155,7 +1159,15 @@ static inline __attribute__((always_inline)) void rule_run(
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
-            if (VAR) { /* amsgrad: the running max of v */
+            float num = m * rbc1;
+            if (RULE == LBT_ADEMAMIX) { /* third state: the slow EMA (signed, stored as is) */
+                const float b3 = hyper[LBT_H_B3], omb3 = hyper[LBT_H_OMB3], alpha = hyper[LBT_H_ALPHA];
+                float l0 = DEC ? dw[wc[k]] * sws : OLD(2);
+                float sl = b3 * l0 + omb3 * gi;
+                num = num + alpha * sl;
+                t2 = sl;
+                s2[k] = t2;
+            } else if (VAR) { /* amsgrad's third state: the running max of v, the root's argument */
                 float w0;
                 if (DEC) {
                     float t = dw[wc[k]] * sws;
@@ -1168,31 +1180,11 @@ static inline __attribute__((always_inline)) void rule_run(
                 t2 = TR == 1 ? sr : (TR == 2 && w < 0.0f ? NAN : w);
                 s2[k] = t2;
             }
-            u = (m * rbc1) / (sr * rsbc2 + eps);
+            u = num / (sr * rsbc2 + eps);
             t0 = m;
             t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
             s0[k] = t0;
             s1[k] = t1;
-        } else if (RULE == LBT_ADEMAMIX) { /* states m, v, slow EMA s; v is the transformed one */
-            const float b3 = hyper[LBT_H_B3], omb3 = hyper[LBT_H_OMB3], alpha = hyper[LBT_H_ALPHA];
-            float m0, v0, l0;
-            if (DEC) {
-                float t = dv[vc[k]] * svs;
-                m0 = dm[mc[k]] * sm;
-                v0 = TR == 1 ? t * t : t;
-                l0 = dw[wc[k]] * sws;
-            } else {
-                m0 = OLD(0), v0 = OLD(1), l0 = OLD(2);
-            }
-            float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi), sl = b3 * l0 + omb3 * gi;
-            float sv = sqrtf(v);
-            u = (m * rbc1 + alpha * sl) / (sv * rsbc2 + eps);
-            t0 = m;
-            t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
-            t2 = sl;
-            s0[k] = t0;
-            s1[k] = t1;
-            s2[k] = t2;
         } else if (RULE == LBT_LION) {
             float m0 = OLD(0), c = b1 * m0 + omb1 * gi;
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */

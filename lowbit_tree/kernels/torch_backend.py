@@ -158,21 +158,18 @@ def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torc
         g = -g
     if spec.l2:
         g = g + h.l2 * p
-    if spec.rule == "adam":
+    if spec.rule in ("adam", "ademamix"):  # ademamix: adam's m and v plus a slow EMA in the numerator
         m = h.b1 * olds[0] + h.omb1 * g
         v = h.b2 * olds[1] + h.omb2 * (g * g)
-        news = [m, v]
-        root = v
+        news, root, num = [m, v], v, m * h.rbc1
         if spec.amsgrad:
             root = torch.maximum(olds[2], v)
             news.append(root)
-        u = (m * h.rbc1) / (_exact_sqrt(root) * h.rsbc2 + h.eps)
-    elif spec.rule == "ademamix":
-        m = h.b1 * olds[0] + h.omb1 * g
-        v = h.b2 * olds[1] + h.omb2 * (g * g)
-        slow = h.b3 * olds[2] + h.omb3 * g
-        news = [m, v, slow]
-        u = (m * h.rbc1 + h.alpha * slow) / (_exact_sqrt(v) * h.rsbc2 + h.eps)
+        if spec.rule == "ademamix":
+            slow = h.b3 * olds[2] + h.omb3 * g
+            news.append(slow)
+            num = num + h.alpha * slow
+        u = num / (_exact_sqrt(root) * h.rsbc2 + h.eps)
     elif spec.rule == "lion":
         u = torch.sign(h.b1 * olds[0] + h.omb1 * g)
         news = [h.b2 * olds[0] + h.omb2 * g]
