@@ -40,8 +40,8 @@ from typing import Optional
 import torch
 
 __all__ = [
-    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "FLAGS", "flag_bits", "DTYPES",
-    "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
+    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "FLAGS", "flag_bits",
+    "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
 ]
 
 RULES = ("adam", "lion", "momentum", "ademamix", "muon")
