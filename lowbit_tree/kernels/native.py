@@ -10,9 +10,10 @@ The library is cached under ``$LOWBIT_TREE_CACHE`` (default
 ``~/.cache/lowbit_tree``), keyed by the source, the generated ABI header, the flags
 and the CPU's feature flags. The header (:func:`abi_header`) carries what crosses the
 boundary, generated from :mod:`.spec` (rule ids, flag bits, dtype ids, the
-hyperparameter vector's names, the job row's layout); it is written beside the
-library and force-included (``-include``) into ``cpu.c``, which declares none of
-these numbers itself and checks ``lbt_job``'s layout against it at build time. ``LOWBIT_TREE_BACKEND=eager`` or ``compiled`` runs the torch backend
+hyperparameter vector's names, the job row's layout); the build writes it to a
+temporary file and force-includes it (``-include``) into ``cpu.c``, which declares
+none of these numbers itself and checks ``lbt_job``'s layout against it at build
+time. ``LOWBIT_TREE_BACKEND=eager`` or ``compiled`` runs the torch backend
 instead (see :mod:`lowbit_tree.kernels`); ``LOWBIT_TREE_CFLAGS`` adds compiler
 flags, ``CC`` chooses the compiler. :func:`available` says whether it can be used,
 :func:`build_error` why not; the first time it is unavailable (other than by
@@ -181,18 +182,7 @@ def abi_header() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_header(so: Path) -> Path:
-    """:func:`abi_header` written beside ``so`` (atomically: concurrent builds may write it)."""
-    path = so.with_suffix(".h")
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.h", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(abi_header())
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
-
-
-def _compile(cc: str, flags: list[str], out: str, source: Path, header: Path) -> None:
+def _compile(cc: str, flags: list[str], out: str, source: Path, header: str) -> None:
     """Build ``source`` (``cpu.c``) with ``header`` force-included into ``out``; :class:`BuildError` with
     the compiler's message if it fails."""
     where = "CC" if os.environ.get("CC", "").strip() else "found on PATH"
@@ -208,15 +198,17 @@ def _compile(cc: str, flags: list[str], out: str, source: Path, header: Path) ->
 
 
 def _build(cc: str, flags: list[str], so: Path, source: Path = _SOURCE) -> None:
-    """Write the ABI header beside ``so`` (``.h``), compile ``source`` with it to a temporary file
-    next to ``so``, make that readable by everyone (0o755; mkstemp creates 0o600), then rename it
-    into place: concurrent processes never load a partial file, and a failed build leaves no
-    library behind."""
+    """Compile ``source`` with :func:`abi_header` (a temporary file) to a temporary file next to
+    ``so``, make that readable by everyone (0o755; mkstemp creates 0o600), then rename it into
+    place: concurrent processes never load a partial file, and a build leaves no other file
+    behind."""
     so.parent.mkdir(parents=True, exist_ok=True)
-    header = _write_header(so)
+    fd, header = tempfile.mkstemp(prefix=so.stem + ".", suffix=".tmp.h", dir=so.parent)
+    os.close(fd)
     fd, tmp = tempfile.mkstemp(prefix=so.stem + ".", suffix=".tmp.so", dir=so.parent)
     os.close(fd)
     try:
+        Path(header).write_text(abi_header())
         try:
             _compile(cc, flags, tmp, source, header)
         except BuildError:
@@ -227,8 +219,9 @@ def _build(cc: str, flags: list[str], so: Path, source: Path = _SOURCE) -> None:
         os.chmod(tmp, 0o755)
         os.replace(tmp, so)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, header):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 _FALLBACK_NOTICE = (
