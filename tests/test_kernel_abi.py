@@ -133,7 +133,7 @@ def test_job_row_of_records_puts_each_field_at_its_spec_index():
     s = StepSpec("adam")
     q = lt.zeros((rows, r), "8bit", signed=True, block_size=4)
     codes = q.codes.view(torch.uint8)
-    r1 = rank1_quantize(torch.rand(rows, r))
+    r1 = rank1_quantize(torch.arange(rows * r, dtype=torch.float32).reshape(rows, r))
     values, rmax, cmax = torch.zeros(rows, r), torch.zeros(rows), torch.zeros(r)
     states = (native.NativeState(codes, codes, q.scale, q.scale, q.format, 4),
               native.NativeState(r1.codes, values, r1.row_max, r1.col_max, r1.format, RANK1_BLOCK, rmax, cmax))
