@@ -1,8 +1,10 @@
 """A/B timing of builds of the native CPU kernel (``lowbit_tree/kernels/cpu.c``).
 
-Each C source given is built with the library's own flags and loaded side by
-side, and prepares its own format structs (so builds whose code tables differ
-compare fairly; the struct's fields must be this checkout's); every (build, state
+Each C source given is built with the library's own flags and generated ABI
+header (``native.abi_header``: the rule ids, flags and job layout of this
+checkout's ``spec.py``) and loaded side by side, and prepares its own format
+structs (so builds whose code tables differ compare fairly; the struct's fields
+must be this checkout's); every (build, state
 format, size, data) combination then runs one step of ``--rule`` (AdamW by
 default; param written in place with its decay and learning rate, as the bridge
 does) through ``lbt_step_jobs`` directly, out of place on
@@ -28,7 +30,6 @@ import argparse
 import ctypes
 import hashlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree.kernels import StepLeaf, StepSpec, run_step, step_hyperparams
 from lowbit_tree.kernels import native as KC
+from lowbit_tree.kernels.spec import job_row_index
 from lowbit_tree.kernels.tables import cpu_code_table
 
 RULES = {
@@ -51,13 +53,12 @@ RULES = {
 
 
 def build(source: Path, outdir: Path):
-    """Compile ``source`` like the library does and load it."""
+    """Compile ``source`` like the library does (its flags, its generated header) and load it."""
     so = outdir / f"ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}.so"
-    for flags in (KC._FLAGS + (KC._AMD_FLAGS if KC._is_amd() else []), KC._FLAGS):  # the AMD option is GCC-only
-        if subprocess.run([KC._compiler(), *flags, str(source), "-o", str(so), "-lm"], capture_output=True).returncode == 0:
-            break
-    else:
-        raise RuntimeError(f"could not build {source}")
+    try:  # without the AMD option if the compiler rejects it (GCC-only)
+        KC._build(KC._compiler(), KC._FLAGS + (KC._AMD_FLAGS if KC._is_amd() else []), so, source)
+    except KC.BuildError as e:
+        raise RuntimeError(f"could not build {source}: {e}") from e
     lib = ctypes.CDLL(str(so))
     lib.lbt_step_jobs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.lbt_step_jobs.restype = None
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
                         row = KC.job_row(KC.NativeJob(rows, cols, pp, g, target, spec, not args.functional, False, 0,
                                                       hyper, sts))
                         for i, s in enumerate(new if not plain else ()):  # this build's own format structs
-                            row[KC.JOB_FIELDS + KC.STATE_FIELDS * i + 4] = lib_format(libs[li], s.format)
+                            row[job_row_index("f", i)] = lib_format(libs[li], s.format)
                         out = (target,) + (new if plain else tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale)))
                         # the row holds raw addresses: keep every tensor it names alive (pp is not in out
                         # with --functional)

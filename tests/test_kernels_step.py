@@ -22,6 +22,7 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree import kernels as K
 from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams
+from lowbit_tree.kernels.spec import HYPER_NAMES, Hyper
 from lowbit_tree.qtensor import QTensor
 from lowbit_tree.rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
 
@@ -86,7 +87,9 @@ def np_lerp(a, c, w):
 def reference_step(spec: StepSpec, hyper, p, g, states, *, write, sr_key=None, index=0):
     """The step of ``spec`` in numpy float32 (see lowbit_tree/kernels/spec.py):
     returns ``(out, new_states)``."""
-    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2, b3, omb3, alpha = hyper.numpy().astype(np.float32)
+    h = dict(zip(HYPER_NAMES, hyper.numpy().astype(np.float32)))  # the vector's entries by name
+    b1, omb1, b2, omb2, rbc1, rsbc2 = h["b1"], h["omb1"], h["b2"], h["omb2"], h["rbc1"], h["rsbc2"]
+    eps, lr, wd, l2, b3, omb3, alpha = h["eps"], h["lr"], h["wd"], h["l2"], h["b3"], h["omb3"], h["alpha"]
     with np.errstate(all="ignore"):
         gf = _np(g)
         pf = None if p is None else _np(p)
@@ -385,10 +388,10 @@ def test_hyperparams_from_numbers_and_tensors_agree(device):
                 assert same(a, b), (rule, b1, b2, count)
     # 1 - b2 in float64 from the value given: as accurate as float32 allows
     h = step_hyperparams(StepSpec("adam"), b1=0.9, b2=0.999)
-    assert h[3].item() == np.float32(1.0 - 0.999)
+    assert Hyper(*h).omb2.item() == np.float32(1.0 - 0.999)
     # a float32 tensor's value is its float32 value
     h32 = step_hyperparams(StepSpec("adam"), b1=torch.tensor(0.9), b2=torch.tensor(0.999))
-    assert h32[3].item() == np.float32(1.0 - float(np.float32(0.999)))
+    assert Hyper(*h32).omb2.item() == np.float32(1.0 - float(np.float32(0.999)))
 
 
 def _tensor_path(spec_mod, spec, kw):

@@ -49,10 +49,10 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
     if not kernels_cpu.available():
         pytest.skip("no C compiler")
     src = kernels_cpu._SOURCE.read_text()
-    old = "u = (m * rbc1) / (sr * rsbc2 + eps);"
+    old = "u = num / (sr * rsbc2 + eps);"
     assert old in src
     altered = tmp_path / "altered.c"
-    altered.write_text(src.replace(old, "u = (m * rbc1) / (sr * rsbc2 + 2 * eps);"))
+    altered.write_text(src.replace(old, "u = num / (sr * rsbc2 + 2 * eps);"))
     spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

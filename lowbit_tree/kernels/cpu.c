@@ -5,6 +5,7 @@
  * -ffast-math: every float operation rounds exactly like torch's eager float32 ops.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -948,6 +949,8 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *   rule      ADAM      m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*(g*g);
  *                       [amsgrad: w = max(w, v), the root below of w]
  *                       u = (m * (1/bc1)) / (sqrt(v) * (1/sqrt(bc2)) + eps)
+ *             ADEMAMIX  ADAM's m, v and a slow EMA s = b3*s + (1-b3)*g;
+ *                       u = (m * (1/bc1) + alpha * s) / (sqrt(v) * (1/sqrt(bc2)) + eps)
  *             LION      c = b1*m + (1-b1)*g; u = sign(c) (0 for 0 and NaN);
  *                       m = b2*m + (1-b2)*g
  *             MOMENTUM  b = mu*b + g; u = b, or g + mu*b (nesterov)
@@ -961,19 +964,13 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  * the reference quantizer of the new float32 states); plain float32 / bfloat16
  * states are read and written as such.
  * ------------------------------------------------------------------------ */
-enum { LBT_ADAM = 0, LBT_LION = 1, LBT_MOMENTUM = 2, LBT_ADEMAMIX = 3, LBT_MUON = 4 };
-enum { LBT_F32 = 0, LBT_BF16 = 1, LBT_F16 = 2 };
-#define LBT_MAXIMIZE 1
-#define LBT_L2 2
-#define LBT_DECAY 4
-#define LBT_LR 8
-#define LBT_AMSGRAD 16
-#define LBT_NESTEROV 32
-#define LBT_WRITE_PARAM 64
-#define LBT_STOCHASTIC 128
-#define LBT_RANK1 (-1)
-/* hyper: float32 [b1 (or momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2] */
-#define LBT_NHYPER 13
+/* The rule ids (LBT_ADAM...), dtype ids (LBT_F32...), flag bits (LBT_MAXIMIZE...), LBT_RANK1,
+ * the hyperparameter vector's indices (hyper[LBT_H_B1]...) and the job row's layout come from a
+ * header generated from lowbit_tree/kernels/spec.py (native.abi_header) and force-included by
+ * the build: this file writes none of those numbers itself. */
+#ifndef LBT_JOB_INT64S
+#error "cpu.c is compiled with the header lowbit_tree/kernels/native.py generates (-include)"
+#endif
 
 /* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows).
  * A rank-1 record (bs == LBT_RANK1): in its codes, scale_in its row maxima, scale_out
@@ -1000,8 +997,43 @@ typedef struct {
     const float *hyper;
     int64_t sr_hash;         /* LBT_STOCHASTIC: the key's hash (see lowbit_tree/update.py) */
     int64_t nstates;
-    lbt_state st[3];
+    lbt_state st[LBT_STATE_SLOTS];
 } lbt_job;
+
+/* The job row Python builds (native.job_row) is this struct: every field one int64 at 8 * its
+ * index in spec.py, the states right after the header. A field added to, removed from or moved
+ * in either side without the other stops the build here. */
+#define LBT_AT(type, member, index) \
+    _Static_assert(offsetof(type, member) == 8 * (index) && sizeof(((type *)0)->member) == 8, \
+                   #type "." #member " is not the int64 at index " #index " of spec.py's job row");
+#define LBT_JOB_AT(member, index) LBT_AT(lbt_job, member, index)
+#define LBT_STATE_AT(member, index) LBT_AT(lbt_state, member, index)
+LBT_JOB_LAYOUT(LBT_JOB_AT)
+LBT_STATE_LAYOUT(LBT_STATE_AT)
+#undef LBT_JOB_AT
+#undef LBT_STATE_AT
+#undef LBT_AT
+_Static_assert(sizeof(lbt_state) == 8 * LBT_STATE_FIELDS, "lbt_state has fields spec.STATE_FIELDS lacks");
+_Static_assert(offsetof(lbt_job, st) == 8 * LBT_JOB_FIELDS, "lbt_job has fields spec.JOB_HEADER lacks");
+_Static_assert(sizeof(lbt_job) == 8 * LBT_JOB_INT64S, "lbt_job is not spec.JOB_ROW int64 long");
+
+/* The layout this build has, for the loader to compare with spec.py (native.abi_layout):
+ * sizeof(lbt_job), the offset of each header field, the offset of st, sizeof(lbt_state), the
+ * offset of each state field. Writes at most cap values; returns how many there are. */
+int64_t lbt_abi_layout(int64_t *out, int64_t cap) {
+    int64_t v[2 + LBT_JOB_FIELDS + 1 + LBT_STATE_FIELDS], n = 0;
+    v[n++] = (int64_t)sizeof(lbt_job);
+#define LBT_OFFSET(member, index) v[n++] = (int64_t)offsetof(lbt_job, member);
+    LBT_JOB_LAYOUT(LBT_OFFSET)
+#undef LBT_OFFSET
+    v[n++] = (int64_t)offsetof(lbt_job, st);
+    v[n++] = (int64_t)sizeof(lbt_state);
+#define LBT_OFFSET(member, index) v[n++] = (int64_t)offsetof(lbt_state, member);
+    LBT_STATE_LAYOUT(LBT_OFFSET)
+#undef LBT_OFFSET
+    for (int64_t i = 0; i < n && i < cap; i++) out[i] = v[i];
+    return n;
+}
 
 static inline float bf16_value(uint16_t h) { uint32_t u = (uint32_t)h << 16; float x; memcpy(&x, &u, 4); return x; }
 
@@ -1083,6 +1115,9 @@ static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
  * compiled (and vectorized) on its own; the combinations without an
  * instantiation in rule_dispatch run EPW 0 and a second pass over the run
  * (epilogue_pass). */
+/* rule_run, its callers and the scratch (4 + LBT_STATE_SLOTS runs) name three state runs */
+_Static_assert(LBT_STATE_SLOTS == 3, "rule_run takes three state runs: extend it with spec.STATE_SLOTS");
+
 typedef struct {
     const uint8_t *mc, *vc, *wc;
     const float *dm, *dv, *dw;
@@ -1098,8 +1133,9 @@ static inline __attribute__((always_inline)) void rule_run(
      * instead of read and written in s0..s2 (OLD: the literal SEP picks the pointer, so no two
      * restrict pointers ever name one buffer) */
 #define OLD(j) (SEP ? i##j[k] : s##j[k])
-    const float b1 = hyper[0], omb1 = hyper[1], b2 = hyper[2], omb2 = hyper[3];
-    const float rbc1 = hyper[4], rsbc2 = hyper[5], eps = hyper[6], nlr = -hyper[7], wd = hyper[8];
+    const float b1 = hyper[LBT_H_B1], omb1 = hyper[LBT_H_OMB1], b2 = hyper[LBT_H_B2], omb2 = hyper[LBT_H_OMB2];
+    const float rbc1 = hyper[LBT_H_RBC1], rsbc2 = hyper[LBT_H_RSBC2], eps = hyper[LBT_H_EPS];
+    const float nlr = -hyper[LBT_H_LR], wd = hyper[LBT_H_WD];
     const uint8_t *restrict mc = DEC ? D->mc : NULL, *restrict vc = DEC ? D->vc : NULL;
     const int W = VAR || RULE == LBT_ADEMAMIX; /* a third decoded state: amsgrad's max, ademamix's slow EMA */
     const uint8_t *restrict wc = DEC && W ? D->wc : NULL;
@@ -1110,7 +1146,9 @@ static inline __attribute__((always_inline)) void rule_run(
     for (int64_t k = 0; k < n; k++) {
         const float gi = g[k];
         float u, t0, t1 = 0.0f, t2 = 0.0f;
-        if (RULE == LBT_ADAM) {
+        if (RULE == LBT_ADAM || RULE == LBT_ADEMAMIX) {
+            /* one body: AdEMAMix is Adam's m and v plus a slow EMA s in the numerator; the
+             * literal RULE leaves each its own operations, so the bits are those of two bodies */
             float m0, v0;
             if (DEC) {
                 float t = dv[vc[k]] * svs;
@@ -1121,7 +1159,15 @@ static inline __attribute__((always_inline)) void rule_run(
             }
             float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
-            if (VAR) { /* amsgrad: the running max of v */
+            float num = m * rbc1;
+            if (RULE == LBT_ADEMAMIX) { /* third state: the slow EMA (signed, stored as is) */
+                const float b3 = hyper[LBT_H_B3], omb3 = hyper[LBT_H_OMB3], alpha = hyper[LBT_H_ALPHA];
+                float l0 = DEC ? dw[wc[k]] * sws : OLD(2);
+                float sl = b3 * l0 + omb3 * gi;
+                num = num + alpha * sl;
+                t2 = sl;
+                s2[k] = t2;
+            } else if (VAR) { /* amsgrad's third state: the running max of v, the root's argument */
                 float w0;
                 if (DEC) {
                     float t = dw[wc[k]] * sws;
@@ -1134,31 +1180,11 @@ static inline __attribute__((always_inline)) void rule_run(
                 t2 = TR == 1 ? sr : (TR == 2 && w < 0.0f ? NAN : w);
                 s2[k] = t2;
             }
-            u = (m * rbc1) / (sr * rsbc2 + eps);
+            u = num / (sr * rsbc2 + eps);
             t0 = m;
             t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
             s0[k] = t0;
             s1[k] = t1;
-        } else if (RULE == LBT_ADEMAMIX) { /* states m, v, slow EMA s; v is the transformed one */
-            const float b3 = hyper[10], omb3 = hyper[11], alpha = hyper[12];
-            float m0, v0, l0;
-            if (DEC) {
-                float t = dv[vc[k]] * svs;
-                m0 = dm[mc[k]] * sm;
-                v0 = TR == 1 ? t * t : t;
-                l0 = dw[wc[k]] * sws;
-            } else {
-                m0 = OLD(0), v0 = OLD(1), l0 = OLD(2);
-            }
-            float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi), sl = b3 * l0 + omb3 * gi;
-            float sv = sqrtf(v);
-            u = (m * rbc1 + alpha * sl) / (sv * rsbc2 + eps);
-            t0 = m;
-            t1 = TR == 1 ? sv : (TR == 2 && v < 0.0f ? NAN : v);
-            t2 = sl;
-            s0[k] = t0;
-            s1[k] = t1;
-            s2[k] = t2;
         } else if (RULE == LBT_LION) {
             float m0 = OLD(0), c = b1 * m0 + omb1 * gi;
             u = (float)((c > 0.0f) - (c < 0.0f)); /* torch.sign, with 0 for NaN */
@@ -1214,16 +1240,16 @@ static void epi_out(const float *restrict u, const float *restrict p, float *res
 
 static void epilogue_pass(const float *hyper, int64_t n, const float *u, const float *p, float *o, int epi,
                           int write) {
-    if (write) epi_write(u, o, n, -hyper[7], hyper[8], epi);
-    else epi_out(u, p, o, n, -hyper[7], hyper[8], epi);
+    if (write) epi_write(u, o, n, -hyper[LBT_H_LR], hyper[LBT_H_WD], epi);
+    else epi_out(u, p, o, n, -hyper[LBT_H_LR], hyper[LBT_H_WD], epi);
 }
 
 typedef struct {
     const float *g, *p;
-    float *o, *u, *s[3];
-    const float *in[3]; /* sep: the old plain states, read from here (s[] gets the new ones) */
+    float *o, *u, *s[LBT_STATE_SLOTS];
+    const float *in[LBT_STATE_SLOTS]; /* sep: the old plain states, read from here (s[] gets the new ones) */
     int sep;
-    int32_t amax[3];
+    int32_t amax[LBT_STATE_SLOTS];
 } run_io;
 
 /* Every instantiated (rule, variant, transform, decoded, epilogue) combination, in terms of
@@ -1304,10 +1330,10 @@ static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const
 
 /* Per-thread scratch, sized for the largest tile of the call. */
 typedef struct {
-    float *g, *p, *o, *u, *s[3];
+    float *g, *p, *o, *u, *s[LBT_STATE_SLOTS];
     int32_t *s1, *s2;
     int32_t *r1;                /* rank-1 maxima of this thread's tiles (bits), at r1off[state] */
-    const int64_t *r1off;       /* the current job's three offsets into r1 (-1: not rank-1) */
+    const int64_t *r1off;       /* the current job's offsets into r1, one per state slot */
 } scratch;
 
 static inline int state_tr(const lbt_format *f) { return !f ? 0 : (f->sqrt_ ? 1 : (!f->is_signed ? 2 : 0)); }
@@ -1351,7 +1377,7 @@ static const float *prologue(const lbt_job *J, int64_t off, int64_t n, const flo
     load_plain((const char *)J->g + off * dt_size(J->gdt), J->gdt, n, buf);
     if (flags & LBT_MAXIMIZE) for (int64_t k = 0; k < n; k++) buf[k] = -buf[k];
     if (flags & LBT_L2) {
-        const float l2 = J->hyper[9];
+        const float l2 = J->hyper[LBT_H_L2];
         for (int64_t k = 0; k < n; k++) buf[k] = buf[k] + l2 * p[k];
     }
     return buf;
@@ -1408,7 +1434,7 @@ static void plain_tile(const lbt_job *J, int64_t t, scratch *B) {
     run_io io;
     io.sep = J->nstates > 0;
     for (int64_t i = 0; i < J->nstates; i++) io.sep &= J->st[i].bs == LBT_F32 && J->st[i].in != J->st[i].out;
-    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i], io.in[i] = NULL;
+    for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) io.s[i] = B->s[i], io.in[i] = NULL;
     for (int64_t i = 0; i < J->nstates; i++) {
         const lbt_state *S = &J->st[i];
         if (io.sep) io.in[i] = (const float *)S->in + off; /* out of place: read where they are */
@@ -1435,10 +1461,10 @@ static int job_block_path(const lbt_job *J) {
 }
 
 typedef struct {
-    const uint8_t *ci[3];
-    uint8_t *co[3];
-    const float *si[3];
-    float *so[3];
+    const uint8_t *ci[LBT_STATE_SLOTS];
+    uint8_t *co[LBT_STATE_SLOTS];
+    const float *si[LBT_STATE_SLOTS];
+    float *so[LBT_STATE_SLOTS];
 } row_ptrs;
 
 static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, int64_t len, scratch *B) {
@@ -1454,8 +1480,8 @@ static void quantized_blocks(const lbt_job *J, const row_ptrs *RP, int64_t off, 
     for (int64_t b0 = 0, blk = 0; b0 < len; b0 += bs, blk++) {
         int64_t n = b0 + bs < len ? bs : len - b0;
         run_io io;
-        io.sep = 0, io.in[0] = io.in[1] = io.in[2] = NULL;
-        for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+        io.sep = 0;
+        for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) io.s[i] = B->s[i], io.in[i] = NULL;
         block_codes D;
         if (dec) {
             D = (block_codes){RP->ci[0] + b0, RP->ci[1] + b0, f2 ? RP->ci[2] + b0 : NULL,
@@ -1528,9 +1554,9 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
      * len == R: the tile's elements are contiguous); plain states (the float32
      * values of rank-1 records) are read and written at the tile's elements */
     run_io io;
-    io.sep = 0, io.in[0] = io.in[1] = io.in[2] = NULL;
+    io.sep = 0;
     const int64_t off = r0 * R + j0;
-    for (int64_t i = 0; i < 3; i++) io.s[i] = B->s[i];
+    for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) io.s[i] = B->s[i], io.in[i] = NULL;
     for (int64_t i = 0; i < ns; i++) {
         const lbt_state *S = &J->st[i];
         if (!S->f) {
@@ -1589,11 +1615,11 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
     if (total < 2) nthreads = 1;
     /* rank-1 states: each thread's maxima (bits; 0 is neutral for non-negative values), rows
      * then columns of each, merged after the tiles */
-    int64_t *r1off = (int64_t *)malloc(sizeof(int64_t) * 3 * njobs), r1n = 0;
+    int64_t *r1off = (int64_t *)malloc(sizeof(int64_t) * LBT_STATE_SLOTS * njobs), r1n = 0;
     for (int64_t j = 0; j < njobs; j++)
-        for (int64_t i = 0; i < 3; i++) {
+        for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) {
             int r1 = i < jobs[j].nstates && jobs[j].st[i].bs == LBT_RANK1;
-            r1off[3 * j + i] = r1 ? r1n : 0;
+            r1off[LBT_STATE_SLOTS * j + i] = r1 ? r1n : 0;
             r1n += r1 ? jobs[j].rows + jobs[j].R : 0;
         }
     int32_t *r1all = r1n ? (int32_t *)calloc((size_t)nthreads * (size_t)r1n, sizeof(int32_t)) : NULL;
@@ -1605,14 +1631,14 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
         tid = omp_get_thread_num();
 #endif
         B.r1 = r1all ? r1all + (int64_t)tid * r1n : NULL;
-        /* the seven scratch runs staggered by 80 floats (320 bytes): runs a multiple of 4 KiB apart
-         * alias in the L1 and in store-to-load forwarding, and the rule loop stores to one while it
-         * loads the next (design.md, "Recycled outputs": with stream_store, the functional fp32
+        /* the 4 + LBT_STATE_SLOTS scratch runs staggered by 80 floats (320 bytes): runs a multiple
+         * of 4 KiB apart alias in the L1 and in store-to-load forwarding, and the rule loop stores to
+         * one while it loads the next (design.md, "Recycled outputs": with stream_store, the functional fp32
          * step 1.80 -> 1.56 ns an element) */
         const int64_t St = Tmax + 80;
-        float *mem = (float *)malloc(sizeof(float) * 7 * St);
+        float *mem = (float *)malloc(sizeof(float) * (4 + LBT_STATE_SLOTS) * St);
         B.g = mem, B.p = mem + St, B.o = mem + 2 * St, B.u = mem + 3 * St;
-        for (int i = 0; i < 3; i++) B.s[i] = mem + (4 + i) * St;
+        for (int i = 0; i < LBT_STATE_SLOTS; i++) B.s[i] = mem + (4 + i) * St;
         B.s1 = (int32_t *)malloc(sizeof(int32_t) * 2 * Tmax);
         B.s2 = B.s1 + Tmax;
         int64_t j = 0;
@@ -1626,7 +1652,7 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
                 }
                 j = lo;
             }
-            B.r1off = r1off + 3 * j;
+            B.r1off = r1off + LBT_STATE_SLOTS * j;
             if (job_quantized(&jobs[j])) quantized_tile(&jobs[j], t - start[j], &B);
             else plain_tile(&jobs[j], t - start[j], &B);
         }
@@ -1644,7 +1670,7 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
             for (int64_t k = 0; k < n; k++) {
                 int32_t m = 0;
                 for (int t = 0; t < nthreads; t++) {
-                    int32_t b = r1all[(int64_t)t * r1n + r1off[3 * j + i] + k];
+                    int32_t b = r1all[(int64_t)t * r1n + r1off[LBT_STATE_SLOTS * j + i] + k];
                     m = b > m ? b : m;
                 }
                 if (k < rows) S->rmax_out[k] = bits2f(m);

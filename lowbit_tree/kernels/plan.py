@@ -27,11 +27,11 @@ import torch
 from . import backend_for, buffers, native, run_step, StepLeaf, _native_ok
 from ..rank1 import Rank1QTensor
 from ..rounding import rounding_hash
-from .spec import NHYPER, StepSpec
+from .spec import NHYPER, StepSpec, job_row_index
 
 __all__ = ["KernelPlan"]
 
-_GRAD, _OUT, _HYPER, _SR_HASH = 3, 4, 9, 10  # fields of an lbt_job row that a step rewrites
+_GRAD, _OUT, _SR_HASH = (job_row_index(f) for f in ("g", "out", "sr_hash"))  # the row fields a step rewrites
 _MASK32 = 0xFFFFFFFF
 
 

@@ -1,4 +1,5 @@
-"""What one step computes: the update rule, its fused links, and its hyperparameter vector.
+"""What one step computes (the update rule, its fused links, its hyperparameter vector) and the
+layout that carries it to the C kernel.
 
 A :class:`StepSpec` is static (it chooses the code); the hyperparameters are one
 float32 vector per step (:func:`step_hyperparams`), the same for every backend.
@@ -21,21 +22,94 @@ exactly these operations; design.md, "Update rules"):
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
   dtype (nearest even; bfloat16 optionally stochastically).
+
+What crosses the kernel boundary is defined here once: the rule ids (:data:`RULES`), the
+hyperparameter vector's names (:data:`HYPER_NAMES`), the flag bits (:data:`FLAGS`), the dtype
+ids (:data:`DTYPES`), the rank-1 marker and the job row's layout (:data:`JOB_HEADER`,
+:data:`STATE_FIELDS`, :data:`STATE_SLOTS`). ``native.py`` builds its job rows from these
+tuples and generates the C header ``cpu.c`` is compiled with (``native.abi_header``), so a
+field added here moves every index on both sides at once.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+from typing import Optional
 
 import torch
 
-__all__ = ["RULES", "StepSpec", "NHYPER", "step_hyperparams"]
+__all__ = [
+    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "FLAGS", "flag_bits",
+    "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
+]
 
 RULES = ("adam", "lion", "momentum", "ademamix", "muon")
-NHYPER = 13
-"""Length of the hyperparameter vector:
-``[b1 (momentum), 1-b1, b2, 1-b2, 1/bc1, 1/sqrt(bc2), eps, lr, wd, l2, b3, 1-b3, alpha]``
-(the last three: ademamix's slow EMA and its weight, 0 for the other rules)."""
+"""The update rules; a rule's id across the kernel boundary is its index here."""
+RULE_IDS = {rule: i for i, rule in enumerate(RULES)}
+
+HYPER_NAMES = ("b1", "omb1", "b2", "omb2", "rbc1", "rsbc2", "eps", "lr", "wd", "l2", "b3", "omb3", "alpha")
+"""The hyperparameter vector, in order: ``b1`` (the momentum of momentum and muon), ``1-b1``,
+``b2``, ``1-b2``, ``1/bc1``, ``1/sqrt(bc2)``, ``eps``, ``lr``, ``wd`` (decoupled decay), ``l2``
+(L2 decay), ``b3``, ``1-b3``, ``alpha`` (the last three: ademamix's slow EMA and its weight, 0
+for the other rules). Every backend reads the vector by these names: the C kernel as
+``hyper[LBT_H_<NAME>]`` (its header is generated from this tuple), the torch backend through
+:class:`Hyper`."""
+NHYPER = len(HYPER_NAMES)
+
+Hyper = collections.namedtuple("Hyper", HYPER_NAMES)
+"""The entries of one hyperparameter vector by name: ``Hyper(*hyper.unbind(0)).rbc1``."""
+
+FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic")
+"""A job's flag bits: flag ``FLAGS[i]`` is bit ``1 << i``. ``write_param``: the output is the
+param itself, updated in place (else a float32 update); ``stochastic``: a bfloat16 param is
+rounded stochastically; the others are :class:`StepSpec`'s fields."""
+
+DTYPES = (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))
+"""The param, gradient and plain-state dtypes the C kernel reads and writes, as (name, dtype);
+a dtype's id is its index."""
+DTYPE_IDS = {dt: i for i, (_, dt) in enumerate(DTYPES)}
+
+RANK1_BLOCK = -1
+"""The block size a job's state carries when it is a rank-1 record."""
+
+JOB_HEADER = ("rows", "R", "p", "g", "out", "rule", "flags", "pdt", "gdt", "hyper", "sr_hash", "nstates")
+"""The job row's header, one int64 each, in order: the leaf's ``(rows, R)`` view; the
+addresses of param (0 when the step needs none), gradient and output; the rule id
+(:data:`RULES`), flag bits (:data:`FLAGS`), param and gradient dtype ids (:data:`DTYPES`); the
+address of the float32 hyperparameter vector; the stochastic-rounding key's hash; the number of
+states. cpu.c's ``lbt_job`` declares these fields with C types and checks at build time that
+each sits at ``8 * index`` (its header is generated from this tuple)."""
+
+STATE_FIELDS = ("in", "out", "scale_in", "scale_out", "f", "bs", "rmax_out", "cmax_out")
+"""One state slot of a job row, one int64 each, in order: source and destination (codes or
+plain values; the same address in place), scales (or a rank-1 record's row and column maxima)
+in and out, the format struct's address (0: plain values), the block size (plain: the dtype id;
+:data:`RANK1_BLOCK`: a rank-1 record), and where a rank-1 record's new row and column maxima
+go."""
+
+STATE_SLOTS = 3
+"""State slots in a job row (unused ones are zeros)."""
+
+JOB_ROW = len(JOB_HEADER) + STATE_SLOTS * len(STATE_FIELDS)
+"""int64 entries of one job row."""
+
+
+def job_row_index(field: str, slot: Optional[int] = None) -> int:
+    """The position of a header field (``slot=None``) or of state ``slot``'s field in a job row."""
+    if slot is None:
+        return JOB_HEADER.index(field)
+    if not 0 <= slot < STATE_SLOTS:
+        raise ValueError(f"state slot {slot} is not in range({STATE_SLOTS})")
+    return len(JOB_HEADER) + slot * len(STATE_FIELDS) + STATE_FIELDS.index(field)
+
+
+def flag_bits(**flags: bool) -> int:
+    """The flag word with the named :data:`FLAGS` set: ``flag_bits(decay=True, lr=True)``."""
+    unknown = set(flags) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"unknown flags {sorted(unknown)}; the flags are {FLAGS}")
+    return sum(1 << i for i, name in enumerate(FLAGS) if flags.get(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +168,7 @@ def step_hyperparams(
     alpha=0.0,
     device=None,
 ) -> torch.Tensor:
-    """The float32 hyperparameter vector of one step (:data:`NHYPER` entries).
+    """The float32 hyperparameter vector of one step: :data:`HYPER_NAMES`' entries in order.
 
     ``1-b1``, ``1-b2`` and the bias corrections ``1/bc1``, ``1/sqrt(bc2)`` (``bc = 1 -
     b**(count+1)``, adam only) are computed in float64 from the values as given (a
@@ -123,9 +197,10 @@ def step_hyperparams(
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
         b3f = float(b3)
-        vals = [b1f, 1.0 - b1f, b2f, 1.0 - b2f, rbc1, rsbc2, float(eps), float(lr), float(weight_decay), float(l2),
-                b3f, 1.0 - b3f if spec.rule == "ademamix" else 0.0, float(alpha)]
-        return torch.tensor(vals, dtype=torch.float32, device="cpu" if device is None else device)
+        vals = Hyper(b1=b1f, omb1=1.0 - b1f, b2=b2f, omb2=1.0 - b2f, rbc1=rbc1, rsbc2=rsbc2, eps=float(eps),
+                     lr=float(lr), wd=float(weight_decay), l2=float(l2), b3=b3f,
+                     omb3=1.0 - b3f if spec.rule == "ademamix" else 0.0, alpha=float(alpha))
+        return torch.tensor(list(vals), dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
     def f64(v):
@@ -141,6 +216,6 @@ def step_hyperparams(
         rbc1 = rsbc2 = torch.zeros(1, dtype=torch.float64, device=dev)
     b3t = f64(b3)
     omb3 = one - b3t if spec.rule == "ademamix" else torch.zeros(1, dtype=torch.float64, device=dev)
-    parts = [b1t, one - b1t, b2t, one - b2t, rbc1, rsbc2, f64(eps), f64(lr), f64(weight_decay), f64(l2), b3t, omb3,
-             f64(alpha)]
-    return torch.cat(parts).to(torch.float32)
+    parts = Hyper(b1=b1t, omb1=one - b1t, b2=b2t, omb2=one - b2t, rbc1=rbc1, rsbc2=rsbc2, eps=f64(eps), lr=f64(lr),
+                  wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha))
+    return torch.cat(list(parts)).to(torch.float32)

@@ -27,7 +27,7 @@ import torch
 from ..correction import master_value, split_master
 from ..formats import FORMATS
 from ..rounding import stochastic_round
-from .spec import StepSpec
+from .spec import Hyper, StepSpec
 from .tables import _CPU_TABLES, code_table
 
 __all__ = ["quantize_rows", "dequantize_rows", "step_leaf"]
@@ -154,41 +154,38 @@ def _lerp(a: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
     """The float32 math of one step (:mod:`.spec`, operation by operation): returns
     the update after the epilogue and the new (untransformed) states."""
-    b1, omb1, b2, omb2, rbc1, rsbc2, eps, lr, wd, l2, b3, omb3, alpha = hyper.unbind(0)
+    h = Hyper(*hyper.unbind(0))  # the vector's entries by spec.HYPER_NAMES
     if spec.maximize:
         g = -g
     if spec.l2:
-        g = g + l2 * p
-    if spec.rule == "adam":
-        m = b1 * olds[0] + omb1 * g
-        v = b2 * olds[1] + omb2 * (g * g)
-        news = [m, v]
-        root = v
+        g = g + h.l2 * p
+    if spec.rule in ("adam", "ademamix"):  # ademamix: adam's m and v plus a slow EMA in the numerator
+        m = h.b1 * olds[0] + h.omb1 * g
+        v = h.b2 * olds[1] + h.omb2 * (g * g)
+        news, root, num = [m, v], v, m * h.rbc1
         if spec.amsgrad:
             root = torch.maximum(olds[2], v)
             news.append(root)
-        u = (m * rbc1) / (_exact_sqrt(root) * rsbc2 + eps)
-    elif spec.rule == "ademamix":
-        m = b1 * olds[0] + omb1 * g
-        v = b2 * olds[1] + omb2 * (g * g)
-        slow = b3 * olds[2] + omb3 * g
-        news = [m, v, slow]
-        u = (m * rbc1 + alpha * slow) / (_exact_sqrt(v) * rsbc2 + eps)
+        if spec.rule == "ademamix":
+            slow = h.b3 * olds[2] + h.omb3 * g
+            news.append(slow)
+            num = num + h.alpha * slow
+        u = num / (_exact_sqrt(root) * h.rsbc2 + h.eps)
     elif spec.rule == "lion":
-        u = torch.sign(b1 * olds[0] + omb1 * g)
-        news = [b2 * olds[0] + omb2 * g]
+        u = torch.sign(h.b1 * olds[0] + h.omb1 * g)
+        news = [h.b2 * olds[0] + h.omb2 * g]
     elif spec.rule == "muon":
-        b = _lerp(olds[0], g, omb1)
-        u = _lerp(g, b, b1) if spec.nesterov else b
+        b = _lerp(olds[0], g, h.omb1)
+        u = _lerp(g, b, h.b1) if spec.nesterov else b
         news = [b]
     else:
-        b = b1 * olds[0] + g
-        u = g + b1 * b if spec.nesterov else b
+        b = h.b1 * olds[0] + g
+        u = g + h.b1 * b if spec.nesterov else b
         news = [b]
     if spec.decay:
-        u = u + wd * p
+        u = u + h.wd * p
     if spec.lr:
-        u = (-lr) * u
+        u = (-h.lr) * u
     return u, news
 
 
