@@ -365,7 +365,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _run(self, plan: GroupPlan, params: list, grads: list, numeric: dict, seed: int) -> None:
         rest = plan.run(grads, numeric, seed)
-        if any(u is not None for u in rest):  # what the plan left to add (a transformation that writes no params)
+        if any(rest[i] is not None for i in plan.present):  # what the plan left to add (a transformation that writes no params)
             apply_rest_([to_local(p) for p in params], rest)
 
     # -- introspection ------------------------------------------------------------
