@@ -110,7 +110,8 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
     How: a ``Tensor.register_post_accumulate_grad_hook`` hook on each param, run by autograd
     once per backward after the param's gradient is complete. Under FSDP2 pass the model
     after ``fully_shard``: FSDP2 calls the sharded params' hooks itself, after each unit's
-    reduce-scatter, with the sharded gradient in ``p.grad`` (:mod:`bridge.in_backward`).
+    reduce-scatter, with the sharded gradient in ``p.grad`` (``bridge/in_backward.py`` says
+    where in FSDP2).
 
     ``opt.step()`` while the hooks are on does not step: it ends the iteration. It raises if
     a param holds a gradient no hook stepped, or if given a closure. Every backward steps
