@@ -133,9 +133,12 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
 
     Not detectable, so documented: global gradient clipping between backward and step
     (``torch.nn.utils.clip_grad_norm_``) finds no gradient there, every one having been
-    used and freed; clip per param inside the backward instead, or do without. Hooks of
-    ``opt`` (``register_step_pre_hook`` and the like) run around ``opt.step()``, which
-    steps nothing here.
+    used and freed. ``torch.amp.GradScaler`` does not combine: the params step on the
+    scaled gradients before ``scaler.step(opt)`` could unscale them (bfloat16 autocast needs
+    no scaler). A param the backward still reads after its own gradient is final (through a
+    ``.detach()``d use) is read after its step. Hooks of ``opt``
+    (``register_step_pre_hook`` and the like) run around ``opt.step()``, which steps nothing
+    here.
 
     Args:
       model_or_params: an ``nn.Module`` (its ``parameters()``) or an iterable of params.
