@@ -19,6 +19,7 @@ from .optimizers import (
     SGD8bit,
 )
 from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
+from .in_backward import StepInBackward, step_in_backward
 from .qstate import QState
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
+    "step_in_backward", "StepInBackward",
 ]

@@ -358,9 +358,9 @@ class Muon(_TorchOptimizer):
                         "e.g. bridge.muon_param_groups(model)"
                     )
 
-    def _step_group(self, group, params, offset):
+    def _step_group(self, group, params, offset, only=None):
         self._ortho.params, self._ortho.offset = params, offset
-        super()._step_group(group, params, offset)
+        super()._step_group(group, params, offset, only)
 
     def step(self, closure=None):
         self._ortho.reset()

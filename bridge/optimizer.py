@@ -94,7 +94,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._param_templates: dict = {}
         self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
         self._records: dict = {}  # (id(param), name) -> (its QState, the core record over the same storage)
-        self._plans: dict = {}  # id(group) -> (the static key, GroupPlan) of its last step
+        # (id(group), positions stepped) -> (the static key, GroupPlan): the whole group's plan of
+        # step() and, beside it, one per param stepped alone (_step_param)
+        self._plans: dict = {}
+        self._positions = None  # (the groups it was made from, {id(param): (group, offset, index)})
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -277,7 +280,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
-        """Perform one optimization step (``closure`` re-evaluates the loss, as torch.optim)."""
+        """Perform one optimization step (``closure`` re-evaluates the loss, as torch.optim).
+
+        While :func:`bridge.step_in_backward`'s hooks are on, the steps have run in backward and
+        this steps nothing: it ends the iteration (:meth:`bridge.StepInBackward.end_iteration`)."""
+        in_backward = self.__dict__.get("_in_backward")
+        if in_backward is not None:  # the steps ran in backward: this only ends the iteration
+            return in_backward.end_iteration(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -291,13 +300,42 @@ class LowBitOptimizer(torch.optim.Optimizer):
             offset += len(params)
         return loss
 
-    def _step_group(self, group: dict, params: list, offset: int) -> None:
-        """One group: its params with gradients, batched by step count (torch.optim keeps
-        one per param), each batch one in-place core step through its :class:`GroupPlan`."""
+    def _step_param(self, p) -> None:
+        """The step of param ``p`` alone, with the bits ``step()`` gives it (its group's
+        hyperparameters, its position among all the params as stochastic rounding's key),
+        through a plan of its own: what :func:`bridge.step_in_backward` runs in each hook."""
+        group, offset, i = self._position(p)
+        if group.get("skip_nonfinite"):
+            raise RuntimeError(
+                f"{type(self).__name__}: a param group with skip_nonfinite=True cannot step one param at a time "
+                "(it skips the whole step when any gradient is non-finite, which needs every gradient at once)"
+            )
+        self._step_group(group, group["params"], offset, only=i)
+
+    def _position(self, p) -> tuple:
+        """(group, offset of the group's first param among all params, index in the group) of ``p``."""
+        made_from = tuple((id(g), id(g["params"]), len(g["params"])) for g in self.param_groups)
+        if self._positions is None or self._positions[0] != made_from:
+            where, offset = {}, 0
+            for g in self.param_groups:
+                for i, q in enumerate(g["params"]):
+                    where[id(q)] = (g, offset, i)
+                offset += len(g["params"])
+            self._positions = (made_from, where)
+        hit = self._positions[1].get(id(p))
+        if hit is None:
+            raise ValueError(f"{type(self).__name__}: the param of shape {tuple(p.shape)} is not in this optimizer")
+        return hit
+
+    def _step_group(self, group: dict, params: list, offset: int, only: int | None = None) -> None:
+        """One group: its params with gradients (or only the one at position ``only``), batched
+        by step count (torch.optim keeps one per param), each batch one in-place core step
+        through its :class:`GroupPlan`, cached per group and positions stepped."""
         tx, key, numeric = self._transform(group)
         grads: list = [None] * len(params)
         present = []
-        for i, p in enumerate(params):
+        for i in range(len(params)) if only is None else (only,):
+            p = params[i]
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
@@ -309,7 +347,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             present.append(i)
         present = tuple(present)
         seed = int(group.get("seed", 0))
-        hit = self._plans.get(id(group))
+        hit = self._plans.get((id(group), present))
         if hit is not None and hit[0] == key and hit[1].current(self, params, present):
             self._run(hit[1], params, grads, numeric, seed)
             return
@@ -328,12 +366,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             plan = GroupPlan(self, tx, self._binding(group, params, tuple(batch)), params, tuple(batch), numeric,
                              offset, what)
             if len(batches) == 1:
-                self._plans[id(group)] = (key, plan)
+                self._plans[(id(group), present)] = (key, plan)
             self._run(plan, params, [g if i in set(batch) else None for i, g in enumerate(grads)], numeric, seed)
 
     def _run(self, plan: GroupPlan, params: list, grads: list, numeric: dict, seed: int) -> None:
         rest = plan.run(grads, numeric, seed)
-        if any(u is not None for u in rest):  # what the plan left to add (a transformation that writes no params)
+        if any(rest[i] is not None for i in plan.present):  # what the plan left to add (a transformation that writes no params)
             apply_rest_([to_local(p) for p in params], rest)
 
     # -- introspection ------------------------------------------------------------

@@ -5,7 +5,10 @@ states in ``optimizer.state`` (:mod:`bridge.state_tree`), builds the transformat
 form once (``tx.plan``: :class:`lowbit_tree.base.GradientTransformation`), and keeps what a
 step has to set: the injected hyperparameters, the step counts and seeds of the state tree.
 A step then checks that nothing it holds has been replaced, writes this step's numbers and
-calls the plan.
+calls the plan. The optimizer keeps one plan per group and positions stepped: the whole
+group's for ``step()`` and, beside it, one per param for the steps in backward
+(:func:`bridge.step_in_backward`), whose tree is still the whole group's list (``None``
+elsewhere), so a leaf's index, stochastic rounding's key, is the same in both.
 
 Step counts: torch.optim keeps one ``step`` tensor per param; a plan's params share one
 count (they are batched by it), so their ``step`` tensors become 0-d views of one tensor

@@ -754,3 +754,104 @@ def hsdp_exact_worker(rank, world, steps=3):
     params and gathered states of every record kind bit for bit the unsharded run's."""
     for fmt in ("8bit", "4bit", "fp8", "muon4bitlr"):
         _exact_run(rank, world, fmt, steps, hsdp=True)
+
+
+# ----------------------------------------------------------------------------
+# the step in backward (bridge.step_in_backward)
+# ----------------------------------------------------------------------------
+def _in_backward_opts():
+    """name -> (params -> optimizer, param dtype): every optimizer family."""
+    import bridge
+
+    kw = dict(lr=1e-2, block_size=8, min_quant_size=1)
+    return {
+        "AdamW8bit": (lambda ps: bridge.AdamW8bit(ps, weight_decay=0.1, **kw), torch.float32),
+        "AdamW4bit": (lambda ps: bridge.AdamW4bit(ps, weight_decay=0.1, **kw), torch.float32),  # rank-1: all-reduces
+        "AdamW": (lambda ps: bridge.AdamW(ps, weight_decay=0.1, **kw), torch.float32),
+        "Lion8bit": (lambda ps: bridge.Lion8bit(ps, **kw), torch.float32),
+        "SGD8bit": (lambda ps: bridge.SGD8bit(ps, momentum=0.9, **kw), torch.float32),
+        "AdEMAMix8bit": (lambda ps: bridge.AdEMAMix8bit(ps, **kw), torch.float32),
+        "Muon8bit": (lambda ps: make_opt(ps, "muon8bit"), torch.float32),  # Newton-Schulz on an owner rank
+        "AdamW8bit-bf16-sr": (lambda ps: bridge.AdamW8bit(ps, bf16_stochastic_round=True, **kw), torch.bfloat16),
+    }
+
+
+def _in_backward_pair(world, name):
+    make, dtype = _in_backward_opts()[name]
+    model = make_model(dtype=dtype)
+    ref = copy.deepcopy(model)
+    shard(model, world)
+    shard(ref, world)
+    return model, ref, make(model.parameters()), make(ref.parameters())
+
+
+def _grad_probe(params):
+    """A hook on every sharded param, registered before step_in_backward's (so it runs first):
+    records how many params hold a gradient then, and checks the gradient is the param's shard."""
+    seen = []
+
+    def probe(p):
+        assert p.grad is not None and p.grad.to_local().shape == p.to_local().shape
+        seen.append(sum(q.grad is not None for q in params))
+
+    return seen, [p.register_post_accumulate_grad_hook(probe) for p in params]
+
+
+def _assert_same_sharded(model, ref, opt, ref_opt, what):
+    for p, rp in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.to_local(), rp.to_local()), what
+    assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=what)
+
+
+def step_in_backward_worker(rank, world, steps=3):
+    """bridge.step_in_backward on an FSDP2 model against opt.step() on a sharded deep copy fed the
+    same batches (each rank its own): losses, params and every gathered state bit for bit, for
+    every optimizer family; FSDP2 calls each sharded param's hook once per backward, after the
+    unit's reduce-scatter, with only that param holding a gradient. Then FSDP2's accumulation:
+    a first micro-batch under set_requires_gradient_sync(False) calls no hook, the second
+    reduces and steps once, as opt.step() after both."""
+    import bridge
+
+    for name in _in_backward_opts():
+        _mark(rank, "step_in_backward", name)
+        model, ref, opt, ref_opt = _in_backward_pair(world, name)
+        params = list(model.parameters())
+        seen, probes = _grad_probe(params)
+        handle = bridge.step_in_backward(model, opt)
+        for step in range(steps):
+            tokens = batch(step, rank)
+            loss = model(tokens)
+            loss.backward()
+            assert all(p.grad is None for p in params), name
+            opt.step()
+            ref_loss = ref(tokens)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            assert torch.equal(loss, ref_loss), (name, step, loss, ref_loss)
+        assert set(seen) == {1} and len(seen) == steps * len(params), (name, seen)
+        _assert_same_sharded(model, ref, opt, ref_opt, name)
+        handle.remove()
+        for h in probes:
+            h.remove()
+
+    _mark(rank, "step_in_backward", "accumulation")
+    model, ref, opt, ref_opt = _in_backward_pair(world, "AdamW4bit")
+    params = list(model.parameters())
+    seen, probes = _grad_probe(params)
+    with bridge.step_in_backward(model, opt):
+        for step in range(2):
+            for m in (model, ref):
+                m.set_requires_gradient_sync(False)
+                m(batch(step, rank)).backward()
+                m.set_requires_gradient_sync(True)
+            assert not seen and all(p.grad is None for p in params)
+            for m in (model, ref):
+                m(batch(10 + step, rank)).backward()
+            assert len(seen) == len(params) and all(p.grad is None for p in params)
+            seen.clear()
+            opt.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    _assert_same_sharded(model, ref, opt, ref_opt, "accumulation")
+    assert all(float(opt.state[p]["step"]) == 2 for p in params)
