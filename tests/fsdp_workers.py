@@ -457,6 +457,31 @@ def rank1_exact_worker(rank, world, steps=4):
     return sum(r.sent for r in reducers) // steps
 
 
+def correction_exact_worker(rank, world, steps=3):
+    """bfloat16 params with ``param_correction=True`` (AdamW8bit, AdamW4bit, Lion8bit) under
+    FSDP2 fed the unsharded run's gradients: params, int8 corrections (gathered, placed like
+    their params) and every other state bit for bit equal at any world size."""
+    for fmt, cls in (("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("lion", "Lion8bit")):
+        import bridge
+
+        model = make_model(dtype=torch.bfloat16)
+        ref = copy.deepcopy(model)
+        shard(model, world)
+        kw = dict(lr=1e-2, weight_decay=0.1, block_size=8, min_quant_size=1, param_correction=True)
+        opt, ref_opt = getattr(bridge, cls)(model.parameters(), **kw), getattr(bridge, cls)(ref.parameters(), **kw)
+        for step in range(steps):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            opt.step()
+            ref_opt.step()
+        for p, rp in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.full_tensor(), rp.detach()), (fmt, world)
+        states, ref_states = full_states(opt), full_states(ref_opt)
+        assert all(st["param_correction"].dtype == torch.int8 for st in states)
+        assert any(st["param_correction"].abs().sum() > 0 for st in states)
+        assert_states_equal(states, ref_states, exact=True, what=f"{cls} with param_correction at {world} ranks")
+
+
 def parity_all_worker(rank, world):
     parity_worker(rank, world)
     report_worker(rank, world)
