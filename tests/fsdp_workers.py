@@ -161,6 +161,7 @@ OPTIMIZERS = {
     "muonfp32": "Muon",
     "muon4bitlr": "Muon4bit",  # its defaults: nf4 residual + rank-16 factors, refreshed on the owner ranks
     "mixed": "AdamW",  # MIXED_FORMATS: each state in its own format
+    "8bitc": "AdamW8bit",  # param_correction: bfloat16 params (the callers' models) with an int8 correction
 }
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
@@ -175,6 +176,8 @@ def make_opt(params, fmt: str, **kw):
         kw["rank1_normalization"] = False
     if fmt == "mixed":
         kw.setdefault("state_format", MIXED_FORMATS)
+    if fmt == "8bitc":
+        kw["param_correction"] = True
     if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
         ps = list(params)
         if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
