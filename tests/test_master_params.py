@@ -141,3 +141,22 @@ def test_split_master_is_exact_on_float32_values_within_16_bits():
     assert ((back - x).abs() <= x.abs() * 2 ** -16 + 1e-38).all()  # half a 256th of an ulp
     again = split_master(back, torch.bfloat16)
     assert torch.equal(again[0], p) and torch.equal(again[1], c)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "Lion8bit"])
+def test_cuda_correction_equals_the_cpu_run(cls):
+    """The compiled CUDA step with a correction: params and corrections bit for bit the CPU's."""
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = _model().to(device)
+        opt = getattr(bridge, cls)(model.parameters(), lr=1e-2, min_quant_size=64, param_correction=True)
+        for s in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(s)).bfloat16().to(device)
+            opt.step()
+        runs.append(([p.detach().cpu() for p in model.parameters()],
+                     [opt.state[p]["param_correction"].cpu() for p in model.parameters()]))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
