@@ -1104,31 +1104,37 @@ static void store_plain(const float *restrict x, int64_t n, int64_t dt, void *ds
 
 static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
 
-/* lowbit_tree.correction.correction_scale of a param whose float32 value is v: ulp(p) / 256 built
- * from v's exponent field, 2 ** (e - MANT - 8) for p's binade e, at least EMIN (the dtype's smallest
- * normal exponent: zeros and subnormals share its spacing); a float32 subnormal below 2 ** -126.
- * MANT, EMIN: the param dtype's (correction.CORRECTED_DTYPES). */
-static inline float correction_scale(float v, const int32_t MANT, const int32_t EMIN) {
-    int32_t e = ((f2i(v) >> 23) & 0xFF) - 127;
-    e = e < EMIN ? EMIN : e;
-    const int32_t b = e - MANT - 8 + 127; /* the scale's biased exponent */
-    int32_t sh = b + 22;
-    sh = sh < 0 ? 0 : (sh > 22 ? 22 : sh);
-    return bits2f(b >= 1 ? b << 23 : 1 << sh);
+/* The power of two of v's binade as float32 bits: v's exponent field, at least EMIN's (the param
+ * dtype's smallest normal exponent: zeros and subnormals share its spacing) and at most 2 ** 127
+ * (infinity and NaN get a finite power; what it scales stays non-finite). */
+static inline int32_t binade_bits(float v, const int32_t EMIN) {
+    int32_t b = f2i(v) & 0x7F800000;
+    const int32_t lo = (EMIN + 127) << 23;
+    b = b < lo ? lo : b;
+    return b > 0x7F000000 ? 0x7F000000 : b;
 }
 
 /* The corrected write (LBT_CORRECT; lowbit_tree/correction.py) of n elements: pv the param's
  * float32 values, d the update, c the int8 corrections (in place), q the bfloat16 (F16: float16)
  * param's bits. x = (p + c * scale(p)) + d: the master value is exact, the sum rounds once (no
- * contraction); p' = x to nearest even; c' = rint((x - p') / scale(p')), both exact, clamped to
- * [-128, 127], 0 where p' is not finite. Integer ops, selects and rintf only: the loop vectorizes. */
+ * contraction); p' = x to nearest even; c' = rint((x - p') / scale(p')) clamped to [-128, 127], 0
+ * where p' is not finite. scale(p) = ulp(p) / 256 = 2 ** e * 2 ** -(MANT + 8) for p's binade e (MANT:
+ * the dtype's mantissa bits): a product of powers of two, exact (a float32 subnormal below
+ * 2 ** -126), so its bits are correction.correction_scale's for every finite p. The division by
+ * scale(p') is two multiplications by powers of two, 2 ** (1 - e) (a normal float32 for every
+ * binade) then 2 ** (MANT + 7), neither of which rounds: nothing overflows (|x - p'| is at most
+ * half an ulp of p'), and where the first factor shrinks (e >= 2), x - p' is 0 or at least
+ * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
+ * quotient's bits are the division's, at less cost; integer ops, selects and rintf only: the
+ * loop vectorizes. */
 static inline __attribute__((always_inline)) void corrected_run(const float *restrict pv, const float *restrict d,
                                                                 int8_t *restrict c, int64_t n,
                                                                 uint16_t *restrict q, const int F16) {
-    const int32_t mant = F16 ? 10 : 7, emin = F16 ? -14 : -126;
+    const int32_t emin = F16 ? -14 : -126;
+    const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
     for (int64_t k = 0; k < n; k++) {
         const float p = pv[k];
-        const float x = (p + (float)c[k] * correction_scale(p, mant, emin)) + d[k];
+        const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
         float y;
         if (F16) {
             _Float16 h = (_Float16)x;
@@ -1139,7 +1145,7 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
             q[k] = h;
             y = bf16_value(h);
         }
-        float r = rintf((x - y) / correction_scale(y, mant, emin));
+        float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
         r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
         c[k] = (int8_t)(int32_t)((f2i(y) & 0x7F800000) != 0x7F800000 ? r : 0.0f);
     }
