@@ -82,7 +82,7 @@ def split_master(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     # the neighbour above (x > p where c would be 128): one more in magnitude for p >= +0, one less below
     up = torch.where(bits >= 0, bits + 1, torch.where(bits == -32768, torch.ones_like(bits), bits - 1))
     above = up.view(dtype)
-    move = (c > 127) & torch.isfinite(above)
+    move = (c > 127) & torch.isfinite(p) & torch.isfinite(above)  # an overflow stays one
     p = torch.where(move, above, p)
     c = torch.where(move, torch.round((x - p.float()) / correction_scale(p)), c)
     c = torch.where(torch.isfinite(p), c.clamp(-128, 127), torch.zeros_like(c))

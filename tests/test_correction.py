@@ -81,14 +81,28 @@ def ref_round(x: np.ndarray, dtype) -> np.ndarray:
 
 
 def ref_split(x: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
-    """float32 ``x`` -> (bits of p', c'): p' nearest, c' = round-half-even((x - p') / scale(p'))
-    clamped to [-128, 127], 0 where p' is not finite; float64 arithmetic, exact here."""
+    """float32 ``x`` -> (bits of p', c'): p' nearest (ties to even), c' = round-half-even((x - p') /
+    scale(p')); where c' would be +128, p' is the next value above (when finite) and c' is taken
+    against it; then clamped to [-128, 127], 0 where p' is not finite. float64 arithmetic, exact."""
     bits = ref_round(x, dtype)
     p = decode(bits, dtype)
     finite = np.isfinite(p)
     with np.errstate(all="ignore"):
-        rest = (x.astype(np.float64) - p) / ref_scale(np.where(finite, p, 1.0), dtype)
-    c = np.where(finite, np.clip(np.round(rest), -128, 127), 0)
+        rest = np.round((x.astype(np.float64) - p) / ref_scale(np.where(finite, p, 1.0), dtype))
+    # the next value above p' by value: its pattern from a search over every finite value
+    everything = decode(all_bits(), dtype)
+    order = np.argsort(np.where(np.isfinite(everything), everything, np.inf), kind="stable")
+    ordered = everything[order]
+    up_index = np.searchsorted(ordered, np.where(finite, p, 0.0), side="right")
+    up_index = np.minimum(up_index, len(ordered) - 1)
+    up_bits, up = all_bits()[order][up_index], ordered[up_index]
+    up_bits = np.where((up == 0) & (p < 0), 0x8000, up_bits)  # from a negative value up to zero: -0
+    move = finite & (rest > 127) & np.isfinite(up)
+    bits = np.where(move, up_bits, bits).astype(np.uint16)
+    p = np.where(move, up, p)
+    with np.errstate(all="ignore"):
+        rest = np.where(move, np.round((x.astype(np.float64) - p) / ref_scale(np.where(finite, p, 1.0), dtype)), rest)
+    c = np.where(finite, np.clip(rest, -128, 127), 0)
     return bits, c.astype(np.int8)
 
 

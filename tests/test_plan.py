@@ -212,7 +212,7 @@ def test_a_state_field_without_a_declared_role_is_refused():
 
         return lt.in_place(lt.GradientTransformation(init, update))
 
-    p = torch.nn.Parameter(torch.randn(4, 4))
+    p = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
     p.grad = torch.ones_like(p)
     with pytest.raises(TypeError, match="Undeclared.*no declared role"):
         bridge.LowBitOptimizer([p], factory, dict(lr=1e-2)).step()

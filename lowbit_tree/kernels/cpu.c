@@ -1117,8 +1117,8 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
 /* The corrected write (LBT_CORRECT; lowbit_tree/correction.py) of n elements: pv the param's
  * float32 values, d the update, c the int8 corrections (in place), q the bfloat16 (F16: float16)
  * param's bits. x = (p + c * scale(p)) + d: the master value is exact, the sum rounds once (no
- * contraction); p' = x to nearest even; c' = rint((x - p') / scale(p')) clamped to [-128, 127], 0
- * where p' is not finite. scale(p) = ulp(p) / 256 = 2 ** e * 2 ** -(MANT + 8) for p's binade e (MANT:
+ * contraction); p' = x to nearest even, or the neighbour above where c' would be +128;
+ * c' = rint((x - p') / scale(p')) clamped to [-128, 127], 0 where p' is not finite. scale(p) = ulp(p) / 256 = 2 ** e * 2 ** -(MANT + 8) for p's binade e (MANT:
  * the dtype's mantissa bits): a product of powers of two, exact (a float32 subnormal below
  * 2 ** -126), so its bits are correction.correction_scale's for every finite p. The division by
  * scale(p') is two multiplications by powers of two, 2 ** (1 - e) (a normal float32 for every
@@ -1135,17 +1135,34 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
     for (int64_t k = 0; k < n; k++) {
         const float p = pv[k];
         const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
+        uint16_t hb;
         float y;
         if (F16) {
             _Float16 h = (_Float16)x;
-            memcpy(q + k, &h, 2);
+            memcpy(&hb, &h, 2);
             y = (float)h;
         } else {
-            uint16_t h = bf16_round(x);
-            q[k] = h;
-            y = bf16_value(h);
+            hb = bf16_round(x);
+            y = bf16_value(hb);
         }
         float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        /* where the rest would be +128 (x within 1/512 ulp below the midpoint above p', or on it):
+         * p' is the neighbour above, whose rest int8 holds (split_master) */
+        const uint16_t hu = (hb & 0x8000u) ? (hb == 0x8000u ? (uint16_t)1u : (uint16_t)(hb - 1u)) : (uint16_t)(hb + 1u);
+        float yu;
+        if (F16) {
+            _Float16 t;
+            memcpy(&t, &hu, 2);
+            yu = (float)t;
+        } else {
+            yu = bf16_value(hu);
+        }
+        const int mv = r > 127.0f && (f2i(y) & 0x7F800000) != 0x7F800000 && (f2i(yu) & 0x7F800000) != 0x7F800000;
+        hb = mv ? hu : hb;
+        y = mv ? yu : y;
+        const float r2 = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        r = mv ? r2 : r;
+        q[k] = hb;
         r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
         c[k] = (int8_t)(int32_t)((f2i(y) & 0x7F800000) != 0x7F800000 ? r : 0.0f);
     }
