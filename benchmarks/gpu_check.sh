@@ -29,6 +29,16 @@ if [ "$HAS_CUDA" = "1" ]; then
     --impl torch-fused torch-foreach bridge-8bit bridge-4bit bridge-fp8 bridge-8bit-bf16 bridge-8bit-bf16sr \
     bridge-8bit-amsgrad bridge-lion-8bit bridge-sgd-8bit functional-8bit torchao-8bit bnb-8bit \
     --json "$RES/step_time_cuda_b.json" 2>&1 | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"
+  # bfloat16 params: plain, stochastic rounding, the int8 correction; FlashOptim's AdamW beside them
+  # (its wheel, pure Python + Triton: `pip download flashoptim --no-deps -d DIR` where there is a network,
+  # then GPU_CHECK_WHEELS=DIR; the GPU machine has none)
+  [ -n "${GPU_CHECK_WHEELS:-}" ] && $PY -m pip install --no-deps --no-index -q "$GPU_CHECK_WHEELS"/flashoptim-*.whl
+  for CASE in a b; do
+    $PY benchmarks/step_time.py --device cuda --case $CASE --steps 20 \
+      --impl torch-fused torch-fused-bf16 bridge-8bit bridge-8bit-bf16 bridge-8bit-bf16sr bridge-8bit-bf16c \
+      bridge-4bit-bf16c flashoptim-bf16c --json "$RES/step_time_cuda_bf16_$CASE.json" 2>&1 \
+      | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"
+  done
   $PY benchmarks/step_time.py --device cuda --case a --steps 20 \
     --impl torch-fused torch-muon bridge-muon-fp32 bridge-muon-8bit bridge-muon-4bit functional-muon-8bit \
     --json "$RES/step_time_cuda_muon.json" 2>&1 | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"

@@ -24,6 +24,8 @@ the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochas
                                     (every other 4-bit Adam row: 4-bit's default, rank-1 second moments)
   torchao-8bit/4bit/fp8             torchao.optim.AdamW8bit / AdamW4bit / AdamWFp8
   bnb-8bit                          bitsandbytes.optim.AdamW8bit
+  flashoptim-bf16c                  flashoptim.FlashAdamW (bfloat16 params, 8-bit moments, 24-bit
+                                    master weights; CUDA only: pip install flashoptim)
   bridge-ademamix-8bit, ...         bridge.AdEMAMix8bit / AdEMAMix4bit (8-bit slow EMA) / AdEMAMix (fp32)
   functional-ademamix-8bit          lowbit_tree.ademamix
   bnb-ademamix-8bit, -32bit         bitsandbytes.optim.AdEMAMix8bit / AdEMAMix32bit
@@ -207,6 +209,14 @@ def make_optimizer(impl, params):
             cls = bnb.optim.AdEMAMix8bit if parts[2] == "8bit" else bnb.optim.AdEMAMix32bit
             return cls(params, lr=lr, betas=(*betas, 0.9999), eps=eps, weight_decay=wd), ""
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, eps=eps, weight_decay=wd), ""
+    if fam == "flashoptim":  # FlashOptim's AdamW (arXiv 2602.23349): 8-bit moments, a 24-bit master weight
+        if params[0].device.type != "cuda":
+            return None, "FlashOptim runs on CUDA only"
+        try:
+            from flashoptim import FlashAdamW
+        except Exception as e:  # noqa: BLE001
+            return None, f"flashoptim not installed ({type(e).__name__})"
+        return FlashAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, master_weight_bits=24), ""
     raise ValueError(impl)
 
 
