@@ -168,8 +168,8 @@ def format_summary(rows: list[dict]) -> str:
         tol = "-" if r["tolerance"] is None else f"+{r['tolerance']:g}%" + (" m" if r["tolerance_on"] == "mean" else "")
         ok = "-" if r["within"] is None else ("yes" if r["within"] else "NO")
         vs_fp32 = "-" if r["vs_fp32_mean"] is None or ref == "fp32" else f"{r['vs_fp32_mean']:+.2f}%"
-        lines.append(f"{r['variant']:13s} {r['held_out_mean']:14.4f} +- {r['held_out_std']:.4f} {rel:>20s} {spread:>22s} "
-                     f"{tol:>7s} {ok:>4s} {vs_fp32:>13s} {r['bytes_per_param']:8.3f} {r['ms_per_step']:8.1f}")
+        lines.append(f"{r['variant']:13s} {r['held_out_mean']:14.4f} +- {r['held_out_std']:.4f} {rel:>20s} "
+                     f"{spread:>22s} {tol:>7s} {ok:>4s} {vs_fp32:>13s} {r['bytes_per_param']:8.3f} {r['ms_per_step']:8.1f}")
     return "\n".join(lines + ["target: on the largest relative loss over seeds; 'm': on their mean"])
 
 

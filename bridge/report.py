@@ -86,7 +86,8 @@ def state_report(opt) -> list[StateReportRow]:
                 if isinstance(v, QState):
                     rows.append(StateReportRow(i, name, v.label, tuple(v.shape), v.state_nbytes))
                 elif isinstance(v, torch.Tensor):
-                    fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype).removeprefix("torch."))
+                    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+                    fmt = names.get(v.dtype, str(v.dtype).removeprefix("torch."))
                     rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
             i += 1
     return rows
