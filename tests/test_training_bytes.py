@@ -2,7 +2,9 @@
 optimizer states, against a count of the live tensors themselves (every param, every
 ``p.grad`` after backward, the parts of every ``opt.state`` tensor), and with the steps in
 backward against the gradient bytes a hook sees alive."""
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,29 @@ def test_state_report_names_integer_states():
     formats = {r.format for r in opt.state_report() if r.name == "param_correction"}
     assert formats == {"int8"}
     assert re.search(r"^ +0 param_correction +int8 ", opt.format_state_report(), re.M)
+
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "training_state_bytes.py"
+
+
+@pytest.mark.skipif(not BENCHMARK.exists(), reason="benchmarks/ not in this checkout")
+def test_benchmark_measures_what_is_counted(capsys):
+    """benchmarks/training_state_bytes.py on the --tiny demo model: what its dispatcher-level
+    tracker finds alive between steps is the counted params + states (plus the plans' scalars:
+    hyperparameter vectors, step counts), and at the peak at least the counted total."""
+    spec = importlib.util.spec_from_file_location("training_state_bytes", BENCHMARK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    n = torch.get_num_threads()
+    try:
+        rows = {r["name"]: r for r in mod.main(["--quick", "--setups", "8bit,8bit-bf16c-bw"])}
+    finally:
+        torch.set_num_threads(n)
+    tiny = mod.CharGPT(256, *(mod.TINY[k] for k in ("d_model", "layers", "heads", "seq_len")))
+    tensors = len(list(tiny.parameters()))
+    for name, r in rows.items():
+        kept = r["params"] + r["states"]
+        # steps in backward keep a plan per param: a 13-float vector, its step count, a few scalars
+        assert kept <= r["between_steps"] <= kept + 128 * tensors, (name, r)
+        assert r["peak"] >= r["params"] + r["grads"] + r["states"], (name, r)
+    assert "| 8bit-bf16c-bw | 2.000 |" in capsys.readouterr().out
