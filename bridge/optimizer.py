@@ -389,8 +389,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return report.training_bytes(self)
 
     def format_state_report(self) -> str:
-        """Table and totals, then the training state per param (per rank and whole model under FSDP2, a collective there):
-        :func:`bridge.report.format_state_report`."""
+        """Table and totals (per rank and whole model under FSDP2, a collective there), then the
+        training state per param: :func:`bridge.report.format_state_report`."""
         return report.format_state_report(self)
 
     # -- state dict -----------------------------------------------------------------

@@ -6,9 +6,8 @@ FSDP2 that is the local shard of each state. :func:`format_state_report` adds th
 every rank and of the whole model; with DTensor params it is therefore a collective (every
 process calls it), like ``full_tensor()``.
 
-:func:`training_bytes` counts the whole training state, the bytes a model needs between its
-forward passes: params, gradients and optimizer states (activations are the batch's, not
-counted). Gradients have their param's dtype; all of them are alive after ``backward()``,
+:func:`training_bytes` counts the whole training state, what training holds beside the
+activations (which are the batch's): params, gradients and optimizer states. Gradients have their param's dtype; all of them are alive after ``backward()``,
 while with steps in backward (:func:`bridge.step_in_backward`) each is freed after its step.
 """
 from __future__ import annotations
@@ -140,13 +139,16 @@ def rank_totals(opt) -> Optional[RankTotals]:
     return RankTotals([int(t[0]) for t in every], [int(t[1]) for t in every], model_bytes, model_elements)
 
 
+def _steps_in_backward(opt) -> bool:
+    return opt.__dict__.get("_in_backward") is not None  # set by bridge.step_in_backward's handle
+
+
 def _training_bytes(opt, states: int) -> TrainingBytes:
     params = [p for g in opt.param_groups for p in g["params"]]
     sizes = [p.numel() * p.element_size() for p in params]  # a DTensor's numel is the global one
-    # steps in backward free each gradient after its param's step: at most one is alive (under
-    # FSDP2, one unit's sharded gradients); the largest bounds them
-    in_backward = opt.__dict__.get("_in_backward") is not None
-    grads = max(sizes, default=0) if in_backward else sum(sizes)
+    # steps in backward free each gradient after its param's step, and autograd finishes one
+    # param at a time: the largest is the most alive at once (under FSDP2, one unit's shards)
+    grads = max(sizes, default=0) if _steps_in_backward(opt) else sum(sizes)
     return TrainingBytes(sum(sizes), grads, states, sum(p.numel() for p in params))
 
 
@@ -155,7 +157,8 @@ def training_bytes(opt) -> TrainingBytes:
     the states' whole-model total: a collective, every rank calls it). Gradients: one per
     param, of its dtype (torch gives a gradient its param's dtype), as after ``backward()``;
     while :func:`bridge.step_in_backward` holds ``opt``, the largest param's, since each is
-    freed after its step. ``step`` counters (4 bytes per param tensor) are not counted."""
+    freed after its step (under FSDP2 a unit's sharded gradients are alive together: there
+    the count is a lower bound). ``step`` counters (4 bytes per param tensor) are not counted."""
     totals = rank_totals(opt)
     return _training_bytes(opt, state_bytes(opt) if totals is None else totals.model_state_bytes)
 
@@ -180,7 +183,7 @@ def format_state_report(opt) -> str:
     for r in rows:
         lines.append(f"{r.index:5d} {r.name:16s} {r.format:16s} {str(r.shape):>18s} {r.nbytes:12d}")
     totals = rank_totals(opt)
-    in_backward = opt.__dict__.get("_in_backward") is not None
+    in_backward = _steps_in_backward(opt)
     if totals is None:
         states = sum(r.nbytes for r in rows)
         lines.append(_total_line("total", states, _local_param_elements(opt)))
