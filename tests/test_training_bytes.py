@@ -31,7 +31,7 @@ def _state_bytes(opt) -> int:
 
 
 def _backward(model, dtype):
-    x = torch.randn(8, model[0].in_features).to(dtype)
+    x = torch.randn(8, model[0].in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
     model(x).float().square().mean().backward()
 
 
