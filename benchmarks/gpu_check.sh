@@ -32,6 +32,13 @@ if [ "$HAS_CUDA" = "1" ]; then
   $PY benchmarks/step_time.py --device cuda --case a --steps 20 \
     --impl torch-fused torch-muon bridge-muon-fp32 bridge-muon-8bit bridge-muon-4bit functional-muon-8bit \
     --json "$RES/step_time_cuda_muon.json" 2>&1 | grep -v "Failed to load" | tee -a "$RES/step_time_cuda.txt"
+  # the compiled backend (CUDA's default): first step (compilations), graphs, host overhead per
+  # param, on Llama-7B's 291 param shapes divided by 4, and on 200 / 500 small params
+  $PY benchmarks/step_overhead.py --device cuda --shapes llama7b/4 --variants compiled-8bit compiled-fp32 \
+    --runs 3 --steps 10 --json "$RES/step_overhead_cuda_llama.json" 2>&1 | tee "$RES/step_overhead_cuda.txt"
+  $PY benchmarks/step_overhead.py --device cuda --shapes small tiny --sizes 200 500 --variants compiled-8bit \
+    compiled-fp32 --runs 3 --steps 20 --json "$RES/step_overhead_cuda_small.json" 2>&1 \
+    | tee -a "$RES/step_overhead_cuda.txt"
 else
   echo "no CUDA device: benchmark on cuda skipped" | tee "$RES/step_time_cuda.txt"
 fi

@@ -14,6 +14,7 @@ graphs dynamo made are reported too (compiled from scratch: inductor's disk cach
 
     python benchmarks/step_overhead.py                       # the full table (~5 min on 2 cores)
     python benchmarks/step_overhead.py --sizes 50 --runs 1   # a quick look
+    python benchmarks/step_overhead.py --device cuda --shapes llama7b/4 --variants compiled-8bit compiled-fp32
 """
 from __future__ import annotations
 
@@ -35,6 +36,15 @@ SHAPES = {
     "small": [(64, 64), (128, 64), (64, 192), (96, 96), (256, 32)],
     "tiny": [(8, 8), (16, 8), (8, 24), (12, 12), (32, 4)],
 }
+
+
+def llama7b_shapes(scale: int) -> list:
+    """Llama-7B's 291 param shapes with every dimension divided by ``scale``: per layer q, k,
+    v, o (d x d), gate and up (f x d), down (d x f), two norms (d); the embedding, the head
+    and the final norm."""
+    d, f, vocab = 4096 // scale, 11008 // scale, 32000 // scale
+    layer = [(d, d)] * 4 + [(f, d), (f, d), (d, f), (d,), (d,)]
+    return [(vocab, d)] + layer * 32 + [(d,), (vocab, d)]
 VARIANTS = {  # name -> (class, backend)
     "native-8bit": ("AdamW8bit", "native"),
     "native-fp32": ("AdamW", "native"),
@@ -43,24 +53,31 @@ VARIANTS = {  # name -> (class, backend)
 }
 
 
-def _params(n: int, shapes: list, seed: int) -> list:
-    g = torch.Generator().manual_seed(seed)
-    ps = [torch.nn.Parameter(torch.randn(shapes[i % len(shapes)], generator=g)) for i in range(n)]
+def _params(n: int, shapes: list, seed: int, device: str = "cpu") -> list:
+    g = torch.Generator(device=device).manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(shapes[i % len(shapes)], generator=g, device=device)) for i in range(n)]
     for p in ps:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g, device=device)
     return ps
 
 
-def _median_ms(step, steps: int) -> float:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(step, steps: int, device: str = "cpu") -> float:
     times = []
     for _ in range(steps):
+        _sync(device)
         t = time.perf_counter()
         step()
+        _sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times) * 1e3
 
 
-def measure(variant: str, n: int, shapes: str, steps: int, runs: int) -> dict:
+def measure(variant: str, n: int, shapes: str, steps: int, runs: int, device: str = "cpu") -> dict:
     """Our step and torch fused's, interleaved; the first step's seconds and dynamo's graphs."""
     cls, backend = VARIANTS[variant]
     os.environ["LOWBIT_TREE_BACKEND"] = backend
@@ -72,21 +89,24 @@ def measure(variant: str, n: int, shapes: str, steps: int, runs: int) -> dict:
     torch._inductor.config.fx_graph_cache = False  # first steps compile from scratch, not from the disk cache
     torch._dynamo.reset()
     counters.clear()
-    ours_params = _params(n, SHAPES[shapes], 0)
-    theirs_params = _params(n, SHAPES[shapes], 0)
+    shape_set = SHAPES[shapes] if shapes in SHAPES else llama7b_shapes(int(shapes.split("/")[1]))
+    ours_params = _params(n, shape_set, 0, device)
+    theirs_params = _params(n, shape_set, 0, device)
     kw = {} if cls == "AdamW" else {"min_quant_size": 1}
     ours = getattr(bridge, cls)(ours_params, lr=1e-3, **kw)
     theirs = torch.optim.AdamW(theirs_params, lr=1e-3, fused=True)
+    _sync(device)
     t = time.perf_counter()
     ours.step()
+    _sync(device)
     first = time.perf_counter() - t
     graphs = counters["stats"]["unique_graphs"]
     theirs.step()
     ours.step()  # warm
     rows = []
     for _ in range(runs):
-        a = _median_ms(ours.step, steps)
-        b = _median_ms(theirs.step, steps)
+        a = _median_ms(ours.step, steps, device)
+        b = _median_ms(theirs.step, steps, device)
         rows.append((a, b, (a - b) * 1e3 / n))
     a, b, o = (statistics.median(r[k] for r in rows) for k in range(3))
     return {"variant": variant, "params": n, "shapes": shapes, "ours_ms": a, "torch_fused_ms": b,
@@ -98,7 +118,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 500])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--shapes", nargs="+", default=["small", "tiny"], choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["small", "tiny"],
+                    help="small, tiny, or llama7b/K: Llama-7B's 291 shapes divided by K (--sizes ignored)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=20, help="timed steps a run (median)")
     ap.add_argument("--runs", type=int, default=3, help="runs (median)")
     ap.add_argument("--json", help="write the rows here")
@@ -108,9 +130,12 @@ def main(argv=None) -> int:
     print("| shapes | variant | params | ours ms | torch fused ms | overhead us/param | first step s | graphs |")
     print("|---|---|---|---|---|---|---|---|")
     for shapes in args.shapes:
+        if shapes not in SHAPES and not shapes.startswith("llama7b/"):
+            ap.error(f"unknown shape set {shapes!r}")
+        sizes = args.sizes if shapes in SHAPES else [len(llama7b_shapes(1))]
         for variant in args.variants:
-            for n in args.sizes:
-                r = measure(variant, n, shapes, args.steps, args.runs)
+            for n in sizes:
+                r = measure(variant, n, shapes, args.steps, args.runs, args.device)
                 rows.append(r)
                 print(f"| {shapes} | {variant} | {n} | {r['ours_ms']:.2f} | {r['torch_fused_ms']:.2f} | "
                       f"{r['overhead_us_per_param']:.1f} | {r['first_step_s']:.2f} | {r['graphs']} |", flush=True)

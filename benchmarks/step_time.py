@@ -7,11 +7,13 @@ rows with their whole Newton-Schulz on a CPU without bfloat16 matrix units, wher
 takes minutes a step).
 
 Implementations (each skipped with a note when unavailable); params float32 unless
-the name ends in -bf16 / -bf16sr (bfloat16 params; -bf16sr with stochastic rounding):
+the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochastic rounding,
+-bf16c with param_correction=True: an int8 correction per param, lowbit_tree.correction):
   torch-fused, torch-foreach        torch.optim.AdamW (fp32 states)
   torch-fused-bf16                  torch.optim.AdamW(fused=True) on bfloat16 params
   bridge-fp32/8bit/4bit/fp8         bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
   bridge-8bit-bf16, ...-bf16sr      the same classes on bfloat16 params
+  bridge-8bit-bf16c, ...            the same with param_correction=True
   bridge-8bit-amsgrad, ...          AdamW*(amsgrad=True)
   bridge-lion-8bit, ...             bridge.Lion8bit / Lion4bit / Lion(state_format="fp8")
   bridge-sgd-8bit, ...              bridge.SGD8bit / SGD(state_format=...), momentum 0.9
@@ -62,7 +64,8 @@ from lowbit_tree import kernels
 LOW = ("8bit", "4bit", "fp8")
 IMPLS = (
     ["torch-fused", "torch-foreach", "torch-fused-bf16", "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8"]
-    + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
+    + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW]
+    + [f"bridge-{f}-bf16c" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
     + [f"bridge-lion-{f}" for f in LOW] + [f"bridge-sgd-{f}" for f in LOW]
     + ["functional-fp32"] + [f"functional-{f}" for f in LOW]
     + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-block", "bridge-4bit-block"]
@@ -133,7 +136,7 @@ class FunctionalOptimizer:
 
 
 def param_dtype(impl: str) -> torch.dtype:
-    return torch.bfloat16 if impl.endswith(("-bf16", "-bf16sr")) else torch.float32
+    return torch.bfloat16 if impl.endswith(("-bf16", "-bf16sr", "-bf16c")) else torch.float32
 
 
 def make_optimizer(impl, params):
@@ -181,6 +184,8 @@ def make_optimizer(impl, params):
         fmt, extra = parts[1], parts[2:]
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd, state_format=fmt,
                   amsgrad="amsgrad" in extra, bf16_stochastic_round="bf16sr" in extra)
+        if "bf16c" in extra:
+            kw["param_correction"] = True
         if "block" in extra:
             kw["rank1_normalization"] = False
         return bridge.AdamW(params, **kw), ""

@@ -50,6 +50,10 @@ class GroupPlan:
         for st, v in zip(self.states, self.views):
             st["step"] = v
         self.version = self.steps._version
+        self.numbers: dict = {}  # the Python numbers last written into self.hyper
+        for c in self.counts:
+            c.fill_(self.count)
+        self.seed = None
         local_params = [to_local(p) if i in set(present) else None for i, p in enumerate(params)]
         self.step = plan_of(tx, what)(tree, local_params, write=True, leaf_offset=offset)
         self.size = len(params)
@@ -67,19 +71,21 @@ class GroupPlan:
         return True
 
     def run(self, grads: list, numeric: dict, seed: int) -> list:
-        """One step: this step's hyperparameters and counts into the state tree, then the plan.
-        Returns the updates the plan did not write into the params."""
+        """One step: this step's hyperparameters (those that changed) into the state tree, then
+        the plan, which advances the tree's counts. Returns the updates the plan did not write
+        into the params."""
         for k, v in numeric.items():
-            t = self.hyper[k]
             if isinstance(v, torch.Tensor):
-                t.copy_(v.detach().reshape(()))
-            else:
-                t.fill_(float(v))
-        for c in self.counts:
-            c.fill_(self.count)
-        for s in self.seeds:
-            s.fill_(seed)
-        rest = self.step(grads)
+                self.hyper[k].copy_(v.detach().reshape(()))
+                self.numbers.pop(k, None)
+            elif self.numbers.get(k) != v:  # a number written already is not written again
+                self.hyper[k].fill_(float(v))
+                self.numbers[k] = v
+        if seed != self.seed:
+            for s in self.seeds:
+                s.fill_(seed)
+            self.seed = seed
+        rest = self.step(grads)  # advances the state tree's counts itself
         self.steps.add_(1)
         self.version = self.steps._version
         self.count += 1

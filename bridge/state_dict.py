@@ -356,8 +356,9 @@ def load_into(opt, state_dict: dict) -> None:
                 value = to_local(value)
                 if tuple(value.shape) != tuple(exp_local.shape):
                     raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
-                if value.is_floating_point() is False:
-                    raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected a float tensor")
+                if value.is_floating_point() != exp_local.is_floating_point():
+                    want = "a float tensor" if exp_local.is_floating_point() else f"a {exp_local.dtype} tensor"
+                    raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {want}")
                 local = value.detach().to(device=exp_local.device, dtype=exp_local.dtype).clone()
                 st[name] = wrap_like(local, p) if is_dtensor(expected) else local
         known = set(fresh) | {f"{n}{s}" for n in fresh for s in STATE_SUFFIXES}

@@ -71,7 +71,7 @@ class GradientTransformation(NamedTuple):
 
     ``plan`` is the in-place form, for a caller that gives up the old state (a
     ``torch.optim`` optimizer): built once for ``state`` and ``params``, the returned
-    :data:`Step` advances ``state``'s own tensors each time it is called, with the same bits
+    step advances ``state``'s own tensors each time it is called, with the same bits
     as ``update`` (the new state's values land in the old state's tensors). With ``write``
     it may also write params in place (``p + u`` rounded once into ``p``'s dtype, what
     :func:`~lowbit_tree.apply_updates` computes) and return ``None`` for them.
@@ -81,7 +81,7 @@ class GradientTransformation(NamedTuple):
 
     init: InitFn
     update: UpdateFn
-    plan: Optional[PlanFn] = None
+    plan: Optional[Callable] = None  # a PlanFn
 
 
 def _copy_into(old: State, new: State) -> None:

@@ -6,11 +6,14 @@ rounding error of the float32 master value against ``p`` in units of ``scale(p) 
     master = float(p) + c * scale(p)            (exact in float32)
 
 A step computes ``x = master + u`` in float32 (one rounding), stores ``p' = x`` rounded to
-nearest in ``p``'s dtype and ``c' = rint((x - float(p')) / scale(p'))`` (the difference and the
-division by a power of two are exact; ``|c'| <= 128``, clamped to ``[-128, 127]``). So the
-master keeps 16 significant bits instead of bfloat16's 8 (float16: 19 instead of 11),
-and an update below half an ulp of ``p`` accumulates in ``c`` instead of vanishing
-(FlashOptim, arXiv 2602.23349, stores the same kind of correction).
+nearest even in ``p``'s dtype and ``c' = rint((x - float(p')) / scale(p'))`` (the difference
+and the division by a power of two are exact). ``c'`` is at most 128 in magnitude; where it
+would be +128, ``p'`` is the neighbour above instead (also a nearest value of ``x`` within
+1/512 ulp) and ``c'`` is computed against it, so ``c'`` fits in int8 and every ``x`` with 16
+significant bits near ``p'`` is kept exactly (:func:`split_master`). So the master keeps 16
+significant bits instead of bfloat16's 8 (float16: 19 instead of 11), and an update below
+half an ulp of ``p`` accumulates in ``c`` instead of vanishing (FlashOptim, arXiv 2602.23349,
+stores the same kind of correction).
 
 ``ulp(p)`` is ``2**(E - m)`` for ``p``'s binade ``E`` (``m``: 7 mantissa bits for bfloat16,
 10 for float16), with ``E`` at least the dtype's smallest normal exponent (zeros and
@@ -68,10 +71,21 @@ def master_value(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def split_master(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``x`` -> ``(p, c)``: ``p`` rounded to nearest in ``dtype``, ``c`` the int8 rest."""
+    """float32 ``x`` -> ``(p, c)``: ``p`` a nearest value of ``x`` in ``dtype``, ``c`` the int8
+    rest. ``p`` is ``x`` rounded to nearest even, except where the rest would be 128 (``x``
+    within 1/512 ulp below the midpoint above ``p``, or on it): there ``p`` is the neighbour
+    above and the rest -128 or so, which int8 holds, so every ``x`` within 16 significant
+    bits of ``p`` comes back exactly."""
     p = x.to(dtype)
-    rest = (x - p.float()) / correction_scale(p)  # both exact
-    c = torch.where(torch.isfinite(p), torch.round(rest).clamp(-128, 127), torch.zeros_like(rest))
+    c = torch.round((x - p.float()) / correction_scale(p))  # exact difference, exact division
+    bits = p.view(torch.int16)
+    # the neighbour above (x > p where c would be 128): one more in magnitude for p >= +0, one less below
+    up = torch.where(bits >= 0, bits + 1, torch.where(bits == -32768, torch.ones_like(bits), bits - 1))
+    above = up.view(dtype)
+    move = (c > 127) & torch.isfinite(p) & torch.isfinite(above)  # an overflow stays one
+    p = torch.where(move, above, p)
+    c = torch.where(move, torch.round((x - p.float()) / correction_scale(p)), c)
+    c = torch.where(torch.isfinite(p), c.clamp(-128, 127), torch.zeros_like(c))
     return p, c.to(CORRECTION_DTYPE)
 
 

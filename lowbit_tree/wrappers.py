@@ -172,14 +172,14 @@ def inject_hyperparams(
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         def plan(state, params, *, write=False, leaf_offset=0):
-            tx, slots = inner(state.count.device)
+            # built over the state's own hyperparameter tensors: a step reads them where they are
+            tx = factory(**static, **{k: state.hyperparams[k] for k in names})
             inner_step = plan_of(tx, f"{getattr(factory, '__name__', 'the factory')}'s transformation")(
                 state.inner_state, params, write=write, leaf_offset=leaf_offset)
 
             def step(updates: list) -> list:
                 for k, s in schedules.items():
                     state.hyperparams[k].copy_(s(state.count))
-                load(slots, state.hyperparams)
                 out = inner_step(updates)
                 state.count.add_(1)
                 return out

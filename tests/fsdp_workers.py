@@ -161,6 +161,8 @@ OPTIMIZERS = {
     "muonfp32": "Muon",
     "muon4bitlr": "Muon4bit",  # its defaults: nf4 residual + rank-16 factors, refreshed on the owner ranks
     "mixed": "AdamW",  # MIXED_FORMATS: each state in its own format
+    "8bitc": "AdamW8bit",  # param_correction: bfloat16 params (the callers' models) with an int8 correction
+    "4bitc": "AdamW4bit",
 }
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
@@ -175,6 +177,8 @@ def make_opt(params, fmt: str, **kw):
         kw["rank1_normalization"] = False
     if fmt == "mixed":
         kw.setdefault("state_format", MIXED_FORMATS)
+    if fmt in ("8bitc", "4bitc"):
+        kw["param_correction"] = True
     if fmt.startswith("muon"):  # every matrix (embedding and head too: more shapes) Muon, the rest AdamW
         ps = list(params)
         if ps and isinstance(ps[0], dict):  # param groups: each a Muon group if all its params are matrices
@@ -400,12 +404,12 @@ def report_worker(rank, world):
         assert text.splitlines()[-1] == ref_text.splitlines()[-1], (text, ref_text)
 
 
-def _exact_run(rank, world, fmt, steps, hsdp=False):
+def _exact_run(rank, world, fmt, steps, hsdp=False, dtype=torch.float32):
     """``fmt``'s optimizer under FSDP2 (or HSDP) and unsharded in this process, both fed the same
     global gradients for ``steps`` steps: params and every gathered state must be equal bit for
     bit. Returns the sharded optimizer."""
     _mark(rank, "exact", fmt)
-    model = make_model()
+    model = make_model(dtype=dtype)
     ref = copy.deepcopy(model)
     shard(model, world, hsdp=hsdp)
     opt, ref_opt = make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
@@ -460,6 +464,16 @@ def rank1_exact_worker(rank, world, steps=4):
     assert any(getattr(to_local(v), "kind_name", None) == "rank1" for st in opt.state.values() for v in st.values())
     reducers = [r for r in opt._reducers.values() if r is not None]
     return sum(r.sent for r in reducers) // steps
+
+
+def correction_exact_worker(rank, world, steps=3):
+    """bfloat16 params with ``param_correction=True`` (AdamW8bit, AdamW4bit) under FSDP2 fed the
+    unsharded run's gradients: params, int8 corrections (gathered, placed like their params)
+    and every other state bit for bit equal at any world size."""
+    for fmt in ("8bitc", "4bitc"):
+        states = full_states(_exact_run(rank, world, fmt, steps, dtype=torch.bfloat16))
+        assert all(st["param_correction"].dtype == torch.int8 for st in states)
+        assert any(st["param_correction"].abs().sum() > 0 for st in states)
 
 
 def parity_all_worker(rank, world):

@@ -50,6 +50,13 @@ def test_rank1_fsdp_exact_at_1_2_3_ranks(world):
     W.launch(W.rank1_exact_worker, world)
 
 
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_param_correction_fsdp_exact_at_1_2_3_ranks(world):
+    """bfloat16 params with an int8 master-weight correction under FSDP2 (uneven shards, an
+    empty one at 3 ranks): params, corrections and states bit for bit the unsharded run's."""
+    W.launch(W.correction_exact_worker, world)
+
+
 def test_hsdp_exact_for_every_record_kind():
     """HSDP on a 2x2 gloo mesh (replicated over one dim, sharded over the other): block, rank-1
     and low-rank records gather with ``full_tensor()`` to the unsharded optimizer's, bit for bit."""

@@ -18,7 +18,8 @@ def test_tensor_parallel_1d(tmp_path, world):
 
 
 def test_fsdp_plus_tp_2x2(tmp_path):
-    W.launch(W.tp_worker, 4, (2, 2), ("dp", "tp"), ("8bit", "fp8", "4bit", "muon8bit", "muon4bitlr"), str(tmp_path))
+    W.launch(W.tp_worker, 4, (2, 2), ("dp", "tp"), ("8bit", "fp8", "4bit", "muon8bit", "muon4bitlr", "8bitc"),
+             str(tmp_path))
 
 
 def test_reshard_2x2_to_other_meshes_and_one_process(tmp_path):

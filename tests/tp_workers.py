@@ -50,6 +50,11 @@ def parallelize(model: Net, mesh_shape: tuple, names: tuple):
     return model
 
 
+def make_net(fmt: str) -> Net:
+    """The test model; bfloat16 params for ``"8bitc"`` (param_correction)."""
+    return Net().to(torch.bfloat16) if fmt == "8bitc" else Net()
+
+
 def make_opt(params, fmt: str, **kw):
     """The FSDP2 tests' optimizers (blocks of 8, every 2-D state quantized); ``"fp32"``: AdamW
     with float32 states and the same hyperparameters."""
@@ -73,7 +78,7 @@ def set_grads(model: nn.Module, step: int) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, p in model.named_parameters():
-        g = full_grad(name, p.shape, step)
+        g = full_grad(name, p.shape, step).to(p.dtype)
         # src_data_rank=None: every rank cuts its part (torch 2.13 scatters _StridedShard only when even)
         p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
 
@@ -134,14 +139,14 @@ def reference_run(fmt: str, steps: int, block_sizes: dict) -> tuple[dict, dict]:
     """The unsharded optimizer on the same params and full gradients, each param in a group
     with the block size the sharded run chose for it."""
     torch.manual_seed(0)
-    model = Net()
+    model = make_net(fmt)
     names = [n for n, _ in model.named_parameters()]
     groups = [{"params": [p], **({"block_size": block_sizes[n]} if n in block_sizes else {})}
               for n, p in model.named_parameters()]
     opt = make_opt(groups, fmt)
     for step in range(steps):
         for n, p in model.named_parameters():
-            p.grad = full_grad(n, p.shape, step)
+            p.grad = full_grad(n, p.shape, step).to(p.dtype)
         opt.step()
     st = full_states(opt, model)
     return {n: st[n] for n in names}, full_params(model), opt.state_bytes()
@@ -158,7 +163,7 @@ def tp_worker(rank, world, mesh_shape, names, fmts, workdir):
     mesh_shape, names = tuple(mesh_shape), tuple(names)
     for fmt in fmts:
         torch.manual_seed(0)
-        model = parallelize(Net(), mesh_shape, names)
+        model = parallelize(make_net(fmt), mesh_shape, names)
         opt = make_opt(model.parameters(), fmt)
         steps = 3
         for step in range(steps):
@@ -171,6 +176,8 @@ def tp_worker(rank, world, mesh_shape, names, fmts, workdir):
             assert blocks["fc2.weight"] == 4 and blocks["fc1.weight"] == 8 and blocks["tiny.weight"] == 2, blocks
         if mesh_shape[-1] == 3:  # 14 + 14 + 12 columns, and 2 + 2 + 0
             assert blocks["fc2.weight"] == 2 and blocks["tiny.weight"] == 2, blocks
+        if fmt == "8bitc":  # every param keeps its int8 correction, placed like it
+            assert all(st["param_correction"].dtype == torch.int8 for st in got.values()), sorted(got)
         ref_states, ref_params, ref_bytes = reference_run(fmt, steps, blocks)
         # the whole-model total of the state report counts each param once (TP replicas of
         # fc2's bias, emb, ... on a 2-D mesh are not added twice)
@@ -191,7 +198,7 @@ def tp_worker(rank, world, mesh_shape, names, fmts, workdir):
         after = full_states(opt, model)
 
         torch.manual_seed(1)
-        m2 = parallelize(Net(), mesh_shape, names)
+        m2 = parallelize(make_net(fmt), mesh_shape, names)
         o2 = make_opt(m2.parameters(), fmt)
         osd = get_optimizer_state_dict(m2, o2)
         dcp.load({"optim": osd}, checkpoint_id=path)
@@ -200,7 +207,7 @@ def tp_worker(rank, world, mesh_shape, names, fmts, workdir):
 
         # full state dict (gathered to plain tensors) into a fresh optimizer
         full = copy.deepcopy(get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True)))
-        m3 = parallelize(Net(), mesh_shape, names)
+        m3 = parallelize(make_net(fmt), mesh_shape, names)
         o3 = make_opt(m3.parameters(), fmt)
         if len(mesh_shape) == 1:
             set_optimizer_state_dict(m3, o3, full, options=StateDictOptions(full_state_dict=True))

@@ -173,9 +173,10 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
     (a rank-1 record counts as one: the kernel steps its float32 values) go beside quantized
     ones only after a quantized first state, and a record (rank-1 too) only after a record
     (``native.job_row``): a plain ``exp_avg`` beside a rank-1 ``exp_avg_sq`` runs in torch."""
-    p, g = leaf.param, leaf.grad
-    if leaf.correction is not None:  # a corrected param: the torch backend's step (see lowbit_tree.correction)
-        return False
+    p, g, c = leaf.param, leaf.grad, leaf.correction
+    if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
+                              and c.is_contiguous() and c.numel() == g.numel()):
+        return False  # a correction the kernel does not write in place: the torch backend's step (or its error)
     if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
         return False
     if write and not p.is_contiguous():
@@ -386,8 +387,10 @@ def run_step(
             if sr is not None:
                 sr_hash = rounding_hash(sr, leaf.index)
             p_in = p if write else (p.contiguous() if spec.needs_param else None)
-            job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, sr is not None, sr_hash, hyper,
-                                   tuple(ns for ns, _ in pairs))
+            # a corrected param is rounded to nearest from its master value (the torch backend's step too)
+            stochastic = sr is not None and leaf.correction is None
+            job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, stochastic, sr_hash, hyper,
+                                   tuple(ns for ns, _ in pairs), leaf.correction)
             outs[i] = None if write else out
             news[i] = [leaf_ for _, leaf_ in pairs]
             if has_rank1:

@@ -996,6 +996,7 @@ typedef struct {
     int64_t rule, flags, pdt, gdt;
     const float *hyper;
     int64_t sr_hash;         /* LBT_STOCHASTIC: the key's hash (see lowbit_tree/update.py) */
+    int8_t *corr;            /* LBT_CORRECT: the param's correction, read and written in place */
     int64_t nstates;
     lbt_state st[LBT_STATE_SLOTS];
 } lbt_job;
@@ -1102,6 +1103,75 @@ static void store_plain(const float *restrict x, int64_t n, int64_t dt, void *ds
 }
 
 static inline int64_t dt_size(int64_t dt) { return dt == LBT_F32 ? 4 : 2; }
+
+/* The power of two of v's binade as float32 bits: v's exponent field, at least EMIN's (the param
+ * dtype's smallest normal exponent: zeros and subnormals share its spacing) and at most 2 ** 127
+ * (infinity and NaN get a finite power; what it scales stays non-finite). */
+static inline int32_t binade_bits(float v, const int32_t EMIN) {
+    int32_t b = f2i(v) & 0x7F800000;
+    const int32_t lo = (EMIN + 127) << 23;
+    b = b < lo ? lo : b;
+    return b > 0x7F000000 ? 0x7F000000 : b;
+}
+
+/* The corrected write (LBT_CORRECT; lowbit_tree/correction.py) of n elements: pv the param's
+ * float32 values, d the update, c the int8 corrections (in place), q the bfloat16 (F16: float16)
+ * param's bits. x = (p + c * scale(p)) + d: the master value is exact, the sum rounds once (no
+ * contraction); p' = x to nearest even, or the neighbour above where c' would be +128;
+ * c' = rint((x - p') / scale(p')) clamped to [-128, 127], 0 where p' is not finite. scale(p) = ulp(p) / 256 = 2 ** e * 2 ** -(MANT + 8) for p's binade e (MANT:
+ * the dtype's mantissa bits): a product of powers of two, exact (a float32 subnormal below
+ * 2 ** -126), so its bits are correction.correction_scale's for every finite p. The division by
+ * scale(p') is two multiplications by powers of two, 2 ** (1 - e) (a normal float32 for every
+ * binade) then 2 ** (MANT + 7), neither of which rounds: nothing overflows (|x - p'| is at most
+ * half an ulp of p'), and where the first factor shrinks (e >= 2), x - p' is 0 or at least
+ * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
+ * quotient's bits are the division's, at less cost; integer ops, selects and rintf only: the
+ * loop vectorizes. */
+static inline __attribute__((always_inline)) void corrected_run(const float *restrict pv, const float *restrict d,
+                                                                int8_t *restrict c, int64_t n,
+                                                                uint16_t *restrict q, const int F16) {
+    const int32_t emin = F16 ? -14 : -126;
+    const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
+    for (int64_t k = 0; k < n; k++) {
+        const float p = pv[k];
+        const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
+        uint16_t hb;
+        float y;
+        if (F16) {
+            _Float16 h = (_Float16)x;
+            memcpy(&hb, &h, 2);
+            y = (float)h;
+        } else {
+            hb = bf16_round(x);
+            y = bf16_value(hb);
+        }
+        float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        /* where the rest would be +128 (x within 1/512 ulp below the midpoint above p', or on it):
+         * p' is the neighbour above, whose rest int8 holds (split_master) */
+        const uint16_t hu = (hb & 0x8000u) ? (hb == 0x8000u ? (uint16_t)1u : (uint16_t)(hb - 1u)) : (uint16_t)(hb + 1u);
+        float yu;
+        if (F16) {
+            _Float16 t;
+            memcpy(&t, &hu, 2);
+            yu = (float)t;
+        } else {
+            yu = bf16_value(hu);
+        }
+        const int mv = r > 127.0f && (f2i(y) & 0x7F800000) != 0x7F800000 && (f2i(yu) & 0x7F800000) != 0x7F800000;
+        hb = mv ? hu : hb;
+        y = mv ? yu : y;
+        const float r2 = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        r = mv ? r2 : r;
+        q[k] = hb;
+        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
+        c[k] = (int8_t)(int32_t)((f2i(y) & 0x7F800000) != 0x7F800000 ? r : 0.0f);
+    }
+}
+
+static void corrected_store(const float *pv, const float *d, int8_t *c, int64_t n, int64_t dt, uint16_t *q) {
+    if (dt == LBT_F16) corrected_run(pv, d, c, n, q, 1);
+    else corrected_run(pv, d, c, n, q, 0);
+}
 
 /* The per-element rule on one run of n elements. g: the prologue's gradient
  * (float32); s0..s2: the states' old float32 values, overwritten by the new ones,
@@ -1318,7 +1388,9 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
 static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D) {
     const int flags = (int)J->flags;
     const int epi = (flags & LBT_LR) ? ((flags & LBT_DECAY) ? 2 : 1) : ((flags & LBT_DECAY) ? 3 : 0);
-    const int write = !!(flags & LBT_WRITE_PARAM);
+    /* a corrected write (LBT_CORRECT) takes the update as its output: run_elements adds it to the
+     * master value (corrected_store) */
+    const int write = (flags & (LBT_WRITE_PARAM | LBT_CORRECT)) == LBT_WRITE_PARAM;
     if ((epi == 1 || epi == 2) && rule_variant(J, n, io, tr, D, write ? epi : epi + 2, io->o)) return;
     if (!epi && !write) { /* no epilogue: u is the output */
         if (rule_variant(J, n, io, tr, D, 0, io->o)) return;
@@ -1403,10 +1475,15 @@ static void stream_store(float *restrict dst, const float *restrict src, int64_t
 static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, scratch *B, int tr,
                          const block_codes *D, int stream) {
     const int flags = (int)J->flags, write = !!(flags & LBT_WRITE_PARAM);
+    const int correct = write && (flags & LBT_CORRECT);
     const int needs_p = write || (flags & (LBT_L2 | LBT_DECAY));
     const float *p = NULL;
     float *o;
-    if (write) { /* o holds the param, updated in place */
+    if (correct) { /* p the param's values, o the update (rule_dispatch), then corrected_store */
+        load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, B->p);
+        p = B->p;
+        o = B->o;
+    } else if (write) { /* o holds the param, updated in place */
         o = J->pdt == LBT_F32 ? (float *)J->out + off : B->o;
         if (J->pdt != LBT_F32) load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, o);
         p = o;
@@ -1423,7 +1500,8 @@ static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, s
     io->u = B->u;
     rule_dispatch(J, n, io, tr, D);
     if (!write && stream) stream_store((float *)J->out + off, o, n);
-    if (write && J->pdt != LBT_F32)
+    if (correct) corrected_store(p, o, J->corr + off, n, J->pdt, (uint16_t *)J->out + off);
+    else if (write && J->pdt != LBT_F32)
         store_plain(o, n, J->pdt, (char *)J->out + off * dt_size(J->pdt), !!(flags & LBT_STOCHASTIC), off,
                     (uint32_t)J->sr_hash);
 }

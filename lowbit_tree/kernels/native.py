@@ -465,7 +465,9 @@ class NativeState(NamedTuple):
 class NativeJob(NamedTuple):
     """One leaf's step: the ``(rows, r)`` view of param and gradient, where the
     result goes (``out``: the param itself with ``write``, else a float32 update),
-    the step's hyperparameter vector and the leaf's states."""
+    the step's hyperparameter vector and the leaf's states; with ``write``, a bfloat16 /
+    float16 param's int8 ``correction`` (:mod:`lowbit_tree.correction`), read and written in
+    place."""
 
     rows: int
     r: int
@@ -478,16 +480,17 @@ class NativeJob(NamedTuple):
     sr_hash: int
     hyper: torch.Tensor
     states: tuple
+    correction: Optional[torch.Tensor] = None
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_flags(s: StepSpec, write: bool, stochastic: bool) -> int:
+def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool) -> int:
     return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, amsgrad=s.amsgrad, nesterov=s.nesterov,
-                     write_param=write, stochastic=stochastic)
+                     write_param=write, stochastic=stochastic, correct=correct)
 
 
 def _flags(job: NativeJob) -> int:
-    return _spec_flags(job.spec, job.write, job.stochastic)
+    return _spec_flags(job.spec, job.write, job.stochastic, job.correction is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -505,8 +508,9 @@ def _addr(t: torch.Tensor, dtypes: tuple, numel: int, what: str, rows: int, r: i
     return t.data_ptr()
 
 
-_F32, _U8 = (torch.float32,), (torch.uint8,)
+_F32, _U8, _I8 = (torch.float32,), (torch.uint8,), (torch.int8,)
 _DTS = tuple(DTYPE_IDS)
+_CORRECTED = (torch.bfloat16, torch.float16)  # the param dtypes of the corrected write (correction.CORRECTED_DTYPES)
 # a job row from its fields by name, in spec.py's order (a field spec.py adds and job_row does
 # not fill is a KeyError, never a silent 0)
 _HEADER_ROW = operator.itemgetter(*JOB_HEADER)
@@ -529,6 +533,12 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             raise ValueError("native CPU kernel: stochastic rounding is for bfloat16 params")
     elif job.out.dtype is not torch.float32:
         raise ValueError("native CPU kernel: the update is float32")
+    corr = 0
+    if job.correction is not None:
+        if not job.write or job.stochastic or job.param.dtype not in _CORRECTED:
+            raise ValueError("native CPU kernel: a correction goes with a bfloat16 / float16 param written in place "
+                             "(rounded to nearest)")
+        corr = _addr(job.correction, _I8, n, "correction", rows, r)
     if spec.needs_param and job.param is None:
         raise ValueError(f"native CPU kernel: {spec} needs the param")
     if len(job.states) != spec.nstates or spec.nstates > STATE_SLOTS:
@@ -541,7 +551,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
     row = list(_HEADER_ROW({
         "rows": rows, "R": r, "p": p, "g": g, "out": o, "rule": RULE_IDS[spec.rule], "flags": _flags(job),
         "pdt": DTYPE_IDS[job.param.dtype] if job.param is not None else 0, "gdt": DTYPE_IDS[job.grad.dtype],
-        "hyper": h, "sr_hash": job.sr_hash & 0xFFFFFFFF, "nstates": len(job.states),
+        "hyper": h, "sr_hash": job.sr_hash & 0xFFFFFFFF, "corr": corr, "nstates": len(job.states),
     }))
     if job.states and job.states[0].format is None and any(st.format is not None for st in job.states):
         raise ValueError("native CPU kernel: plain states go beside quantized ones only after a quantized first state")

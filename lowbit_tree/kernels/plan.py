@@ -59,11 +59,11 @@ class KernelPlan:
     def _static(self, k: int, g: torch.Tensor) -> bool:
         """Whether leaf ``k`` can keep a fixed native row."""
         p, states = self.params[k], self.states[k]
-        if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states) or self.corrections[k] is not None:
+        if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states):
             return False
         if backend_for(g.device, self.backend) != "native":
             return False
-        return _native_ok(StepLeaf(p, g, states, self.indices[k]), self.write)
+        return _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write)
 
     def _leaf_signature(self, k: int, g: torch.Tensor) -> tuple:
         p = self.params[k]
@@ -94,9 +94,10 @@ class KernelPlan:
         out = p if self.write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
         sts = tuple(_native_state(s, True)[0] for s in self.states[k])
         p_in = p if (self.write or self.spec.needs_param) else None
-        stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16
+        corr = self.corrections[k]  # a state: its address stays in the row
+        stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
         return native.NativeJob(rows, r, p_in, g.contiguous(), out, self.spec, self.write, stochastic, 0,
-                                self._hyper, sts)
+                                self._hyper, sts, corr)
 
     # -- running -------------------------------------------------------------------------
     def _valid(self, grads: Sequence) -> bool:

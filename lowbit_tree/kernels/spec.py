@@ -21,7 +21,10 @@ exactly these operations; design.md, "Update rules"):
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
-  dtype (nearest even; bfloat16 optionally stochastically).
+  dtype (nearest even; bfloat16 optionally stochastically), or with a correction ``c``
+  (:mod:`lowbit_tree.correction`, bfloat16 / float16 params): ``x = (p + c * scale(p)) + u``
+  rounded to nearest even into ``p'``, and ``c' = rint((x - p') / scale(p'))`` clamped to
+  ``[-128, 127]`` (0 where ``p'`` is not finite); ``scale`` is ``correction_scale``'s bits.
 
 What crosses the kernel boundary is defined here once: the rule ids (:data:`RULES`), the
 hyperparameter vector's names (:data:`HYPER_NAMES`), the flag bits (:data:`FLAGS`), the dtype
@@ -60,10 +63,12 @@ NHYPER = len(HYPER_NAMES)
 Hyper = collections.namedtuple("Hyper", HYPER_NAMES)
 """The entries of one hyperparameter vector by name: ``Hyper(*hyper.unbind(0)).rbc1``."""
 
-FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic")
+FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic", "correct")
 """A job's flag bits: flag ``FLAGS[i]`` is bit ``1 << i``. ``write_param``: the output is the
 param itself, updated in place (else a float32 update); ``stochastic``: a bfloat16 param is
-rounded stochastically; the others are :class:`StepSpec`'s fields."""
+rounded stochastically; ``correct`` (with ``write_param``, never with ``stochastic``): the
+bfloat16 / float16 param is written from its corrected master value and its int8 correction
+(the row's ``corr``) with it; the others are :class:`StepSpec`'s fields."""
 
 DTYPES = (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))
 """The param, gradient and plain-state dtypes the C kernel reads and writes, as (name, dtype);
@@ -73,12 +78,13 @@ DTYPE_IDS = {dt: i for i, (_, dt) in enumerate(DTYPES)}
 RANK1_BLOCK = -1
 """The block size a job's state carries when it is a rank-1 record."""
 
-JOB_HEADER = ("rows", "R", "p", "g", "out", "rule", "flags", "pdt", "gdt", "hyper", "sr_hash", "nstates")
+JOB_HEADER = ("rows", "R", "p", "g", "out", "rule", "flags", "pdt", "gdt", "hyper", "sr_hash", "corr", "nstates")
 """The job row's header, one int64 each, in order: the leaf's ``(rows, R)`` view; the
 addresses of param (0 when the step needs none), gradient and output; the rule id
 (:data:`RULES`), flag bits (:data:`FLAGS`), param and gradient dtype ids (:data:`DTYPES`); the
-address of the float32 hyperparameter vector; the stochastic-rounding key's hash; the number of
-states. cpu.c's ``lbt_job`` declares these fields with C types and checks at build time that
+address of the float32 hyperparameter vector; the stochastic-rounding key's hash; the address
+of the param's int8 correction, read and written in place (0 without the ``correct`` flag); the
+number of states. cpu.c's ``lbt_job`` declares these fields with C types and checks at build time that
 each sits at ``8 * index`` (its header is generated from this tuple)."""
 
 STATE_FIELDS = ("in", "out", "scale_in", "scale_out", "f", "bs", "rmax_out", "cmax_out")
