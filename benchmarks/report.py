@@ -533,8 +533,8 @@ def main(argv=None) -> int:
         " largest gradient, each being freed after its step). Measured: the bytes of every tensor alive, followed"
         " from allocation to release through torch's dispatcher; between steps (params and states) and at the peak"
         " (adding the gradients alive together, the small batch's activations and the step's temporaries: the"
-        " torch backend, which runs `param_correction` on the CPU for now, makes temporaries the size of the param"
-        " it steps; the rank-1 4-bit step a float32 buffer of its params). " + demo_setup_legend() + "\n\n"
+        " rank-1 4-bit step writes its params' new second moments to a float32 buffer before encoding them). "
+        + demo_setup_legend() + "\n\n"
         + training_state_bytes.format_table(training_state))
     sections.append(
         f"## Convergence: byte-level GPT\n\n{cmd('benchmarks/convergence.py', conv_args)}: the demo's model at"
