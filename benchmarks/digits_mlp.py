@@ -13,9 +13,18 @@ states in every variant):
   4bit-rank1                   bridge.AdamW4bit(rank1_normalization=True)
   4bit-block64                 block-normalized, blocks of 64
 
+bfloat16 params (the model converted with ``.to(torch.bfloat16)``, inputs cast to bfloat16, the
+loss computed in float32 from the logits), each also compared with the same format on float32
+params of the same seed:
+  8bit-bf16                    AdamW8bit, params rounded to nearest at each step
+  8bit-bf16sr                  AdamW8bit(bf16_stochastic_round=True)
+  8bit-bf16c                   AdamW8bit(param_correction=True): an int8 correction per element
+  4bit-bf16c                   AdamW4bit(param_correction=True) (its float32-param run: 4bit-rank1)
+
 Needs scikit-learn for the data (``pip install -e ".[bench]"``).
 
-    python benchmarks/digits_mlp.py                      # 300 steps x 5 seeds, about a minute
+    python benchmarks/digits_mlp.py                      # 300 steps x 5 seeds, a few minutes
+    python benchmarks/digits_mlp.py --seeds 0,1,2,3,4,5,6,7,8,9 --variants 8bit,8bit-bf16,8bit-bf16sr,8bit-bf16c
 """
 from __future__ import annotations
 
@@ -25,7 +34,28 @@ import sys
 
 import torch
 
-VARIANTS = ("fp32", "8bit", "fp8", "4bit-block", "4bit-rank1", "4bit-block64")
+from bridge.demo import BF16_OPTIONS  # the bfloat16 options: "bf16", "bf16sr", "bf16c"
+
+VARIANTS = ("fp32", "8bit", "fp8", "4bit-block", "4bit-rank1", "4bit-block64",
+            "8bit-bf16", "8bit-bf16sr", "8bit-bf16c", "4bit-bf16c")
+
+
+def split_variant(variant: str) -> tuple[str, dict]:
+    """``"8bit-bf16c"`` -> (``"8bit"``, the optimizer's bfloat16 option); float32 params: (variant, {})."""
+    base, _, suffix = variant.rpartition("-")
+    if base and suffix in BF16_OPTIONS:
+        return base, BF16_OPTIONS[suffix]
+    return variant, {}
+
+
+def is_bf16(variant: str) -> bool:
+    return split_variant(variant)[0] != variant
+
+
+def float32_twin(variant: str) -> str:
+    """The same optimizer on float32 params: what a bfloat16-param variant is compared with."""
+    base = split_variant(variant)[0]
+    return "4bit-rank1" if base == "4bit" else base
 
 
 def load_data(split_seed: int = 1234):
@@ -52,7 +82,10 @@ def make_model(seed: int) -> torch.nn.Module:
 def make_optimizer(variant: str, params, lr: float, weight_decay: float):
     import bridge
 
-    kw = dict(lr=lr, weight_decay=weight_decay)
+    variant, bf16_option = split_variant(variant)
+    kw = dict(lr=lr, weight_decay=weight_decay, **bf16_option)
+    if variant == "4bit":
+        return bridge.AdamW4bit(params, **kw)
     if variant == "fp32":
         return bridge.AdamW(params, state_format="fp32", **kw)
     if variant == "8bit":
@@ -71,18 +104,27 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
 def run(variant: str, seed: int, data, steps: int, batch: int, lr: float, weight_decay: float) -> float:
     """Final held-out loss of one run."""
     xtr, ytr, xte, yte = data
-    model = make_model(seed)
+    dtype = torch.bfloat16 if is_bf16(variant) else torch.float32
+    model = make_model(seed).to(dtype)
     opt = make_optimizer(variant, list(model.parameters()), lr, weight_decay)
     gen = torch.Generator().manual_seed(10_000 + seed)
-    loss_fn = torch.nn.functional.cross_entropy
+
+    def loss_fn(x, y):  # float32 cross-entropy from the logits, whatever the params' dtype
+        return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+
     for _ in range(steps):
         idx = torch.randint(len(ytr), (batch,), generator=gen)
-        loss = loss_fn(model(xtr[idx]), ytr[idx])
+        loss = loss_fn(xtr[idx], ytr[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     with torch.no_grad():
-        return float(loss_fn(model(xte), yte))
+        return float(loss_fn(xte, yte))
+
+
+def relative(losses: dict[str, list[float]], variant: str, reference: str) -> list[float]:
+    """Per seed, % of ``variant``'s held-out loss over ``reference``'s."""
+    return [100.0 * (a / b - 1.0) for a, b in zip(losses[variant], losses[reference])]
 
 
 def main(argv=None) -> dict[str, list[float]]:
@@ -98,20 +140,31 @@ def main(argv=None) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
-    if "fp32" not in variants:
-        variants = ["fp32"] + variants
+    for v in variants:
+        if split_variant(v)[0] not in VARIANTS + ("4bit",):
+            ap.error(f"unknown variant {v!r}; one of {', '.join(VARIANTS)}")
+    # the references first: fp32 AdamW, and each bfloat16 variant's float32 twin
+    wanted = ["fp32"] + [float32_twin(v) for v in variants if is_bf16(v)] + variants
+    variants = list(dict.fromkeys(wanted))
     data = load_data()
     print(f"digits MLP 64-256-256-10, {args.steps} steps, batch {args.batch}, lr {args.lr}, "
           f"weight decay {args.weight_decay}, seeds {seeds}")
     losses = {v: [run(v, s, data, args.steps, args.batch, args.lr, args.weight_decay) for s in seeds] for v in variants}
-    ref = losses["fp32"]
-    print(f"fp32 held-out loss: {statistics.mean(ref):.4f} +- {statistics.pstdev(ref):.4f}")
-    print(f"{'variant':<14} {'vs fp32 (mean)':>15} {'seed range':>22}  per seed")
+    print(f"{'variant':<14} {'held-out (mean +- sd)':>22} {'vs fp32 (mean)':>15} {'seed range':>20}"
+          f"  {'vs float32 params':>18} {'seed range':>20}")
     for v in variants:
-        rel = [100.0 * (a / b - 1.0) for a, b in zip(losses[v], ref)]
-        print(f"{v:<14} {statistics.mean(rel):>+14.2f}% [{min(rel):+.2f}%, {max(rel):+.2f}%]".ljust(54)
-              + "  " + " ".join(f"{r:+.2f}" for r in rel))
+        rel = relative(losses, v, "fp32")
+        line = (f"{v:<14} {statistics.mean(losses[v]):>13.4f} +- {statistics.pstdev(losses[v]):.4f} "
+                f"{statistics.mean(rel):>+14.2f}% {_spread(rel):>20}")
+        if is_bf16(v):
+            twin = relative(losses, v, float32_twin(v))
+            line += f"  {statistics.mean(twin):>+17.2f}% {_spread(twin):>20}  (vs {float32_twin(v)})"
+        print(line)
     return losses
+
+
+def _spread(rel: list[float]) -> str:
+    return f"[{min(rel):+.2f}%, {max(rel):+.2f}%]"
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 command that measured it, the machine, the versions and the date.
 
 It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
-``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, the demo and
-``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a
+``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, ``training_state_bytes.py``,
+the demo and ``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a
 format") from their results. Step times are medians of three runs of ``step_time.py``, whose
 timed steps interleave every implementation; each ratio is printed beside torch's fused
 AdamW's own ms/step in the same runs, since on a shared machine the ratio moves with the
@@ -39,6 +39,7 @@ import convergence  # noqa: E402
 import digits_mlp  # noqa: E402
 import second_moment_formats  # noqa: E402
 import step_time  # noqa: E402
+import training_state_bytes  # noqa: E402
 
 RUNS = 3  # full step-time batteries: medians of this many runs of step_time.py
 
@@ -66,15 +67,18 @@ MUON_WHOLE = ("Muon, whole steps (Newton-Schulz included): case (m), 2 x 512x512
 QUICK_STEP = ("Case (a), quick", ["--quick"])
 
 CONV_VARIANTS = ["fp32", "8bit", "4bit", "fp8", "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
-                 "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank0"]
+                 "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank0", *convergence.BF16_VARIANTS]
 CONV_FULL = ["--steps", "400", "--seeds", "0,1,2", "--d-model", "64", "--layers", "2", "--eval-windows", "128",
              "--threads", "1", "--variants", ",".join(CONV_VARIANTS)]
 CONV_QUICK = ["--steps", "20", "--seeds", "0", "--d-model", "32", "--layers", "1", "--seq-len", "32", "--batch", "8",
               "--eval-windows", "16", "--evals", "2", "--threads", "1",
-              "--variants", "fp32,8bit,4bit,fp8,muon-fp32,muon-8bit,muon-4bit"]
-DIGITS_VARIANTS = ["fp32", "8bit", "4bit-rank1", "4bit-block", "fp8"]
-DIGITS_FULL = ["--seeds", "0,1,2,3,4", "--variants", ",".join(DIGITS_VARIANTS)]
-DIGITS_QUICK = ["--steps", "30", "--seeds", "0", "--variants", ",".join(DIGITS_VARIANTS)]
+              "--variants", "fp32,8bit,4bit,fp8,muon-fp32,muon-8bit,muon-4bit,8bit-bf16c"]
+DIGITS_VARIANTS = ["fp32", "8bit", "4bit-rank1", "4bit-block", "fp8", "8bit-bf16", "8bit-bf16sr", "8bit-bf16c",
+                   "4bit-bf16c"]
+DIGITS_FULL = ["--seeds", "0,1,2,3,4,5,6,7,8,9", "--variants", ",".join(DIGITS_VARIANTS)]
+DIGITS_QUICK = ["--steps", "30", "--seeds", "0", "--variants", "fp32,8bit,4bit-rank1,4bit-block,fp8,8bit-bf16c"]
+TRAINING_STATE_FULL: list[str] = []
+TRAINING_STATE_QUICK = ["--quick"]
 DEMO_FULL = ["demo", "--no-progress"]
 DEMO_QUICK = ["demo", "--tiny", "--no-progress"]
 SECOND_MOMENT_QUICK = ["--steps", "20"]
@@ -316,6 +320,43 @@ def digits_table(losses: dict) -> str:
     return table(["variant", "held-out loss (mean)", "vs fp32 (mean)", "[min, max] over seeds"], rows)
 
 
+BF16_ROWS = {
+    "8bit-bf16": "`AdamW8bit`, bfloat16 params rounded to nearest at each step",
+    "8bit-bf16sr": "`AdamW8bit(bf16_stochastic_round=True)`",
+    "8bit-bf16c": "`AdamW8bit(param_correction=True)`: an int8 correction per element",
+    "4bit-bf16c": "`AdamW4bit(param_correction=True)`",
+}
+
+
+def bf16_table(conv: dict, digits: dict | None) -> str:
+    """Each bfloat16-param variant against the same optimizer on float32 params (its reference)
+    and against fp32 AdamW, on the GPT and on the MLP."""
+    conv_rows = {r["variant"]: r for r in conv["summary"]}
+    rows = []
+    for v, what in BF16_ROWS.items():
+        c = conv_rows.get(v)
+        gpt = ["not measured"] * 4
+        if c is not None:
+            gpt = [f"{c['held_out_mean']:.4f}", f"{pct(c['rel_mean'])} [{c['rel_min']:+.2f}, {c['rel_max']:+.2f}] "
+                   f"(vs {convergence.reference_of(v)})", pct(c["vs_fp32_mean"]),
+                   "-" if c["tolerance"] is None else
+                   f"+{c['tolerance']:g}% on the {c['tolerance_on']}: {'yes' if c['within'] else 'NO'}"]
+        mlp = ["not measured"] * 2
+        if digits and v in digits:
+            twin = digits_mlp.relative(digits, v, digits_mlp.float32_twin(v))
+            mlp = [f"{pct(statistics.mean(twin))} [{min(twin):+.2f}, {max(twin):+.2f}] "
+                   f"(vs {digits_mlp.float32_twin(v)})", pct(statistics.mean(digits_rel(digits, v)))]
+        rows.append([v, what, *gpt, *mlp])
+    return table(["variant", "optimizer", "GPT held-out loss (mean)", "GPT vs float32 params (mean [min, max], %)",
+                  "GPT vs fp32 AdamW", "GPT target", "MLP vs float32 params", "MLP vs fp32 AdamW"], rows)
+
+
+def demo_setup_legend() -> str:
+    from bridge.demo import SETUP_LEGEND
+
+    return "Setups: " + SETUP_LEGEND.replace("\n", " ") + "."
+
+
 def captured(fn, argv) -> str:
     with isolated(torch.get_num_threads()) as buf:
         fn(argv)
@@ -430,6 +471,10 @@ def main(argv=None) -> int:
         log("convergence (digits MLP)")
         dig_args = DIGITS_QUICK if args.quick else DIGITS_FULL
         digits = run_digits(dig_args)
+        log("training-state bytes")
+        ts_args = TRAINING_STATE_QUICK if args.quick else TRAINING_STATE_FULL
+        with isolated(1):
+            training_state = training_state_bytes.main(ts_args)
         log("second-moment robustness and round trips")
         sm_args = SECOND_MOMENT_QUICK if args.quick else []
         sm = captured(second_moment_formats.main, sm_args)
@@ -480,6 +525,17 @@ def main(argv=None) -> int:
         f" `min_quant_size={cfg['min_quant_size']}`; {demo['corpus']['bytes']:,} bytes of Python"
         f" {demo['corpus']['python']}'s standard-library source, last 10% held out. One seed: the held-out column"
         " moves by about a percent from seed to seed (see the next table).\n\n" + demo_table(demo))
+    n_ts = training_state[0]["elements"]
+    sections.append(
+        f"## Training state: bytes per param\n\n{cmd('benchmarks/training_state_bytes.py', ts_args)}: the demo's model"
+        f" ({n_ts:,} params), AdamW with the demo's settings, 3 iterations on a batch of one 8-byte window."
+        " Counted: `opt.training_bytes()`, params + gradients + optimizer states (with steps in backward the"
+        " largest gradient, each being freed after its step). Measured: the bytes of every tensor alive, followed"
+        " from allocation to release through torch's dispatcher; between steps (params and states) and at the peak"
+        " (adding the gradients alive together, the small batch's activations and the step's temporaries: the"
+        " rank-1 4-bit step writes its params' new second moments to a float32 buffer before encoding them). "
+        + demo_setup_legend() + "\n\n"
+        + training_state_bytes.format_table(training_state))
     sections.append(
         f"## Convergence: byte-level GPT\n\n{cmd('benchmarks/convergence.py', conv_args)}: the demo's model at"
         f" {conv['params']:,} params; per seed every variant starts from the same weights and sees the same"
@@ -493,6 +549,11 @@ def main(argv=None) -> int:
         sections.append(f"## Convergence: MLP on digits\n\n{cmd('benchmarks/digits_mlp.py', dig_args)}: MLP"
                         " 64-256-256-10 on scikit-learn's digits; the 256x10 head keeps fp32 states.\n\n"
                         + digits_table(digits))
+    sections.append(
+        "## bfloat16 params\n\nThe model converted with `.to(torch.bfloat16)` (inputs and activations in bfloat16, the"
+        " loss float32 from the logits), each variant against the same optimizer on float32 params of the same seed"
+        " and against fp32 AdamW; the GPT and MLP runs of the two tables above. The GPT's target: with the int8"
+        " correction, the mean over seeds within 0.2% of float32 params.\n\n" + bf16_table(conv, digits))
     sections.append(f"## Second-moment robustness\n\n{cmd('benchmarks/second_moment_formats.py', sm_args)}:"
                     " Adam on rows whose gradients span 1e-8..1 inside a block, half the rows absent (zero"
                     " gradient) at each step; the largest weight step against fp32 Adam's largest.\n\n```\n"

@@ -22,9 +22,10 @@ from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
 from .in_backward import StepInBackward, step_in_backward
 from .master import load_master_params, master_params
 from .qstate import QState
+from .report import TrainingBytes
 
 __all__ = [
-    "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow",
+    "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow", "TrainingBytes",
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",

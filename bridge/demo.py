@@ -1,5 +1,7 @@
 """``lowbit-tree demo``: one small character-level transformer trained with fp32 AdamW and
-with our 8-bit, 4-bit and FP8 AdamW, on text that ships with Python itself.
+with our 8-bit, 4-bit and FP8 AdamW, on text that ships with Python itself; then the bytes
+per param each setup trains with (params + gradients + optimizer states), bfloat16 params
+with an int8 correction and steps in backward included.
 
 Every run starts from the same initial weights and sees the same batches in the same
 order; only the optimizer differs. The text is the source of a fixed list of standard
@@ -21,7 +23,7 @@ import sysconfig
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -35,6 +37,38 @@ CORPUS_FILES = (
 )
 
 FORMATS = ("fp32", "8bit", "4bit", "fp8")
+
+# bfloat16 params (the model converted with .to(torch.bfloat16), the loss float32 from the
+# logits) and what keeps their small updates: nothing (round to nearest), stochastic rounding,
+# or an int8 correction per element (a 24-bit master weight in 3 bytes)
+BF16_OPTIONS = {"bf16": {}, "bf16sr": {"bf16_stochastic_round": True}, "bf16c": {"param_correction": True}}
+
+# the training-state table's rows
+MEMORY_SETUPS = ("fp32", "8bit", "4bit", "fp8", "8bit-bf16c", "4bit-bf16c", "8bit-bf16c-bw", "4bit-bf16c-bw")
+SETUP_LEGEND = ("bf16c: bfloat16 params with param_correction=True (an int8 correction per element); -bw: steps in "
+                "backward\n(bridge.step_in_backward), each gradient freed after its step, so at most the largest "
+                "is alive")
+
+
+class Setup(NamedTuple):
+    """What a demo name such as ``"8bit-bf16c-bw"`` asks for."""
+
+    format: str  # the optimizer's state format, one of FORMATS
+    options: dict  # the optimizer's bfloat16 option (BF16_OPTIONS)
+    dtype: torch.dtype  # of the params
+    in_backward: bool  # steps in backward (bridge.step_in_backward)
+
+
+def parse_setup(name: str) -> Setup:
+    """``<format>[-bf16|-bf16sr|-bf16c][-bw]``: ``"8bit"`` is 8-bit AdamW on float32 params,
+    ``"8bit-bf16c"`` the same on bfloat16 params with ``param_correction=True``, and a ``-bw``
+    suffix runs the steps in backward."""
+    rest, in_backward = (name[:-3], True) if name.endswith("-bw") else (name, False)
+    fmt, _, dtype = rest.partition("-")
+    if fmt not in FORMATS or (dtype and dtype not in BF16_OPTIONS):
+        raise ValueError(f"unknown setup {name!r}: a format ({', '.join(FORMATS)}), then optionally "
+                         f"-{' / -'.join(BF16_OPTIONS)} (bfloat16 params) and -bw (steps in backward)")
+    return Setup(fmt, BF16_OPTIONS.get(dtype, {}), torch.bfloat16 if dtype else torch.float32, in_backward)
 
 
 def load_corpus(files=CORPUS_FILES, held_out_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -137,14 +171,15 @@ OPTIMIZERS = ("adamw", "ademamix", "muon")
 
 
 def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_size: int, optimizer: str = "adamw",
-                   steps: int = 0, model: nn.Module | None = None):
+                   steps: int = 0, model: nn.Module | None = None, **options):
     """fp32 bridge.AdamW or our 8-bit / 4-bit / FP8 AdamW (same hyperparameters); with
     ``optimizer="ademamix"``, bridge.AdEMAMix in that format (betas (0.9, 0.99, 0.999),
     alpha 5, alpha and b3 warmed up over the run's ``steps``); with ``optimizer="muon"``,
     bridge.Muon on ``model``'s hidden matrices and AdamW (betas (0.9, 0.99)) on the embeddings,
     head, norms and biases, both with this ``lr`` and decay (``adjust_lr_fn="match_rms_adamw"``,
     Moonshot's rule for sharing AdamW's), momentum in that format (``"8bit"``, ``"4bit"``: the
-    named classes Muon8bit, Muon4bit, whose 4-bit is ``"nf4"``)."""
+    named classes Muon8bit, Muon4bit, whose 4-bit is ``"nf4"``). ``options`` go to the class
+    as they are (``param_correction=True``, ``bf16_stochastic_round=True``)."""
     import bridge
 
     if optimizer == "muon":
@@ -157,14 +192,14 @@ def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_s
         cls = {"8bit": bridge.Muon8bit, "4bit": bridge.Muon4bit}.get(fmt)  # the named classes' formats
         if cls is None:
             cls, kw = bridge.Muon, {**kw, "state_format": fmt}
-        return cls(groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw", **kw)
+        return cls(groups, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw", **kw, **options)
     if optimizer == "ademamix":
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
         kw = {} if fmt == "fp32" else {"min_quant_size": min_quant_size}
         warm = steps or None
         return bridge.AdEMAMix(params, lr=lr, betas=(0.9, 0.99, 0.999), alpha=5.0, t_alpha=warm, t_beta3=warm,
-                               weight_decay=weight_decay, state_format=fmt, **kw)
+                               weight_decay=weight_decay, state_format=fmt, **kw, **options)
     if optimizer != "adamw":
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
@@ -172,7 +207,7 @@ def make_optimizer(fmt: str, params, lr: float, weight_decay: float, min_quant_s
     if cls is None:
         raise ValueError(f"unknown format {fmt!r}; choose from {', '.join(FORMATS)}")
     kw = {} if fmt == "fp32" else {"min_quant_size": min_quant_size}
-    return cls(params, lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay, **kw)
+    return cls(params, lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay, **kw, **options)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -274,15 +309,22 @@ def train(
     progress=None,
     rank: int = 0,
     world: int = 1,
+    in_backward: bool = False,
 ) -> RunResult:
     """Train ``model`` in place for ``steps`` steps; ``opt_factory(params)`` builds the optimizer.
 
     Under FSDP each rank takes its ``rank::world`` share of every batch; losses are averaged
-    and state bytes summed over ranks.
+    and state bytes summed over ranks. ``in_backward``: the steps run in backward
+    (:func:`bridge.step_in_backward`), without gradient clipping (it needs every gradient at once).
     """
     # before any forward: FSDP2 params are sharded DTensors here, whose numel() is the global one
     n_params = sum(p.numel() for p in model.parameters())
     opt = opt_factory(model.parameters())
+    if in_backward:
+        import bridge
+
+        handle = bridge.step_in_backward(model, opt)
+        grad_clip = 0.0
     train_curve, curve_steps, eval_steps, eval_curve = [], [], [], []
     step_times, opt_times = [], []
     timing_from = min(5, steps // 4)
@@ -316,6 +358,8 @@ def train(
         if progress is not None:
             progress.update(1)
             progress.set_postfix_str(f"{name} loss {value:.3f}", refresh=False)
+    if in_backward:
+        handle.remove()
     tail = train_curve[-max(1, steps // 10):]
     state_bytes = opt.state_bytes() if hasattr(opt, "state_bytes") else _fallback_state_bytes(opt)
     return RunResult(
@@ -350,7 +394,10 @@ TINY = dict(steps=30, d_model=32, layers=1, heads=2, seq_len=32, batch=8, eval_w
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--steps", type=int, default=300, help="training steps per format (default 300)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, from {','.join(FORMATS)}")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"comma-separated setups: a format ({','.join(FORMATS)}), then optionally -bf16, -bf16sr or "
+                         "-bf16c (bfloat16 params: round to nearest, stochastic rounding, an int8 correction) and "
+                         "-bw (steps in backward), e.g. 8bit-bf16c-bw")
     ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                     help="adamw (default), ademamix (bridge.AdEMAMix, alpha and b3 warmed up over the run) or "
                          "muon (bridge.Muon on hidden matrices, AdamW on the rest)")
@@ -401,16 +448,48 @@ def _shard(model: CharGPT, world: int, device: str) -> CharGPT:
 
 def format_table(results: list[RunResult]) -> str:
     base = next((r for r in results if r.name == "fp32"), None)
-    head = (f"{'optimizer':10s} {'train loss':>10s} {'held-out':>9s} {'vs fp32':>8s} {'state MB':>9s} "
-            f"{'B/param':>8s} {'ms/step':>8s} {'opt ms':>7s}  state formats (share of params)")
+    width = max([10] + [len(r.name) for r in results])
+    head = (f"{'optimizer':{width}s} {'train loss':>10s} {'held-out':>9s} {'vs fp32':>8s} {'state MB':>9s} "
+            f"{'state B/param':>13s} {'ms/step':>8s} {'opt ms':>7s}  state formats (share of params)")
     lines = [head, "-" * len(head)]
     for r in results:
         rel = f"{100 * (r.held_out_loss / base.held_out_loss - 1):+.2f}%" if base else "-"
         lines.append(
-            f"{r.name:10s} {r.train_loss:10.4f} {r.held_out_loss:9.4f} {rel:>8s} {r.state_bytes / 2**20:9.3f} "
-            f"{r.bytes_per_param:8.3f} {r.ms_per_step:8.1f} {r.opt_ms_per_step:7.1f}  {r.state_formats}"
+            f"{r.name:{width}s} {r.train_loss:10.4f} {r.held_out_loss:9.4f} {rel:>8s} {r.state_bytes / 2**20:9.3f} "
+            f"{r.bytes_per_param:13.3f} {r.ms_per_step:8.1f} {r.opt_ms_per_step:7.1f}  {r.state_formats}"
         )
     return "\n".join(lines)
+
+
+def training_state(name: str, init: nn.Module, batch: torch.Tensor, args) -> dict:
+    """Setup ``name``'s training state on a copy of ``init`` after one step on ``batch``: the
+    counts of :func:`bridge.report.training_bytes` (params, gradients, states, param elements)."""
+    setup = parse_setup(name)
+    model = copy.deepcopy(init).to(device=batch.device, dtype=setup.dtype)
+    opt = make_optimizer(setup.format, model.parameters(), args.lr, args.weight_decay, args.min_quant_size,
+                         args.optimizer, args.steps, model, **setup.options)
+    handle = None
+    if setup.in_backward:
+        import bridge
+
+        handle = bridge.step_in_backward(model, opt)
+    loss_fn(model, batch).backward()
+    opt.step()
+    counted = opt.training_bytes()
+    if handle is not None:
+        handle.remove()
+    return {"name": name, **counted._asdict()}
+
+
+def format_training_states(rows: list[dict]) -> str:
+    head = f"{'setup':14s} {'params':>7s} {'grads':>7s} {'states':>7s} {'total':>7s}"
+    lines = ["training state of this model, bytes per param (counted: params + gradients + optimizer states)", head,
+             "-" * len(head)]
+    for r in rows:
+        n = max(r["elements"], 1)
+        parts = (r["params"], r["grads"], r["states"], r["params"] + r["grads"] + r["states"])
+        lines.append(f"{r['name']:14s} " + " ".join(f"{b / n:7.3f}" for b in parts))
+    return "\n".join(lines + [SETUP_LEGEND])
 
 
 def plot(results: list[RunResult], path: str, title: str) -> None:
@@ -454,8 +533,10 @@ def _run(args) -> int:
                 setattr(args, k, v)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for f in formats:
-        if f not in FORMATS:
-            print(f"lowbit-tree demo: unknown format {f!r}; choose from {', '.join(FORMATS)}", file=sys.stderr)
+        try:
+            parse_setup(f)
+        except ValueError as e:
+            print(f"lowbit-tree demo: {e}", file=sys.stderr)
             return 2
     rank, world, device = 0, 1, args.device
     if args.fsdp:
@@ -482,20 +563,26 @@ def _run(args) -> int:
 
         bar = tqdm(total=args.steps * len(formats), unit="step", dynamic_ncols=True, file=sys.stderr)
     results = []
-    for fmt in formats:
-        model = copy.deepcopy(init).to(device)
+    for name in formats:
+        setup = parse_setup(name)
+        model = copy.deepcopy(init).to(device=device, dtype=setup.dtype)
         if args.fsdp:
             model = _shard(model, world, device)
-        factory = lambda params, fmt=fmt, model=model: make_optimizer(
-            fmt, params, args.lr, args.weight_decay, args.min_quant_size, args.optimizer, args.steps, model)
+        factory = lambda params, setup=setup, model=model: make_optimizer(
+            setup.format, params, args.lr, args.weight_decay, args.min_quant_size, args.optimizer, args.steps, model,
+            **setup.options)
         results.append(train(
-            fmt, model, factory, _OnDevice(batches, device), held_out, steps=args.steps, lr=args.lr, warmup=warmup,
-            eval_every=eval_every, progress=bar, rank=rank, world=world,
+            name, model, factory, _OnDevice(batches, device), held_out, steps=args.steps, lr=args.lr, warmup=warmup,
+            eval_every=eval_every, progress=bar, rank=rank, world=world, in_backward=setup.in_backward,
         ))
     if bar is not None:
         bar.close()
     if main:
         print(format_table(results))
+        # counted on one process's whole model, also under --fsdp (a count, not a measurement)
+        memory = [training_state(name, init, batches(0).to(device), args) for name in MEMORY_SETUPS]
+        print()
+        print(format_training_states(memory))
         os.makedirs(args.out, exist_ok=True)
         title = (f"char-level GPT ({results[0].params:,} params) on Python stdlib source, {args.steps} steps, "
                  f"seed {args.seed}")
@@ -506,6 +593,7 @@ def _run(args) -> int:
             "torch": torch.__version__,
             "corpus": info,
             "runs": [dict(asdict(r), bytes_per_param=r.bytes_per_param) for r in results],
+            "training_state": memory,
         }
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(record, f, indent=1)

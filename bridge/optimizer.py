@@ -383,9 +383,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Bytes of this process's states: :func:`bridge.report.state_bytes`."""
         return report.state_bytes(self)
 
+    def training_bytes(self) -> report.TrainingBytes:
+        """Params + gradients + states of the whole model (a collective under FSDP2):
+        :func:`bridge.report.training_bytes`."""
+        return report.training_bytes(self)
+
     def format_state_report(self) -> str:
-        """Table and totals (per rank and whole model under FSDP2, a collective there):
-        :func:`bridge.report.format_state_report`."""
+        """Table and totals (per rank and whole model under FSDP2, a collective there), then the
+        training state per param: :func:`bridge.report.format_state_report`."""
         return report.format_state_report(self)
 
     # -- state dict -----------------------------------------------------------------

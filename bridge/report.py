@@ -5,6 +5,10 @@ Functions of a :class:`bridge.LowBitOptimizer` (its ``state_report``, ``state_by
 FSDP2 that is the local shard of each state. :func:`format_state_report` adds the totals of
 every rank and of the whole model; with DTensor params it is therefore a collective (every
 process calls it), like ``full_tensor()``.
+
+:func:`training_bytes` counts the whole training state, what training holds beside the
+activations (which are the batch's): params, gradients and optimizer states. Gradients have their param's dtype; all of them are alive after ``backward()``,
+while with steps in backward (:func:`bridge.step_in_backward`) each is freed after its step.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from lowbit_tree import records
 from .distributed import is_dtensor, to_local
 from .qstate import QState
 
-__all__ = ["StateReportRow", "RankTotals", "state_report", "state_bytes", "rank_totals", "format_state_report"]
+__all__ = ["StateReportRow", "RankTotals", "TrainingBytes", "state_report", "state_bytes", "rank_totals",
+           "training_bytes", "format_state_report"]
 
 
 class StateReportRow(tuple):
@@ -47,6 +52,25 @@ class RankTotals(NamedTuple):
     model_param_elements: int = 0
 
 
+class TrainingBytes(NamedTuple):
+    """The whole model's training state in bytes: params, the gradients alive at their peak,
+    optimizer states; and the number of param elements, to divide by."""
+
+    params: int
+    grads: int
+    states: int
+    elements: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.states
+
+    def per_param(self) -> tuple[float, float, float, float]:
+        """(params, gradients, states, total) in bytes per param element."""
+        n = max(self.elements, 1)
+        return self.params / n, self.grads / n, self.states / n, self.total / n
+
+
 def state_report(opt) -> list[StateReportRow]:
     """Each param's states: (param index, name, format, local shape, bytes). Nothing is hidden:
     unquantized states show as ``fp32`` / ``bf16``."""
@@ -61,7 +85,8 @@ def state_report(opt) -> list[StateReportRow]:
                 if isinstance(v, QState):
                     rows.append(StateReportRow(i, name, v.label, tuple(v.shape), v.state_nbytes))
                 elif isinstance(v, torch.Tensor):
-                    fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v.dtype, str(v.dtype))
+                    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+                    fmt = names.get(v.dtype, str(v.dtype).removeprefix("torch."))
                     rows.append(StateReportRow(i, name, fmt, tuple(v.shape), v.numel() * v.element_size()))
             i += 1
     return rows
@@ -114,6 +139,36 @@ def rank_totals(opt) -> Optional[RankTotals]:
     return RankTotals([int(t[0]) for t in every], [int(t[1]) for t in every], model_bytes, model_elements)
 
 
+def _steps_in_backward(opt) -> bool:
+    return opt.__dict__.get("_in_backward") is not None  # set by bridge.step_in_backward's handle
+
+
+def _training_bytes(opt, states: int) -> TrainingBytes:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    sizes = [p.numel() * p.element_size() for p in params]  # a DTensor's numel is the global one
+    # steps in backward free each gradient after its param's step, and autograd finishes one
+    # param at a time: the largest is the most alive at once (under FSDP2, one unit's shards)
+    grads = max(sizes, default=0) if _steps_in_backward(opt) else sum(sizes)
+    return TrainingBytes(sum(sizes), grads, states, sum(p.numel() for p in params))
+
+
+def training_bytes(opt) -> TrainingBytes:
+    """Params + gradients + optimizer states of the whole model, each param once (under FSDP2
+    the states' whole-model total: a collective, every rank calls it). Gradients: one per
+    param, of its dtype (torch gives a gradient its param's dtype), as after ``backward()``;
+    while :func:`bridge.step_in_backward` holds ``opt``, the largest param's, since each is
+    freed after its step (under FSDP2 a unit's sharded gradients are alive together: there
+    the count is a lower bound). ``step`` counters (4 bytes per param tensor) are not counted."""
+    totals = rank_totals(opt)
+    return _training_bytes(opt, state_bytes(opt) if totals is None else totals.model_state_bytes)
+
+
+def _training_line(t: TrainingBytes, in_backward: bool) -> str:
+    p, g, s, total = t.per_param()
+    grads = f"gradients {g:.3f}" + (" (steps in backward: the largest)" if in_backward else "")
+    return f"training state, bytes/param: params {p:.3f} + {grads} + optimizer states {s:.3f} = {total:.3f}"
+
+
 def _total_line(label: str, nbytes: int, elements: int) -> str:
     return f"{label} {nbytes} bytes for {elements} param elements ({nbytes / max(elements, 1):.3f} bytes/param)"
 
@@ -121,14 +176,18 @@ def _total_line(label: str, nbytes: int, elements: int) -> str:
 def format_state_report(opt) -> str:
     """A table of this process's states, then totals. Unsharded: one ``total`` line. Under FSDP2
     (DTensor params, process group initialised): one line per rank and a ``total`` line for the
-    whole model, gathered from every rank (a collective: call it on every rank)."""
+    whole model, gathered from every rank (a collective: call it on every rank). Last, the
+    whole training state per param: params + gradients + states (:func:`training_bytes`)."""
     rows = state_report(opt)
     lines = [f"{'param':>5s} {'state':16s} {'format':16s} {'shape':>18s} {'bytes':>12s}"]
     for r in rows:
         lines.append(f"{r.index:5d} {r.name:16s} {r.format:16s} {str(r.shape):>18s} {r.nbytes:12d}")
     totals = rank_totals(opt)
+    in_backward = _steps_in_backward(opt)
     if totals is None:
-        lines.append(_total_line("total", sum(r.nbytes for r in rows), _local_param_elements(opt)))
+        states = sum(r.nbytes for r in rows)
+        lines.append(_total_line("total", states, _local_param_elements(opt)))
+        lines.append(_training_line(_training_bytes(opt, states), in_backward))
         return "\n".join(lines)
     world = len(totals.state_bytes)
     lines[0] += f"   (rank {torch.distributed.get_rank()}'s shards)"
@@ -136,4 +195,5 @@ def format_state_report(opt) -> str:
         lines.append(_total_line(f"rank {rank}:", b, n))
     lines.append(_total_line(f"total ({world} ranks, whole model):", totals.model_state_bytes,
                              totals.model_param_elements))
+    lines.append(_training_line(_training_bytes(opt, totals.model_state_bytes), in_backward))
     return "\n".join(lines)

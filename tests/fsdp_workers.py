@@ -370,7 +370,8 @@ def errors_worker(rank, world):
 def report_worker(rank, world):
     """format_state_report under FSDP2: per-rank lines equal each rank's own state_bytes(), and
     the whole-model total equals the unsharded optimizer's bytes (row-aligned blocks: the
-    shards' codes and scales add up exactly), gathered from every rank."""
+    shards' codes and scales add up exactly), gathered from every rank; so do the training
+    state's bytes (params + gradients + states of the whole model)."""
     import re
 
     model = make_model()
@@ -396,7 +397,11 @@ def report_worker(rank, world):
         n_global = sum(p.numel() for p in ref.parameters())
         assert (int(total[1]), int(total[2])) == (ref_opt.state_bytes(), n_global), (text, ref_opt.state_bytes(), n_global)
         assert sum(n for _, n in per_rank.values()) == n_global
-        assert ref_opt.format_state_report().splitlines()[-1].startswith(f"total {ref_opt.state_bytes()} bytes")
+        ref_text = ref_opt.format_state_report()
+        assert re.search(rf"^total {ref_opt.state_bytes()} bytes", ref_text, re.M), ref_text
+        # the training state (params + gradients + states) of the whole model: the unsharded one's
+        assert opt.training_bytes() == ref_opt.training_bytes()
+        assert text.splitlines()[-1] == ref_text.splitlines()[-1], (text, ref_text)
 
 
 def _exact_run(rank, world, fmt, steps, hsdp=False, dtype=torch.float32):

@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
+import bridge  # noqa: E402
 from bridge.cli import main  # noqa: E402
-from bridge.demo import Batches, load_corpus  # noqa: E402
+from bridge.demo import MEMORY_SETUPS, TINY, Batches, CharGPT, load_corpus, loss_fn  # noqa: E402
 
 
 @pytest.fixture
@@ -43,6 +44,68 @@ def test_demo_tiny_writes_table_png_json(tmp_path, capsys, one_thread):
     assert runs["8bit"]["bytes_per_param"] < 0.35 * runs["fp32"]["bytes_per_param"]
     assert runs["4bit"]["bytes_per_param"] < runs["8bit"]["bytes_per_param"]
     assert "dynamic8" in runs["8bit"]["state_formats"] and "e4m3" in runs["fp8"]["state_formats"]
+    # the training-state table: one row per setup, printed as the JSON holds it
+    memory = {r["name"]: r for r in record["training_state"]}
+    assert list(memory) == list(MEMORY_SETUPS)
+    for name, r in memory.items():
+        n = r["elements"]
+        cells = (r["params"], r["grads"], r["states"], r["params"] + r["grads"] + r["states"])
+        assert f"\n{name:14s} " + " ".join(f"{b / n:7.3f}" for b in cells) + "\n" in text
+    assert "bf16c: bfloat16 params with param_correction=True" in text
+
+
+def _independent_training_bytes(name: str) -> tuple[int, int, int]:
+    """(params, gradients at their peak, states) of a demo setup on the --tiny model, from its
+    live tensors: the bridge class built here, one step, every state's parts summed."""
+    fmt, _, rest = name.partition("-")
+    torch.manual_seed(0)
+    model = CharGPT(256, TINY["d_model"], TINY["layers"], TINY["heads"], TINY["seq_len"])
+    options = {}
+    if rest.startswith("bf16c"):
+        model, options = model.to(torch.bfloat16), {"param_correction": True}
+    cls = {"fp32": bridge.AdamW, "8bit": bridge.AdamW8bit, "4bit": bridge.AdamW4bit, "fp8": bridge.AdamWFp8}[fmt]
+    opt = cls(model.parameters(), lr=1e-3, min_quant_size=1024, **options)
+    loss_fn(model, torch.randint(0, 256, (2, TINY["seq_len"] + 1))).backward()
+    grads = [p.grad.numel() * p.grad.element_size() for p in model.parameters()]
+    opt.step()
+
+    def nbytes(t):
+        if type(t) is not torch.Tensor:  # a QState: its parts
+            return sum(nbytes(getattr(t, k)) for k in t.__tensor_flatten__()[0])
+        return t.numel() * t.element_size()
+
+    states = sum(nbytes(v) for st in opt.state.values() for k, v in st.items() if k != "step")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params, max(grads) if name.endswith("-bw") else sum(grads), states
+
+
+def test_demo_training_state_counts_every_tensor(tmp_path, capsys, one_thread):
+    """The table's bytes are the live tensors' (params, gradients, every state's parts), and the
+    new setups take what they promise: bfloat16 params and gradients (2 + 2 bytes), the int8
+    correction (1 byte), gradients freed in backward (only the largest counted)."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--tiny", "--no-progress", "--formats", "8bit,8bit-bf16c-bw", "--out", str(out)]) == 0
+    record = json.loads((out / "results.json").read_text())
+    memory = {r["name"]: r for r in record["training_state"]}
+    for name, r in memory.items():
+        assert (r["params"], r["grads"], r["states"]) == _independent_training_bytes(name), name
+    per = {name: {k: r[k] / r["elements"] for k in ("params", "grads", "states")} for name, r in memory.items()}
+    assert per["fp32"] == {"params": 4.0, "grads": 4.0, "states": 8.0}
+    for name in ("8bit-bf16c", "4bit-bf16c"):
+        assert per[name]["params"] == per[name]["grads"] == 2.0
+        fp32_twin = per[name.split("-")[0]]["states"]
+        assert per[name]["states"] == pytest.approx(fp32_twin + 1.0)  # the int8 correction
+        assert per[name + "-bw"]["grads"] < 0.6 and per[name + "-bw"]["states"] == per[name]["states"]
+    # the bfloat16 runs trained (the steps in backward too, which leave no gradient to clip)
+    for r in record["runs"]:
+        curve, k = r["train_curve"], len(r["train_curve"]) // 5
+        assert all(math.isfinite(x) for x in curve) and sum(curve[-k:]) / k < sum(curve[:k]) / k - 0.3, r["name"]
+    assert "int8" in {r["name"]: r for r in record["runs"]}["8bit-bf16c-bw"]["state_formats"]
+
+
+def test_demo_refuses_an_unknown_setup(tmp_path, capsys):
+    assert main(["demo", "--tiny", "--no-progress", "--formats", "8bit-bf17", "--out", str(tmp_path)]) == 2
+    assert "unknown setup '8bit-bf17'" in capsys.readouterr().err
 
 
 def test_demo_tiny_ademamix(tmp_path, capsys, one_thread):
