@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)  # lowbit_tree and bridge of this checkout
 import convergence  # noqa: E402
 import digits_mlp  # noqa: E402
 import second_moment_formats  # noqa: E402
+import step_overhead  # noqa: E402
 import step_time  # noqa: E402
 import training_state_bytes  # noqa: E402
 
@@ -65,6 +66,13 @@ MUON_WHOLE = ("Muon, whole steps (Newton-Schulz included): case (m), 2 x 512x512
               ["--case", "m", "--steps", "2", "--impl", "torch-fused", "torch-muon", "bridge-muon-fp32",
                "bridge-muon-8bit", "bridge-muon-4bit"])
 QUICK_STEP = ("Case (a), quick", ["--quick"])
+# host overhead per param (step_overhead.py): the native backend's table, and the compiled backend's
+# (CUDA's default) at one size, its first step compiling from scratch
+OVERHEAD_FULL = [["--variants", "native-8bit", "native-fp32", "--shapes", "small", "tiny", "--runs", "3", "--steps", "20"],
+                 ["--variants", "compiled-8bit", "compiled-fp32", "--shapes", "tiny", "--sizes", "200", "--runs", "3",
+                  "--steps", "10"]]
+OVERHEAD_QUICK = [["--variants", "native-8bit", "native-fp32", "--shapes", "tiny", "--sizes", "50", "--runs", "1",
+                   "--steps", "5"]]
 
 CONV_VARIANTS = ["fp32", "8bit", "4bit", "fp8", "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
                  "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank0", *convergence.BF16_VARIANTS]
@@ -463,6 +471,16 @@ def main(argv=None) -> int:
             log(f"step time: {MUON_WHOLE[0]} (1 run)")
             whole = step_battery(MUON_WHOLE[1], 1, tmp)
 
+        log("host overhead per param")
+        overhead_args = OVERHEAD_QUICK if args.quick else OVERHEAD_FULL
+        overhead = []
+        for oargs in overhead_args:
+            with isolated(1):
+                captured(step_overhead.main, oargs + ["--json", os.path.join(tmp, "overhead.json")])
+            with open(os.path.join(tmp, "overhead.json")) as f:
+                overhead.append(json.load(f))
+            os.environ.pop("LOWBIT_TREE_BACKEND", None)  # step_overhead sets it per variant
+
         log("the demo")
         demo = run_demo(DEMO_QUICK if args.quick else DEMO_FULL, tmp)
         log("convergence (byte-level GPT)")
@@ -517,6 +535,19 @@ def main(argv=None) -> int:
         sections.append(f"## Step time: {MUON_WHOLE[0]}\n\nOne run of {cmd('benchmarks/step_time.py', MUON_WHOLE[1])}"
                         " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"
                         " same bfloat16 matrix products in every Muon row).\n\n" + step_table(whole, muon=True))
+    rows = [[r["shapes"], r["variant"], r["params"], f"{r['ours_ms']:.2f}", f"{r['torch_fused_ms']:.2f}",
+             f"{r['overhead_us_per_param']:.1f}", f"{r['first_step_s']:.1f}", r["graphs"]]
+            for part in overhead for r in part]
+    sections.append(
+        "## Host overhead per param\n\n" + " and ".join(cmd("benchmarks/step_overhead.py", a) for a in overhead_args)
+        + ": many small params, every one with a gradient, one thread; `AdamW8bit` (every param quantized,"
+        " `min_quant_size=1`) and `AdamW` with float32 states, against `torch.optim.AdamW(fused=True)` on the same"
+        " params, interleaved; overhead = (ours - torch fused) / params, the median of the runs. `small`: 64x64 ..."
+        " 256x32 (about 10k elements a param: the 8-bit kernel's arithmetic counts); `tiny`: 8x8 .. 32x4 (almost"
+        " only host work). `first step`: our first step in seconds (the compiled backend's compilations, from"
+        " scratch); `graphs`: the graphs dynamo made.\n\n"
+        + table(["shapes", "variant", "params", "ours ms", "torch fused ms", "overhead us/param", "first step s",
+                 "graphs"], rows))
     cfg = demo["config"]
     sections.append(
         f"## The demo\n\n{cmd('-m bridge', DEMO_QUICK if args.quick else DEMO_FULL)} (the README's first command"
