@@ -179,9 +179,10 @@ def format_state_report(opt) -> str:
     whole model, gathered from every rank (a collective: call it on every rank). Last, the
     whole training state per param: params + gradients + states (:func:`training_bytes`)."""
     rows = state_report(opt)
-    lines = [f"{'param':>5s} {'state':16s} {'format':16s} {'shape':>18s} {'bytes':>12s}"]
+    w = max([16] + [len(r.format) for r in rows])  # the format column fits its longest name
+    lines = [f"{'param':>5s} {'state':16s} {'format':{w}s} {'shape':>18s} {'bytes':>12s}"]
     for r in rows:
-        lines.append(f"{r.index:5d} {r.name:16s} {r.format:16s} {str(r.shape):>18s} {r.nbytes:12d}")
+        lines.append(f"{r.index:5d} {r.name:16s} {r.format:{w}s} {str(r.shape):>18s} {r.nbytes:12d}")
     totals = rank_totals(opt)
     in_backward = _steps_in_backward(opt)
     if totals is None:
