@@ -34,6 +34,7 @@ __all__ = [
     "Step",
     "in_place",
     "plan_of",
+    "plan_from_update",
 ]
 
 Params = Any  # a pytree of tensors (None for "no parameter / no gradient")
@@ -99,7 +100,7 @@ def _copy_into(old: State, new: State) -> None:
                             "updated in place")
 
 
-def _pure_plan(update: UpdateFn) -> PlanFn:
+def plan_from_update(update: UpdateFn) -> PlanFn:
     """The plan that runs the pure ``update`` and copies its new state into the old one."""
 
     def plan(state, params, *, write: bool = False, leaf_offset: int = 0) -> Step:
@@ -119,7 +120,7 @@ def in_place(tx: GradientTransformation) -> GradientTransformation:
     """``tx`` with an in-place form that runs ``tx.update`` and copies the new state's tensors
     into the old state's (for a transformation written without ``plan``; its state must keep
     its structure, shapes and dtypes from step to step)."""
-    return GradientTransformation(tx.init, tx.update, _pure_plan(tx.update))
+    return GradientTransformation(tx.init, tx.update, plan_from_update(tx.update))
 
 
 def plan_of(tx: GradientTransformation, what: str = "this transformation") -> PlanFn:

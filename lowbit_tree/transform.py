@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from . import kernels, moments
-from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, _pure_plan, init_count, scalar_value,
-                   state_names)
+from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
+                   scalar_value, state_names)
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
@@ -455,7 +455,7 @@ def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = No
 
         return map_leaves(leaf, updates, params), state
 
-    tx = GradientTransformation(init, _link(update, "decay", weight_decay=weight_decay), _pure_plan(update))
+    tx = GradientTransformation(init, _link(update, "decay", weight_decay=weight_decay), plan_from_update(update))
     if mask is not None:
         from .wrappers import masked
 
@@ -475,7 +475,7 @@ def flip_sign() -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return map_leaves(lambda u: None if u is None else -u.float(), updates), state
 
-    return GradientTransformation(init, _link(update, "flip"), _pure_plan(update))
+    return GradientTransformation(init, _link(update, "flip"), plan_from_update(update))
 
 
 def scale(step_size: float | torch.Tensor) -> GradientTransformation:
@@ -487,7 +487,7 @@ def scale(step_size: float | torch.Tensor) -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         return map_leaves(lambda u: None if u is None else u.float() * step_size, updates), state
 
-    return GradientTransformation(init, update, _pure_plan(update))
+    return GradientTransformation(init, update, plan_from_update(update))
 
 
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
@@ -519,7 +519,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
         return value
 
-    return GradientTransformation(init, _link(update, "lr", fused=fused, fused_=fused_), _pure_plan(update))
+    return GradientTransformation(init, _link(update, "lr", fused=fused, fused_=fused_), plan_from_update(update))
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:
@@ -541,7 +541,7 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
         factor = max_norm / torch.clamp(norm, min=max_norm)
         return map_leaves(lambda u: None if u is None else u.float() * factor, updates), state
 
-    return GradientTransformation(init, update, _pure_plan(update))
+    return GradientTransformation(init, update, plan_from_update(update))
 
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
