@@ -463,7 +463,7 @@ def format_table(results: list[RunResult]) -> str:
 
 def training_state(name: str, init: nn.Module, batch: torch.Tensor, args) -> dict:
     """Setup ``name``'s training state on a copy of ``init`` after one step on ``batch``: the
-    counts of :func:`bridge.report.training_bytes` (params, gradients, states, param elements)."""
+    counts of ``bridge.report.training_bytes`` (params, gradients, states, param elements)."""
     setup = parse_setup(name)
     model = copy.deepcopy(init).to(device=batch.device, dtype=setup.dtype)
     opt = make_optimizer(setup.format, model.parameters(), args.lr, args.weight_decay, args.min_quant_size,

@@ -385,7 +385,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def training_bytes(self) -> report.TrainingBytes:
         """Params + gradients + states of the whole model (a collective under FSDP2):
-        :func:`bridge.report.training_bytes`."""
+        ``bridge.report.training_bytes``."""
         return report.training_bytes(self)
 
     def format_state_report(self) -> str:

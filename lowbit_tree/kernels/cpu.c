@@ -1127,44 +1127,94 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
  * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
  * quotient's bits are the division's, at less cost; integer ops, selects and rintf only: the
  * loop vectorizes. */
+/* The step of one element on its slow path: where the rest against p' would be +128, p' is the
+ * neighbour above (split_master), whose rest fits int8. x is the new master value, hb p''s 16-bit
+ * pattern (nearest even), y its value, both finite. Returns the new correction; *q the pattern. */
+static int8_t corrected_above(float x, uint32_t hb, float y, uint16_t *q, const int F16, const int32_t emin,
+                              const float steps) {
+    const uint32_t hu = (hb & 0x8000u) ? (hb == 0x8000u ? 1u : hb - 1u) : hb + 1u;
+    float yu;
+    if (F16) {
+        const uint16_t b = (uint16_t)hu;
+        _Float16 t;
+        memcpy(&t, &b, 2);
+        yu = (float)t;
+    } else {
+        yu = bits2f((int32_t)(hu << 16));
+    }
+    float r;
+    if ((f2i(yu) & 0x7F800000) == 0x7F800000) { /* no finite neighbour above: keep p' (the rest clamps) */
+        r = 127.0f;
+    } else {
+        *q = (uint16_t)hu;
+        r = rintf(((x - yu) * bits2f(0x7F800000 - binade_bits(yu, emin))) * steps);
+        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
+    }
+    (void)y;
+    return (int8_t)(int32_t)r;
+}
+
+/* The fast path of corrected_run over m elements, vectorized: p' to nearest even, its rest
+ * clamped; rest[k] the rest before the clamp (0 where p' is not finite), +128 (one element in
+ * about 512) for the slow path. ci: the old corrections, co: the new. */
+static inline __attribute__((always_inline)) void corrected_fast(const float *restrict pv, const float *restrict d,
+                                                                 const int8_t *restrict ci, int8_t *restrict co,
+                                                                 float *restrict rest, int64_t m,
+                                                                 uint16_t *restrict q, const int F16) {
+    const int32_t emin = F16 ? -14 : -126;
+    const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
+    for (int64_t k = 0; k < m; k++) {
+        const float p = pv[k];
+        const float x = (p + (float)ci[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
+        float y;
+        if (F16) {
+            _Float16 h = (_Float16)x;
+            memcpy(q + k, &h, 2);
+            y = (float)h;
+        } else {
+            uint16_t h = bf16_round(x);
+            q[k] = h;
+            y = bf16_value(h);
+        }
+        float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        r = (f2i(y) & 0x7F800000) != 0x7F800000 ? r : 0.0f;
+        rest[k] = r; /* above 127: the slow path's */
+        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
+        co[k] = (int8_t)(int32_t)r;
+    }
+}
+
+#define LBT_CORRECT_CHUNK 1024
 static inline __attribute__((always_inline)) void corrected_run(const float *restrict pv, const float *restrict d,
                                                                 int8_t *restrict c, int64_t n,
                                                                 uint16_t *restrict q, const int F16) {
     const int32_t emin = F16 ? -14 : -126;
-    const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
-    for (int64_t k = 0; k < n; k++) {
-        const float p = pv[k];
-        const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
-        uint16_t hb;
-        float y;
-        if (F16) {
-            _Float16 h = (_Float16)x;
-            memcpy(&hb, &h, 2);
-            y = (float)h;
-        } else {
-            hb = bf16_round(x);
-            y = bf16_value(hb);
+    const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f;
+    int8_t c0[LBT_CORRECT_CHUNK];
+    float rest[LBT_CORRECT_CHUNK];
+    for (int64_t k0 = 0; k0 < n; k0 += LBT_CORRECT_CHUNK) {
+        const int64_t m = n - k0 < LBT_CORRECT_CHUNK ? n - k0 : LBT_CORRECT_CHUNK;
+        memcpy(c0, c + k0, (size_t)m);
+        corrected_fast(pv + k0, d + k0, c0, c + k0, rest, m, q + k0, F16);
+        int32_t any = 0; /* an integer reduction (a float max would not vectorize): rest > 127 as bits */
+        for (int64_t k = 0; k < m; k++) any |= f2i(rest[k]) > 0x42FE0000; /* 127.0f */
+        if (!any) continue;
+        for (int64_t k = 0; k < m; k++) {  /* the slow path: the neighbour above */
+            if (!(rest[k] > 127.0f)) continue;
+            const int64_t i = k0 + k;
+            const float p = pv[i];
+            const float x = (p + (float)c0[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[i];
+            uint32_t hb = q[i];
+            float y;
+            if (F16) {
+                _Float16 h;
+                memcpy(&h, q + i, 2);
+                y = (float)h;
+            } else {
+                y = bf16_value(q[i]);
+            }
+            c[i] = corrected_above(x, hb, y, q + i, F16, emin, steps);
         }
-        float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
-        /* where the rest would be +128 (x within 1/512 ulp below the midpoint above p', or on it):
-         * p' is the neighbour above, whose rest int8 holds (split_master) */
-        const uint16_t hu = (hb & 0x8000u) ? (hb == 0x8000u ? (uint16_t)1u : (uint16_t)(hb - 1u)) : (uint16_t)(hb + 1u);
-        float yu;
-        if (F16) {
-            _Float16 t;
-            memcpy(&t, &hu, 2);
-            yu = (float)t;
-        } else {
-            yu = bf16_value(hu);
-        }
-        const int mv = r > 127.0f && (f2i(y) & 0x7F800000) != 0x7F800000 && (f2i(yu) & 0x7F800000) != 0x7F800000;
-        hb = mv ? hu : hb;
-        y = mv ? yu : y;
-        const float r2 = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
-        r = mv ? r2 : r;
-        q[k] = hb;
-        r = r < -128.0f ? -128.0f : (r > 127.0f ? 127.0f : r);
-        c[k] = (int8_t)(int32_t)((f2i(y) & 0x7F800000) != 0x7F800000 ? r : 0.0f);
     }
 }
 
