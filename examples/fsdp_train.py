@@ -217,7 +217,7 @@ def main():
         print(f"{name} {tuple(weight.placements)} exp_avg: local {type(local).__name__} {tuple(local.shape)} "
               f"blocks of {local.block_size}, full {tuple(full.shape)} {full.format}, "
               f"|mean| {full.dequantize().abs().mean():.3e}")
-        print(report.splitlines()[-1])
+        print("\n".join(report.splitlines()[-2:]))  # the whole model's state total, then the training state
     if args.ckpt:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt),
                  "step": start + args.steps}

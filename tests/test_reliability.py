@@ -632,7 +632,7 @@ def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
     assert ok.returncode == 0, (ok.stdout + ok.stderr)[-4000:]
     assert "FSDP2 x 2" in ok.stdout and "8bit" in ok.stdout and (tmp_path / "out" / "results.json").exists()
     bad = torchrun("--formats", "8bit,nonsense")
-    assert bad.returncode != 0 and "unknown format 'nonsense'" in bad.stderr, (bad.stdout + bad.stderr)[-4000:]
+    assert bad.returncode != 0 and "unknown setup 'nonsense'" in bad.stderr, (bad.stdout + bad.stderr)[-4000:]
 
 
 # ----------------------------------------------------------------------------
