@@ -363,11 +363,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             batches.setdefault(float(st["step"]), []).append(i)
         what = f"{type(self).__name__}'s transformation ({getattr(self._factory, '__name__', 'factory')})"
         for batch in batches.values():
+            in_batch = set(batch)
             plan = GroupPlan(self, tx, self._binding(group, params, tuple(batch)), params, tuple(batch), numeric,
                              offset, what)
             if len(batches) == 1:
                 self._plans[(id(group), present)] = (key, plan)
-            self._run(plan, params, [g if i in set(batch) else None for i, g in enumerate(grads)], numeric, seed)
+            self._run(plan, params, [g if i in in_batch else None for i, g in enumerate(grads)], numeric, seed)
 
     def _run(self, plan: GroupPlan, params: list, grads: list, numeric: dict, seed: int) -> None:
         rest = plan.run(grads, numeric, seed)

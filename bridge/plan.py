@@ -54,7 +54,8 @@ class GroupPlan:
         for c in self.counts:
             c.fill_(self.count)
         self.seed = None
-        local_params = [to_local(p) if i in set(present) else None for i, p in enumerate(params)]
+        stepped = set(present)
+        local_params = [to_local(p) if i in stepped else None for i, p in enumerate(params)]
         self.step = plan_of(tx, what)(tree, local_params, write=True, leaf_offset=offset)
         self.size = len(params)
 
