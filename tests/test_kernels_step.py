@@ -471,3 +471,48 @@ def test_rank1_step_with_nonfinite_gradients_matches_reference(backend):
     assert torch.isnan(v.row_max[5]) and torch.isnan(v.col_max[7])
     assert v.row_max[20] == float("inf") and v.col_max[300] == float("inf")
     assert torch.isfinite(v.row_max[0]) and torch.isfinite(v.col_max[0])
+
+
+@pytest.mark.slow  # inductor compiles one graph per static combination: 5 of them, ~1 minute on 2 busy cores
+def test_compiled_kernel_plan_matches_eager():
+    """A plan on the compiled backend (its leaves' arguments laid out once, one in-place call
+    per chunk of a static combination) writes what the eager backend writes, over 3 steps
+    whose learning rates and gradients change: 8-bit states on float32 and corrected bfloat16
+    params, FP8 states on stochastically rounded bfloat16 params, float32 states, a rank-1
+    record (run through run_step beside the plan), and updates returned without writing."""
+    from lowbit_tree.kernels.plan import KernelPlan
+
+    spec = StepSpec("adam", decay=True, lr=True)
+    gen = torch.Generator().manual_seed(8)
+    layout = [(torch.bfloat16, (9, 130), "8bit", True), (torch.float32, (5, 40), "8bit", False),
+              (torch.float32, (7, 33), "8bit", False), (torch.bfloat16, (6, 20), "fp8", False),
+              (torch.float32, (5,), "fp32", False), (torch.bfloat16, (20, 300), "4bit-rank1", False)]
+    leaves = []
+    for dtype, shape, fmt, corrected in layout:
+        p = torch.randn(shape, generator=gen).to(dtype)
+        c = torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8) if corrected else None
+        leaves.append((p, make_states(spec, shape, fmt, None, gen), c))
+    for write in (True, False):
+        chosen = leaves if write else [leaves[1], leaves[2]]
+
+        def fresh():
+            return ([p.clone() for p, _, _ in chosen], [tuple(clone_state(s) for s in st) for _, st, _ in chosen],
+                    [None if c is None or not write else c.clone() for _, _, c in chosen])
+
+        (ps, ss, cs), (ps2, ss2, cs2) = fresh(), fresh()
+        plan = KernelPlan(spec, ps, ss, list(range(len(ps))), write=write, backend="compiled", corrections=cs)
+        key = torch.tensor([3, 9]) if write else None
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in ps]
+            hyper = step_hyperparams(spec, count=step, lr=1e-3 * 10.0 ** -step, weight_decay=0.1)
+            outs = plan.run(grads, hyper, key)
+            want, _ = run_step(spec, hyper, [StepLeaf(p, g, s, i, c) for i, (p, g, s, c) in
+                                             enumerate(zip(ps2, grads, ss2, cs2))],
+                               write=write, inplace=True, sr_key=key, backend="eager")
+            for k in range(len(ps)):
+                where = (write, step, k)
+                assert same(ps[k], ps2[k]), where
+                assert (cs[k] is None and cs2[k] is None) or torch.equal(cs[k], cs2[k]), where
+                assert all(same(a, b) for a, b in zip(ss[k], ss2[k])), where
+                assert (outs[k] is None) == write and (write or same(outs[k], want[k])), where
+        assert len(plan._compiled) == (4 if write else 1)

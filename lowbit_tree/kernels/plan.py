@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import backend_for, buffers, native, run_step, StepLeaf, _native_ok
+from . import backend_for, buffers, native, run_step, StepLeaf, _native_ok, torch_backend
 from ..rank1 import Rank1QTensor
 from ..rounding import rounding_hash
 from .spec import NHYPER, StepSpec, job_row_index
@@ -52,18 +52,23 @@ class KernelPlan:
         self.corrections = list(corrections) if corrections is not None else [None] * len(self.params)
         self._rows: Optional[array.array] = None  # built at the first run, from its gradients
         self._native: list = []  # leaf positions whose rows are in _rows, in row order
+        self._compiled: list = []  # (leaf positions, torch_backend.CompiledSteps) per static combination
         self._other: list = []  # leaf positions run through run_step
         self._signature: tuple = ()  # per native leaf: (grad dtype, addresses) the rows were built for
 
     # -- building ---------------------------------------------------------------------
-    def _static(self, k: int, g: torch.Tensor) -> bool:
-        """Whether leaf ``k`` can keep a fixed native row."""
+    def _static(self, k: int, g: torch.Tensor) -> Optional[str]:
+        """The backend that holds leaf ``k`` fixed ("native": a row; "compiled": a place in a
+        prepared call), or ``None``."""
         p, states = self.params[k], self.states[k]
         if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states):
-            return False
-        if backend_for(g.device, self.backend) != "native":
-            return False
-        return _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write)
+            return None
+        which = backend_for(g.device, self.backend)
+        if which == "compiled":
+            return which
+        if which == "native" and _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
+            return which
+        return None
 
     def _leaf_signature(self, k: int, g: torch.Tensor) -> tuple:
         p = self.params[k]
@@ -71,10 +76,24 @@ class KernelPlan:
 
     def _build(self, grads: Sequence) -> None:
         self._native, self._other = [], []
+        compiled: dict = {}
         for k, g in enumerate(grads):
             if g is None:
                 continue
-            (self._native if self._static(k, g) else self._other).append(k)
+            which = self._static(k, g)
+            if which == "compiled":
+                p, corr = self.params[k], self.corrections[k]
+                stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
+                kinds = torch_backend.state_kinds(self.states[k])
+                compiled.setdefault((kinds, corr is not None, stochastic, g.device), []).append(k)
+            else:
+                (self._native if which == "native" else self._other).append(k)
+        self._compiled = []
+        for (_, _, stochastic, _), ks in compiled.items():
+            leaves = [(self.params[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
+            self._compiled.append((ks, torch_backend.CompiledSteps(self.spec, leaves, write=self.write, sr=stochastic)))
+        self._held = [k for ks, _ in self._compiled for k in ks]
+        self._held_signature = tuple(self._leaf_signature(k, grads[k]) for k in self._held)
         self._hyper = torch.zeros(NHYPER, dtype=torch.float32, device="cpu")
         rows = array.array("q")
         for k in self._native:
@@ -109,6 +128,10 @@ class KernelPlan:
             if (g.dtype is not dtype or g.shape != shape or not g.is_cpu or not g.is_contiguous()
                     or (p is not None and p.data_ptr() != ptr)):
                 return False
+        for k, (dtype, shape, ptr) in zip(self._held, self._held_signature):
+            g, p = grads[k], params[k]
+            if g.dtype is not dtype or g.shape != shape or (p is not None and p.data_ptr() != ptr):
+                return False
         return True
 
     def run(self, grads: Sequence, hyper: torch.Tensor, sr_key: Optional[torch.Tensor] = None) -> list:
@@ -134,6 +157,9 @@ class KernelPlan:
                     rows[j * w + _SR_HASH] = rounding_hash(sr_key, self.indices[k]) & _MASK32
             self._hyper.copy_(hyper)
             native.run_rows(rows, len(self._native), self._numel)
+        for ks, steps in self._compiled:
+            for k, u in zip(ks, steps.run([grads[k] for k in ks], hyper, sr_key if steps.sr else None)):
+                outs[k] = u
         if self._other:
             leaves = [StepLeaf(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k])
                       for k in self._other]

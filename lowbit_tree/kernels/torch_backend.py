@@ -10,9 +10,10 @@ native backend's bit for bit.
 
 Float contract. On CPU inductor compiles without floating-point contraction
 (``-ffp-contract=off``) and its float32 ``sqrt`` and division are correctly
-rounded, so compiled and eager results agree bit for bit. On CUDA the compiled
-code is built with ``emulate_precision_casts`` (which turns Triton's FMA fusion
-off) and Triton's ``div_rn`` / ``sqrt_rn``. Eager CPU ``torch.sqrt(float32)`` is
+rounded, so compiled and eager results agree bit for bit. Every compiled graph
+is built with ``emulate_precision_casts``: it keeps each cast to a 16-bit dtype (a
+param correction's rest is ``x - float(bfloat16(x))``) and on CUDA turns Triton's
+FMA fusion off; Triton divides and takes roots with ``div_rn`` / ``sqrt_rn``. Eager CPU ``torch.sqrt(float32)`` is
 not correctly rounded, so the eager path takes the square root in float64
 (:func:`_exact_sqrt`), as the reference does.
 """
@@ -255,6 +256,35 @@ def _step_many_core(hyper, key, *flat, spec, kinds, write, sr, width):
     return tuple(out)
 
 
+def _step_inplace_core(hyper, key, *flat, spec, kinds, write, sr, formats):
+    """:func:`_step_core` of several leaves of one static combination in one graph, in place:
+    each leaf's new state tensors (and with ``write`` its new param and correction) are
+    copied into its own tensors inside the graph, so inductor writes them where they lie.
+    ``flat``: the code tables of ``formats`` (decode, base, thresholds, encode each; every
+    leaf reads the same), then per leaf its param, gradient, index, correction and own state
+    tensors (``codes, scale`` of a quantized state, ``values`` of a plain one). Returns the
+    float32 updates (without ``write``), else nothing."""
+    tables = {f: flat[4 * i:4 * i + 4] for i, f in enumerate(formats)}
+    width = 4 + sum(2 if kind[0] == "q" else 1 for kind in kinds)
+    outs = []
+    for k in range(4 * len(formats), len(flat), width):
+        p, g, index, corr, *own = flat[k:k + width]
+        tensors, it = [], iter(own)
+        for kind in kinds:
+            tensors += [next(it), next(it), *tables[kind[1]]] if kind[0] == "q" else [next(it)]
+        res = iter(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
+        out = next(res)
+        if write:
+            p.copy_(out)
+        else:
+            outs.append(out)
+        if corr is not None:
+            corr.copy_(next(res))
+        for t in own:  # the order of _step_core's results: codes, scale per quantized state, values per plain
+            t.copy_(next(res))
+    return tuple(outs)
+
+
 def _bound(*tensors):
     return _CORE(*tensors, **_STATIC)
 
@@ -271,12 +301,15 @@ def _bind_static(core, static: dict):
 
 
 def _compile_options(device_type: str) -> dict:
-    # No FMA contraction in Triton, so results equal eager's mul/add exactly.
-    return {"emulate_precision_casts": True} if device_type == "cuda" else {}
+    """Inductor's options: ``emulate_precision_casts`` on every device. Without it inductor
+    drops a cast down and back up (``x.to(bfloat16).float()`` becomes ``x``; on the CPU too),
+    so a param correction's rest ``x - float(p')`` came out 0; in Triton it also keeps
+    mul/add uncontracted (no FMA), so results equal eager's exactly."""
+    return {"emulate_precision_casts": True}
 
 
 _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _step_core,
-          "step_many": _step_many_core}
+          "step_many": _step_many_core, "step_inplace": _step_inplace_core}
 
 
 @functools.lru_cache(maxsize=None)
@@ -348,19 +381,25 @@ def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], 
     return res[0], _new_states(states, res[k:]), (res[1] if correction is not None else None)
 
 
+def state_kinds(states) -> tuple:
+    """The static description of a leaf's states: ``("q", format, block size)`` per
+    quantized record, ``("plain", dtype)`` per tensor."""
+    from ..qtensor import QTensor
+
+    return tuple(("q", s.format, s.block_size) if isinstance(s, QTensor) else ("plain", s.dtype) for s in states)
+
+
 def _state_inputs(states, device) -> tuple[tuple, list]:
     from ..qtensor import QTensor
 
-    kinds, tensors = [], []
+    tensors = []
     for s in states:
         if isinstance(s, QTensor):
             tab = code_table(s.format, device)
-            kinds.append(("q", s.format, s.block_size))
             tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode]
         else:
-            kinds.append(("plain", s.dtype))
             tensors.append(s)
-    return tuple(kinds), tensors
+    return state_kinds(states), tensors
 
 
 def _new_states(states, results) -> list:
@@ -414,3 +453,66 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
                 results[j] = (part[0], _new_states(prepared[j][5], part[k:]), part[1] if corrected else None)
             start += n
     return results
+
+
+class CompiledSteps:
+    """The compiled in-place step of fixed leaves ``(param, states, leaf_index, correction)``
+    of one static combination (rule, state kinds and formats, ``write``, ``sr``, with or
+    without a correction; one device), prepared once: the arguments of each call (the shared
+    code tables once, then per leaf its tensors) are laid out at construction, and a step
+    puts in the gradients and makes one call per chunk of :data:`BATCH` leaves (the rest one
+    by one). The bits of :func:`step_leaf` on each leaf; states (and params with ``write``)
+    are overwritten."""
+
+    def __init__(self, spec: StepSpec, leaves: Sequence, *, write: bool, sr: bool):
+        from ..qtensor import QTensor
+
+        kinds = state_kinds(leaves[0][1])
+        formats = tuple(dict.fromkeys(kind[1] for kind in kinds if kind[0] == "q"))
+        self.corrected = leaves[0][3] is not None
+        self.write, self.sr = write, sr
+        self.device = None
+        prefix = []
+        per_leaf = []
+        for p, states, index, corr in leaves:
+            own = []
+            for s in states:
+                own += [s.codes.view(torch.uint8), s.scale] if isinstance(s, QTensor) else [s]
+            device = own[0].device if own else p.device
+            if self.device is None:
+                self.device = device
+                for f in formats:
+                    t = code_table(f, device)
+                    prefix += [t.decode, t.base, t.thresholds, t.encode]
+            idx = torch.tensor(index, dtype=torch.int64, device=device) if sr else None
+            per_leaf.append([None if p is None else p.detach(), None, idx, corr, *own])
+        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats}
+        self._fn = _compiled("step_inplace", tuple(sorted(static.items())), self.device.type)
+        width = len(per_leaf[0])
+        self._calls = []  # (leaf positions, flat argument list, gradient slots in it)
+        start = 0
+        while start < len(per_leaf):
+            n = BATCH if len(per_leaf) - start >= BATCH else 1
+            flat = list(prefix)
+            slots = []
+            for m in range(start, start + n):
+                slots.append(len(flat) + 1)
+                flat += per_leaf[m]
+            self._calls.append((range(start, start + n), flat, slots))
+            start += n
+
+    def run(self, grads: Sequence[torch.Tensor], hyper: torch.Tensor, key: Optional[torch.Tensor] = None) -> list:
+        """One step; ``grads`` in the leaves' order. Returns the float32 updates (``None``
+        per leaf with ``write``)."""
+        h = hyper.to(device=self.device, dtype=torch.float32)
+        outs: list = [None] * len(grads)
+        for positions, flat, slots in self._calls:
+            for m, slot in zip(positions, slots):
+                flat[slot] = grads[m]
+            res = self._fn(h, key, *flat)
+            for slot in slots:  # hold no gradient between steps
+                flat[slot] = None
+            if not self.write:
+                for m, u in zip(positions, res):
+                    outs[m] = u
+        return outs
