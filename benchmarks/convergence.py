@@ -35,14 +35,15 @@ Variants:
                           per element); compared with 8bit on float32 params of the same seed
                           (and, in the summary's vs_fp32 fields, with fp32 AdamW)
   4bit-bf16c              AdamW4bit(param_correction=True); compared with 4bit
-  8bit-bf16m              the references that tell bfloat16 compute from the master's precision,
-                          compared with 8bit: "O2" mixed precision, float32 master params
-                          stepped by the 8bit optimizer itself, a bfloat16 copy of the model for
-                          forward and backward (its gradients, clipped, go to the masters as
-                          float32; the masters come back rounded to nearest); what -bf16c
-                          approximates with 16 significant bits instead of 24
-  8bit-amp                float32 params, forward under torch.autocast("cpu", torch.bfloat16),
-                          the 8bit optimizer (how most bfloat16 training runs)
+  8bit-bf16m, 8bit-amp    references that tell bfloat16 compute from the master weight's precision,
+                          compared with 8bit (and the bfloat16 variants, in the summary's
+                          vs_bf16m fields, with 8bit-bf16m). -bf16m: "O2" mixed precision,
+                          float32 master params stepped by the 8bit optimizer itself, a bfloat16
+                          copy of the model for forward and backward (its gradients, clipped, go
+                          to the masters as float32; the masters come back rounded to nearest):
+                          what -bf16c approximates with 16 significant bits instead of 24.
+                          -amp: float32 params, forward under torch.autocast (bfloat16), the
+                          8bit optimizer (how most bfloat16 training runs)
 
     python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
     python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out
@@ -215,6 +216,8 @@ def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
         any_r = next(iter(by_seed.values()))
         fp32 = results.get("fp32", {})
         vs_fp32 = [100 * (r.held_out_loss / fp32[s].held_out_loss - 1) for s, r in by_seed.items() if s in fp32]
+        o2 = results.get("8bit-bf16m", {}) if variant in BF16_VARIANTS else {}
+        vs_bf16m = [100 * (r.held_out_loss / o2[s].held_out_loss - 1) for s, r in by_seed.items() if s in o2]
         rows.append(dict(
             variant=variant, seeds=sorted(by_seed), held_out_mean=statistics.mean(losses),
             held_out_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
@@ -223,6 +226,8 @@ def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
             within=None if tol is None or not rel else (statistics.mean(rel) if on_mean else max(rel)) <= tol,
             vs_fp32_mean=statistics.mean(vs_fp32) if vs_fp32 else None,
             vs_fp32_min=min(vs_fp32) if vs_fp32 else None, vs_fp32_max=max(vs_fp32) if vs_fp32 else None,
+            vs_bf16m_mean=statistics.mean(vs_bf16m) if vs_bf16m else None,
+            vs_bf16m_min=min(vs_bf16m) if vs_bf16m else None, vs_bf16m_max=max(vs_bf16m) if vs_bf16m else None,
             bytes_per_param=any_r.bytes_per_param, ms_per_step=statistics.mean(r.ms_per_step for r in by_seed.values()),
             state_formats=any_r.state_formats,
         ))
@@ -242,6 +247,10 @@ def format_summary(rows: list[dict]) -> str:
         vs_fp32 = "-" if r["vs_fp32_mean"] is None or ref == "fp32" else f"{r['vs_fp32_mean']:+.2f}%"
         lines.append(f"{r['variant']:13s} {r['held_out_mean']:14.4f} +- {r['held_out_std']:.4f} {rel:>20s} "
                      f"{spread:>22s} {tol:>7s} {ok:>4s} {vs_fp32:>13s} {r['bytes_per_param']:8.3f} {r['ms_per_step']:8.1f}")
+    o2 = [f"{r['variant']} {r['vs_bf16m_mean']:+.2f}% [{r['vs_bf16m_min']:+.2f}%, {r['vs_bf16m_max']:+.2f}%]"
+          for r in rows if r.get("vs_bf16m_mean") is not None]
+    if o2:  # the same bfloat16 compute with float32 masters: what is left is the master weight's precision
+        lines.append("vs 8bit-bf16m (mean [min, max] over seeds): " + "; ".join(o2))
     return "\n".join(lines + ["target: on the largest relative loss over seeds; 'm': on their mean"])
 
 
