@@ -35,6 +35,15 @@ Variants:
                           per element); compared with 8bit on float32 params of the same seed
                           (and, in the summary's vs_fp32 fields, with fp32 AdamW)
   4bit-bf16c              AdamW4bit(param_correction=True); compared with 4bit
+  8bit-bf16m, 8bit-amp    references that tell bfloat16 compute from the master weight's precision,
+                          compared with 8bit (and the bfloat16 variants, in the summary's
+                          vs_bf16m fields, with 8bit-bf16m). -bf16m: "O2" mixed precision,
+                          float32 master params stepped by the 8bit optimizer itself, a bfloat16
+                          copy of the model for forward and backward (its gradients, clipped, go
+                          to the masters as float32; the masters come back rounded to nearest):
+                          what -bf16c approximates with 16 significant bits instead of 24.
+                          -amp: float32 params, forward under torch.autocast (bfloat16), the
+                          8bit optimizer (how most bfloat16 training runs)
 
     python benchmarks/convergence.py                       # 2000 steps x 3 seeds (hours on CPU)
     python benchmarks/convergence.py --steps 300 --seeds 0,1 --out convergence_out
@@ -58,8 +67,9 @@ from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, 
 ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-block", "fp8", "torchao-8bit", "bnb-8bit",
                 "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",
                 "muon-fp32", "muon-8bit", "muon-4bit", "muon-4bit-rank8", "muon-4bit-adamw4", "muon-4bit-rank0",
-                "muon-4bit-dynamic", "8bit-bf16", "8bit-bf16sr", "8bit-bf16c", "4bit-bf16c")
+                "muon-4bit-dynamic", "8bit-bf16", "8bit-bf16sr", "8bit-bf16c", "4bit-bf16c", "8bit-bf16m", "8bit-amp")
 BF16_VARIANTS = ("8bit-bf16", "8bit-bf16sr", "8bit-bf16c", "4bit-bf16c")
+MIXED_VARIANTS = {"8bit-bf16m": "8bit", "8bit-amp": "8bit"}  # bfloat16 compute, float32 masters -> their optimizer
 TOLERANCE = {"8bit": 1.0, "4bit": 1.0, "4bit-block": 2.0, "fp8": 2.0,  # % over the reference's held-out loss
              "ademamix-8bit": 1.0, "ademamix-4bit": 2.0, "ademamix-4bit-slow8": 2.0, "muon-8bit": 1.0, "muon-4bit": 2.0,
              "muon-4bit-rank8": 2.0, "muon-4bit-adamw4": 2.0, "muon-4bit-rank0": 2.0, "muon-4bit-dynamic": 2.0}
@@ -71,6 +81,8 @@ def reference_of(variant: str) -> str:
     params; fp32 AdEMAMix / Muon for theirs; else fp32 AdamW."""
     if variant in BF16_VARIANTS:
         return parse_setup(variant).format
+    if variant in MIXED_VARIANTS:
+        return MIXED_VARIANTS[variant]
     for family in ("ademamix", "muon"):
         if variant.startswith(family + "-"):
             return family + "-fp32"
@@ -85,6 +97,63 @@ def available(variant: str) -> bool:
     if variant == "bnb-8bit":
         return importlib.util.find_spec("bitsandbytes") is not None
     return True
+
+
+class Autocast(torch.nn.Module):
+    """``model`` with its forward under ``torch.autocast`` (bfloat16 on CPU): float32 params,
+    bfloat16 matmuls; evaluation too."""
+
+    def __init__(self, model: torch.nn.Module, dtype=torch.bfloat16):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, idx):
+        with torch.autocast(idx.device.type, dtype=self.dtype):
+            return self.model(idx)
+
+
+class MasterParams:
+    """An optimizer on float32 copies ("masters") of low-precision params: ``step`` hands the
+    params' gradients to the masters as float32, steps ``inner(masters)`` and writes the
+    masters back to the params rounded to nearest. The masters start from the params' values,
+    as a correction starts at zero. ``param_groups`` are the inner optimizer's (the loop sets
+    their lr); ``state_bytes`` adds the masters' 4 bytes per param."""
+
+    def __init__(self, params, inner):
+        self.params = [p for p in params]
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.inner = inner(self.masters)
+        self.param_groups = self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self):
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params + self.masters:
+            p.grad = None
+
+    def state_report(self):
+        return self.inner.state_report()
+
+    def state_bytes(self) -> int:
+        return self.inner.state_bytes() + sum(4 * m.numel() for m in self.masters)
+
+
+def model_for(variant: str, init: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``init`` as ``variant`` trains it: bfloat16 for -bf16*, wrapped in autocast for -amp."""
+    model = copy.deepcopy(init)
+    if variant in BF16_VARIANTS:
+        return model.to(parse_setup(variant).dtype)
+    if variant == "8bit-bf16m":
+        return model.to(torch.bfloat16)
+    if variant == "8bit-amp":
+        return Autocast(model)
+    return model
 
 
 def make(variant: str, params, args, model=None) -> tuple[torch.optim.Optimizer, str]:
@@ -103,6 +172,10 @@ def make(variant: str, params, args, model=None) -> tuple[torch.optim.Optimizer,
         return bridge.Muon4bit(groups, momentum_rank=int(variant[len("muon-4bit-rank"):]), **common), "lr"
     if variant.startswith("muon-"):
         return make_optimizer(variant.split("-")[1], params, args.lr, wd, args.min_quant_size, "muon", model=model), "lr"
+    if variant == "8bit-bf16m":
+        return MasterParams(params, lambda masters: make("8bit", masters, args)[0]), "lr"
+    if variant == "8bit-amp":
+        return make("8bit", params, args)
     if variant in ("fp32", "8bit", "4bit", "fp8") + BF16_VARIANTS:
         setup = parse_setup(variant)
         return make_optimizer(setup.format, params, args.lr, wd, args.min_quant_size, **setup.options), "lr"
@@ -143,6 +216,8 @@ def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
         any_r = next(iter(by_seed.values()))
         fp32 = results.get("fp32", {})
         vs_fp32 = [100 * (r.held_out_loss / fp32[s].held_out_loss - 1) for s, r in by_seed.items() if s in fp32]
+        o2 = results.get("8bit-bf16m", {}) if variant in BF16_VARIANTS else {}
+        vs_bf16m = [100 * (r.held_out_loss / o2[s].held_out_loss - 1) for s, r in by_seed.items() if s in o2]
         rows.append(dict(
             variant=variant, seeds=sorted(by_seed), held_out_mean=statistics.mean(losses),
             held_out_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
@@ -151,6 +226,8 @@ def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
             within=None if tol is None or not rel else (statistics.mean(rel) if on_mean else max(rel)) <= tol,
             vs_fp32_mean=statistics.mean(vs_fp32) if vs_fp32 else None,
             vs_fp32_min=min(vs_fp32) if vs_fp32 else None, vs_fp32_max=max(vs_fp32) if vs_fp32 else None,
+            vs_bf16m_mean=statistics.mean(vs_bf16m) if vs_bf16m else None,
+            vs_bf16m_min=min(vs_bf16m) if vs_bf16m else None, vs_bf16m_max=max(vs_bf16m) if vs_bf16m else None,
             bytes_per_param=any_r.bytes_per_param, ms_per_step=statistics.mean(r.ms_per_step for r in by_seed.values()),
             state_formats=any_r.state_formats,
         ))
@@ -170,6 +247,10 @@ def format_summary(rows: list[dict]) -> str:
         vs_fp32 = "-" if r["vs_fp32_mean"] is None or ref == "fp32" else f"{r['vs_fp32_mean']:+.2f}%"
         lines.append(f"{r['variant']:13s} {r['held_out_mean']:14.4f} +- {r['held_out_std']:.4f} {rel:>20s} "
                      f"{spread:>22s} {tol:>7s} {ok:>4s} {vs_fp32:>13s} {r['bytes_per_param']:8.3f} {r['ms_per_step']:8.1f}")
+    o2 = [f"{r['variant']} {r['vs_bf16m_mean']:+.2f}% [{r['vs_bf16m_min']:+.2f}%, {r['vs_bf16m_max']:+.2f}%]"
+          for r in rows if r.get("vs_bf16m_mean") is not None]
+    if o2:  # the same bfloat16 compute with float32 masters: what is left is the master weight's precision
+        lines.append("vs 8bit-bf16m (mean [min, max] over seeds): " + "; ".join(o2))
     return "\n".join(lines + ["target: on the largest relative loss over seeds; 'm': on their mean"])
 
 
@@ -246,7 +327,7 @@ def main(argv=None) -> int:
         init = CharGPT(256, args.d_model, args.layers, args.heads, args.seq_len)
         batches = Batches(train_data, args.seq_len, args.batch, seed)
         for v in variants:
-            model = copy.deepcopy(init).to(parse_setup(v).dtype if v in BF16_VARIANTS else torch.float32)
+            model = model_for(v, init)
             factory = lambda params, v=v, model=model: make(v, params, args, model)[0]
             t0 = time.time()
             r = train(v, model, factory, batches, held_out, steps=args.steps, lr=args.lr,
