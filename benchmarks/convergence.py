@@ -216,13 +216,13 @@ def summarize(results: dict[str, dict[int, RunResult]]) -> list[dict]:
         any_r = next(iter(by_seed.values()))
         fp32 = results.get("fp32", {})
         vs_fp32 = [100 * (r.held_out_loss / fp32[s].held_out_loss - 1) for s, r in by_seed.items() if s in fp32]
-        o2 = results.get("8bit-bf16m", {}) if variant in BF16_VARIANTS else {}
+        o2 = results.get("8bit-bf16m", {}) if variant in BF16_VARIANTS or variant == "8bit-amp" else {}
         vs_bf16m = [100 * (r.held_out_loss / o2[s].held_out_loss - 1) for s, r in by_seed.items() if s in o2]
         rows.append(dict(
             variant=variant, seeds=sorted(by_seed), held_out_mean=statistics.mean(losses),
             held_out_std=statistics.stdev(losses) if len(losses) > 1 else 0.0,
             rel_mean=statistics.mean(rel) if rel else None, rel_min=min(rel) if rel else None,
-            rel_max=max(rel) if rel else None, tolerance=tol, tolerance_on="mean" if on_mean else "max",
+            rel_max=max(rel) if rel else None, rel_sd=statistics.stdev(rel) if len(rel) > 1 else None, tolerance=tol, tolerance_on="mean" if on_mean else "max",
             within=None if tol is None or not rel else (statistics.mean(rel) if on_mean else max(rel)) <= tol,
             vs_fp32_mean=statistics.mean(vs_fp32) if vs_fp32 else None,
             vs_fp32_min=min(vs_fp32) if vs_fp32 else None, vs_fp32_max=max(vs_fp32) if vs_fp32 else None,
