@@ -98,6 +98,26 @@ def test_native_quantize_on_random_bit_patterns(name):
 
 @pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if lt.FORMATS[n].bits == 8])
+def test_native_decode_planes_are_the_decode_table(name):
+    """The AVX-512 VBMI decode reads byte planes lbt_prepare derives from the format's decode
+    table (tables.cpu_code_table, their one source): plane k holds byte k of every entry. Set on
+    CPUs with VBMI for the 8-bit table formats (not the e4m3 ones decoded by arithmetic)."""
+    import ctypes
+
+    st = kernels_cpu._format_struct(name)
+    if not st.planes:
+        with open("/proc/cpuinfo") as f:
+            vbmi = " avx512vbmi " in f.read().replace("\n", " ")
+        assert st.e4m3_arith or not vbmi, "a VBMI CPU without the planes: the kernel checks rejected them"
+        return
+    assert not st.e4m3_arith
+    planes = torch.tensor(list(ctypes.cast(st.planes, ctypes.POINTER(ctypes.c_uint8))[:1024]), dtype=torch.uint8)
+    table = K.tables.cpu_code_table(name).decode.contiguous().view(torch.uint8).reshape(256, 4)
+    assert torch.equal(planes.reshape(4, 256), table.T.contiguous())  # little-endian floats
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if lt.FORMATS[n].bits == 8])
 def test_native_range_table_is_small_and_its_check_can_fail(name):
     """The 8-bit encode reads one row of a range table per value: rows are few
     (they must stay in L1 while params stream through: a uniform bucket table

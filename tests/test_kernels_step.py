@@ -35,7 +35,9 @@ RULE_IDS = ["adam", "amsgrad", "lion", "momentum", "nesterov", "ademamix", "muon
 STATE_FORMATS = ["8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LINKS = [dict(), dict(decay=True, lr=True), dict(maximize=True, l2=True, lr=True)]
-SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64)]
+# (12, 34) and (20, 33): rows shorter than a block, which the native kernel steps a tile of rows at
+# a time (quantized_tile's merge; 4-bit only with even rows), with decodes of 34 and 33 codes
+SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64), ((12, 34), 64), ((20, 33), None)]
 
 
 def same(a, b) -> bool:

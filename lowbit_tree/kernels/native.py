@@ -96,6 +96,7 @@ class _Format(ctypes.Structure):
         ("lin", ctypes.c_int32),
         ("lin_a", ctypes.c_float),
         ("lin_b", ctypes.c_float),
+        ("planes", ctypes.c_void_p),
     ]
 
 
