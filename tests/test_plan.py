@@ -342,7 +342,7 @@ def test_a_step_of_adamw8bit_crosses_few_modules_and_the_core_never_calls_the_br
 @pytest.mark.slow
 def test_compiled_backend_compiles_one_graph_per_static_combination(monkeypatch):
     """LOWBIT_TREE_BACKEND=compiled: 9 params of 3 shapes compile at most two graphs (a chunk of
-    8 leaves, one leaf); new params of new shapes with the same formats compile nothing; the
+    4 leaves, one leaf); new params of new shapes with the same formats compile nothing; the
     result equals the native backend's bit for bit."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters

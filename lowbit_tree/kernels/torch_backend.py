@@ -340,12 +340,13 @@ def _run(kind: str, tensors: tuple, static: dict, device: torch.device, compile:
     return _CORES[kind](*tensors, **static)
 
 
-BATCH = 8
+BATCH = 4
 """Leaves a compiled call takes. A step's leaves of one static combination run in chunks of
-8 and the rest one by one: at most two graphs per combination, whatever the number of params
-or their shapes. (Measured on the CPU, 200 params of 8x8..32x4: one call per leaf costs
-~133 us a param over torch's fused AdamW, chunks of 8 ~48; chunks of 16 took 10x longer to
-compile and ran slower.)"""
+4 and the rest one by one: at most two graphs per combination, whatever the number of params
+or their shapes. (Measured on the CPU with :class:`CompiledSteps`, 200 params of 8x8..32x4,
+one after the other in one quiet period: chunks of 8 cost 30 us a param over torch's fused
+AdamW and compiled for 35 s, chunks of 4 37 us and 21 s, one leaf a call 140 us and 9 s. The
+graph's compile time grows with its leaves, and its first step is what a user waits for.)"""
 
 
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
