@@ -1202,9 +1202,12 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
  * binade) then 2 ** (MANT + 7), neither of which rounds: nothing overflows (|x - p'| is at most
  * half an ulp of p'), and where the first factor shrinks (e >= 2), x - p' is 0 or at least
  * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
- * quotient's bits are the division's, at less cost; integer ops, selects and rintf only: the
- * loop vectorizes. */
-/* The step of one element on its slow path: where the rest against p' would be +128, p' is the
+ * quotient's bits are the division's, at less cost. bfloat16 (corrected_bf16): one pass of
+ * integer ops, selects and rintf that also computes the neighbour above for every element: the
+ * loop vectorizes. float16 (corrected_run): GCC does not vectorize the float <-> _Float16
+ * conversions on a CPU without AVX512-FP16 (-fopt-info-vec-missed: "conversion not supported by
+ * target"), so it keeps two passes and converts the neighbour above only where the rest is +128. */
+/* float16's step of one element on its slow path: where the rest against p' would be +128, p' is the
  * neighbour above (split_master), whose rest fits int8. x is the new master value, hb p''s 16-bit
  * pattern (nearest even), y its value, both finite. Returns the new correction; *q the pattern. */
 static int8_t corrected_above(float x, uint32_t hb, float y, uint16_t *q, const int F16, const int32_t emin,
@@ -1231,7 +1234,7 @@ static int8_t corrected_above(float x, uint32_t hb, float y, uint16_t *q, const 
     return (int8_t)(int32_t)r;
 }
 
-/* The fast path of corrected_run over m elements, vectorized: p' to nearest even, its rest
+/* The fast path of corrected_run over m elements (float16; scalar, see above): p' to nearest even, its rest
  * clamped; rest[k] the rest before the clamp (0 where p' is not finite), +128 (one element in
  * about 512) for the slow path. ci: the old corrections, co: the new. */
 static inline __attribute__((always_inline)) void corrected_fast(const float *restrict pv, const float *restrict d,
@@ -1261,6 +1264,7 @@ static inline __attribute__((always_inline)) void corrected_fast(const float *re
     }
 }
 
+/* float16's corrected write: corrected_fast a chunk at a time, then the slow path where the rest is +128 */
 #define LBT_CORRECT_CHUNK 1024
 static inline __attribute__((always_inline)) void corrected_run(const float *restrict pv, const float *restrict d,
                                                                 int8_t *restrict c, int64_t n,
@@ -1295,9 +1299,42 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
     }
 }
 
+/* bfloat16's corrected write in one pass: the rest against both candidates, p' to nearest even (pattern
+ * hb) and its neighbour above (hu: one step up in value, so hb + 1 for a clear sign bit, hb - 1 for
+ * a set one, and -0 -> the smallest positive subnormal, 1), then selects. The neighbour above is
+ * taken where p' is finite, its rest is above 127 (that is +128: one element in about 512) and the
+ * neighbour is finite (else p' stays and the rest clamps to 127); its rest then fits int8
+ * (split_master). Same-width (32-bit) integer masks and bit selects, no branches, no calls but the
+ * inlined rintf: the loop vectorizes. r > 127 is tested on its bits, like a float compare where p'
+ * is finite (r is then finite), and the mask has fin in it. */
+static void corrected_bf16(const float *restrict pv, const float *restrict d,
+                           int8_t *restrict c, int64_t n, uint16_t *restrict q) {
+    const int32_t emin = -126;
+    const float unit = 0x1p-15f, steps = 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
+    for (int64_t k = 0; k < n; k++) {
+        const float p = pv[k];
+        const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
+        const uint32_t hb = bf16_round(x);
+        const float y = bits2f((int32_t)(hb << 16));
+        const float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
+        const uint32_t hs = hb + 1u - ((hb >> 14) & 2u); /* hb + 1, or hb - 1 with the sign bit set */
+        const uint32_t hu = hs ^ ((hs ^ 1u) & -(uint32_t)(hb == 0x8000u));
+        const float yu = bits2f((int32_t)(hu << 16));
+        const float ru = rintf(((x - yu) * bits2f(0x7F800000 - binade_bits(yu, emin))) * steps);
+        const uint32_t fin = -(uint32_t)((f2i(y) & 0x7F800000) != 0x7F800000); /* all ones where p' is finite */
+        const uint32_t up = fin & -(uint32_t)(f2i(r) > 0x42FE0000) /* r > 127 */
+                            & -(uint32_t)((f2i(yu) & 0x7F800000) != 0x7F800000);
+        const uint32_t ob = ((uint32_t)f2i(r) & fin & ~up) | ((uint32_t)f2i(ru) & up);
+        float o = bits2f((int32_t)ob);
+        o = o < -128.0f ? -128.0f : (o > 127.0f ? 127.0f : o);
+        c[k] = (int8_t)(int32_t)o;
+        q[k] = (uint16_t)(hb ^ ((hb ^ hu) & up));
+    }
+}
+
 static void corrected_store(const float *pv, const float *d, int8_t *c, int64_t n, int64_t dt, uint16_t *q) {
     if (dt == LBT_F16) corrected_run(pv, d, c, n, q, 1);
-    else corrected_run(pv, d, c, n, q, 0);
+    else corrected_bf16(pv, d, c, n, q);
 }
 
 /* The per-element rule on one run of n elements. g: the prologue's gradient
