@@ -467,8 +467,9 @@ static int64_t decode8_planes(const uint8_t *restrict c, int64_t n, const uint8_
 static void prepare_planes(lbt_format *f) {
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     if (f->bits != 8 || f->e4m3_arith) return;
-    uint8_t *pl = (uint8_t *)aligned_alloc(64, 1024);
-    if (!pl) return;
+    void *mem = NULL; /* posix_memalign: gnu99 declares no aligned_alloc (C11), and an undeclared one returns int */
+    if (posix_memalign(&mem, 64, 1024) != 0) return;
+    uint8_t *pl = (uint8_t *)mem;
     for (int32_t c = 0; c < 256; c++)
         for (int32_t k = 0; k < 4; k++) pl[256 * k + c] = (uint8_t)((uint32_t)f2i(f->decode[c]) >> (8 * k));
     uint8_t all[256];

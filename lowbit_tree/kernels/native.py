@@ -54,9 +54,12 @@ _SOURCE = Path(__file__).with_name("cpu.c")
 # every multiply and add rounds like torch's eager float32 ops.
 # -fno-trapping-math only lets GCC vectorize comparisons (no FP exception flags
 # are read anywhere); it changes no result.
+# -Werror=implicit-function-declaration: an undeclared function returns int in C99,
+# so a pointer it returns would be cut to 32 bits; refuse to build instead.
 _FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99",
+    "-Werror=implicit-function-declaration",
 ]
 # AMD Zen: AVX2 gathers are microcoded and slower than scalar loads; GCC then
 # vectorizes the table lookups with emulated gathers (~10% faster fused step,
