@@ -557,7 +557,8 @@ def main(argv=None) -> int:
                         " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"
                         " same bfloat16 matrix products in every Muon row).\n\n" + step_table(whole, muon=True))
     rows = [[r["shapes"], r["variant"], r["params"], f"{r['ours_ms']:.2f}", f"{r['torch_fused_ms']:.2f}",
-             f"{r['overhead_us_per_param']:.1f}", f"{r['first_step_s']:.1f}", r["graphs"]]
+             f"{r['overhead_us_per_param']:.1f}", f"{r['first_step_s']:.1f}",
+             f"{r['compiler_warmup_s']:.1f}" if r["variant"].startswith("compiled") else "-", r["graphs"]]
             for part in overhead for r in part]
     sections.append(
         "## Host overhead per param\n\n" + " and ".join(cmd("benchmarks/step_overhead.py", a) for a in overhead_args)
@@ -566,9 +567,10 @@ def main(argv=None) -> int:
         " params, interleaved; overhead = (ours - torch fused) / params, the median of the runs. `small`: 64x64 ..."
         " 256x32 (about 10k elements a param: the 8-bit kernel's arithmetic counts); `tiny`: 8x8 .. 32x4 (almost"
         " only host work). `first step`: our first step in seconds (the compiled backend's compilations, from"
-        " scratch); `graphs`: the graphs dynamo made.\n\n"
+        " scratch: no disk cache); `compiler warm-up`: inductor's one-time work in a new cache folder (its C++"
+        " prelude), done before the first step and timed apart; `graphs`: the graphs dynamo made.\n\n"
         + table(["shapes", "variant", "params", "ours ms", "torch fused ms", "overhead us/param", "first step s",
-                 "graphs"], rows))
+                 "compiler warm-up s", "graphs"], rows))
     cfg = demo["config"]
     sections.append(
         f"## The demo\n\n{cmd('-m bridge', DEMO_QUICK if args.quick else DEMO_FULL)} (the README's first command"
