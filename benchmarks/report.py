@@ -249,6 +249,22 @@ def step_battery(args: list[str], runs: int, tmp: str) -> dict:
     return {"rows": rows, "params": per_run[0]["params"], "tensors": per_run[0]["tensors"]}
 
 
+def correction_cost(b: dict) -> str:
+    """Per format, the step time of bfloat16 params with the int8 correction over plain bfloat16
+    params in each run (both times from the same run), or '' where the battery has neither."""
+    parts = []
+    for fmt in ("8bit", "4bit", "fp8"):
+        c, plain = b["rows"].get(f"bridge-{fmt}-bf16c"), b["rows"].get(f"bridge-{fmt}-bf16")
+        if not (c and plain and c["ms"] and plain["ms"]):
+            continue
+        per_run = [x / y for x, y in zip(c["ratio"], plain["ratio"])]
+        parts.append(f"{fmt} {statistics.median(per_run):.2f}x (runs " + ", ".join(f"{x:.2f}" for x in per_run) + ")")
+    if not parts:
+        return ""
+    return ("\n\nThe int8 correction's cost, bridge-*-bf16c over bridge-*-bf16 in the same run (median, and each run's"
+            " ratio of their ratios to torch fused): " + "; ".join(parts) + ".")
+
+
 def step_table(b: dict, muon: bool = False) -> str:
     head = ["implementation", "ms/step", "x torch fused AdamW", "runs (x fused)", "fused AdamW ms/step in those runs",
             "state B/param", "first step s"]
@@ -551,7 +567,7 @@ def main(argv=None) -> int:
         n = results[title]
         sections.append(f"## Step time: {title}\n\n{n['tensors']} tensors, {n['params'] / 1e6:.2f}M params. "
                         f"{runs} run(s) of {cmd('benchmarks/step_time.py', sargs)}; medians over the runs.\n\n"
-                        + step_table(n, muon="muon" in title.lower()))
+                        + step_table(n, muon="muon" in title.lower()) + correction_cost(n))
     if whole is not None:
         sections.append(f"## Step time: {MUON_WHOLE[0]}\n\nOne run of {cmd('benchmarks/step_time.py', MUON_WHOLE[1])}"
                         " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"
