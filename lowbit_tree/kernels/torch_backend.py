@@ -349,6 +349,13 @@ AdamW and compiled for 35 s, chunks of 4 37 us and 21 s, one leaf a call 140 us 
 graph's compile time grows with its leaves, and its first step is what a user waits for.)"""
 
 
+def _chunks(count: int) -> list:
+    """Positions ``0 .. count - 1`` as the calls take them: chunks of :data:`BATCH`, then the
+    rest one by one."""
+    full = count - count % BATCH
+    return [range(s, s + BATCH) for s in range(0, full, BATCH)] + [range(s, s + 1) for s in range(full, count)]
+
+
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
     """float ``(rows, R)`` -> ``(codes uint8, scale float32)``, the reference's codes."""
     tab = code_table(fmt_name, x2.device)
@@ -438,10 +445,9 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
         static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
         width = 4 + len(prepared[members[0]][4])
         h = hyper.to(device=device, dtype=torch.float32)
-        start = 0
-        while start < len(members):
-            n = BATCH if len(members) - start >= BATCH else 1
-            chunk = members[start:start + n]
+        for positions in _chunks(len(members)):
+            chunk = [members[m] for m in positions]
+            n = len(chunk)
             flat = []
             for j in chunk:
                 p, g, idx, corr, tensors, _ = prepared[j]
@@ -452,7 +458,6 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
             for m, j in enumerate(chunk):
                 part = res[m * per:(m + 1) * per]
                 results[j] = (part[0], _new_states(prepared[j][5], part[k:]), part[1] if corrected else None)
-            start += n
     return results
 
 
@@ -470,7 +475,6 @@ class CompiledSteps:
 
         kinds = state_kinds(leaves[0][1])
         formats = tuple(dict.fromkeys(kind[1] for kind in kinds if kind[0] == "q"))
-        self.corrected = leaves[0][3] is not None
         self.write, self.sr = write, sr
         self.device = None
         prefix = []
@@ -491,16 +495,13 @@ class CompiledSteps:
         self._fn = _compiled("step_inplace", tuple(sorted(static.items())), self.device.type)
         width = len(per_leaf[0])
         self._calls = []  # (leaf positions, flat argument list, gradient slots in it)
-        start = 0
-        while start < len(per_leaf):
-            n = BATCH if len(per_leaf) - start >= BATCH else 1
+        for chunk in _chunks(len(per_leaf)):
             flat = list(prefix)
             slots = []
-            for m in range(start, start + n):
+            for m in chunk:
                 slots.append(len(flat) + 1)
                 flat += per_leaf[m]
-            self._calls.append((range(start, start + n), flat, slots))
-            start += n
+            self._calls.append((chunk, flat, slots))
 
     def run(self, grads: Sequence[torch.Tensor], hyper: torch.Tensor, key: Optional[torch.Tensor] = None) -> list:
         """One step; ``grads`` in the leaves' order. Returns the float32 updates (``None``
