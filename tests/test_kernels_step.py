@@ -247,6 +247,22 @@ def test_compiled_cpu_step_matches_reference(rule, variant, fmt):
                   shapes=[((9, 130), None)])
 
 
+def test_compiled_single_row_runs_eagerly():
+    """A single row (a 1-D param, ``(1, R)``, ``(1, 1, R)``) with quantized states: the compiled
+    backend steps it eagerly, with the reference's bits. Compiled, inductor 2.13 (CPU, dynamic
+    shapes) wrote all-zero codes for such rows (``torch_backend.compiles``): this test fails if
+    they reach a graph again while that bug stands. Fast, since nothing compiles."""
+    from lowbit_tree.kernels import torch_backend
+
+    for shape, fmt in [((64,), "8bit"), ((1, 300), "8bit"), ((1, 1, 64), "4bit"), ((1, 40), "fp8")]:
+        assert not torch_backend.compiles(1, (("q", "dynamic8", 256),))
+        check_backend("compiled", "adam", {}, fmt, torch.float32, links_list=[dict(decay=True, lr=True)],
+                      shapes=[(shape, None)])
+        x = torch.randn(shape).reshape(1, -1)
+        assert same(torch_backend.quantize_rows(x, "dynamic8", 256, compile=True)[0],
+                    torch_backend.quantize_rows(x, "dynamic8", 256, compile=False)[0])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("backend", ["compiled", "eager"])

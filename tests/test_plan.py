@@ -339,11 +339,11 @@ def test_a_step_of_adamw8bit_crosses_few_modules_and_the_core_never_calls_the_br
     assert len(modules) <= 10
 
 
-@pytest.mark.slow
-def test_compiled_backend_compiles_one_graph_per_static_combination(monkeypatch):
-    """LOWBIT_TREE_BACKEND=compiled: 9 params of 3 shapes compile at most two graphs (a chunk of
-    4 leaves, one leaf); new params of new shapes with the same formats compile nothing; the
-    result equals the native backend's bit for bit."""
+def _compiled_graphs_then_native_bits(monkeypatch, first_shapes, second_shapes):
+    """AdamW8bit on the compiled backend: two steps on params of ``first_shapes``, then one on
+    new params of ``second_shapes``. Returns dynamo's graph count after the first and after
+    the second optimizer; checks the first params and states against the native (or eager)
+    backend bit for bit."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
@@ -359,19 +359,18 @@ def test_compiled_backend_compiles_one_graph_per_static_combination(monkeypatch)
         for p in ps:
             p.grad = torch.randn(p.shape, generator=gg)
 
-    first = params([(16, 16), (32, 8), (8, 24)] * 3)
+    first = params(first_shapes)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in first]
     opt = bridge.AdamW8bit(first, lr=1e-2, min_quant_size=1)
     for s in range(2):
         step(first, s)
         opt.step()
     graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= 2
-    second = params([(24, 12), (40, 4), (12, 12), (20, 20)] * 2 + [(4, 36)])
+    second = params(second_shapes)
     opt2 = bridge.AdamW8bit(second, lr=1e-3, min_quant_size=1)
     step(second, 5)
     opt2.step()
-    assert counters["stats"]["unique_graphs"] == graphs  # new shapes, new params: nothing compiled
+    after = counters["stats"]["unique_graphs"]
     monkeypatch.setenv("LOWBIT_TREE_BACKEND", "native" if lt.kernels.native.available() else "eager")
     ref_opt = bridge.AdamW8bit(ref, lr=1e-2, min_quant_size=1)
     for s in range(2):
@@ -379,4 +378,33 @@ def test_compiled_backend_compiles_one_graph_per_static_combination(monkeypatch)
         ref_opt.step()
     for p, q in zip(first, ref):
         assert same(p.detach(), q.detach())
-        assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][name], ref_opt.state[q][name])
+    return graphs, after
+
+
+@pytest.mark.slow
+def test_compiled_backend_compiles_one_graph_per_static_combination(monkeypatch):
+    """LOWBIT_TREE_BACKEND=compiled: 9 params of 3 shapes (5 calls, the last filled up with a
+    scratch leaf) compile one graph; new params of new shapes with the same formats compile
+    nothing; the result equals the native backend's bit for bit."""
+    graphs, after = _compiled_graphs_then_native_bits(
+        monkeypatch, [(16, 16), (32, 8), (8, 24)] * 3, [(24, 12), (40, 4), (12, 12), (20, 20)] * 2 + [(4, 36)])
+    assert graphs == 1
+    assert after == graphs  # new shapes, new params: nothing compiled
+
+
+@pytest.mark.slow
+def test_compiled_backend_compiles_one_graph_per_shape_class(monkeypatch):
+    """Shapes dynamo would specialize on (rows of one block, 1-D params with float32 states)
+    each get one graph, whatever their order among the params, and new shapes of those
+    classes compile nothing (before shape classes, calls mixing classes compiled a graph per
+    pattern). Single rows with quantized states step eagerly (``torch_backend.compiles``)."""
+    first = [(16, 16), (4, 300), (300,), (1, 64), (8, 24), (4, 600), (10,), (1, 40), (6, 20)]
+    second = [(3, 513), (12, 20), (77,), (1, 100), (2, 1000), (5, 5), (33,), (1, 7)]
+    graphs, after = _compiled_graphs_then_native_bits(monkeypatch, first, second)
+    kinds_q = (("q", "dynamic8", 256), ("q", "dynamic8_sqrt", 256))
+    assert {lt.kernels.torch_backend.shape_class(s, kinds_q) for s in first if len(s) == 2 and s[0] > 1} == {
+        ((False, False), ((True,), (True,))), ((False, False), ((False,), (False,)))}
+    assert graphs == 3  # two classes of quantized 2-D leaves, one of 1-D leaves (float32 states)
+    assert after == graphs

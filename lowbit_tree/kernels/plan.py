@@ -52,7 +52,7 @@ class KernelPlan:
         self.corrections = list(corrections) if corrections is not None else [None] * len(self.params)
         self._rows: Optional[array.array] = None  # built at the first run, from its gradients
         self._native: list = []  # leaf positions whose rows are in _rows, in row order
-        self._compiled: list = []  # (leaf positions, torch_backend.CompiledSteps) per static combination
+        self._compiled: list = []  # (leaf positions, torch_backend.CompiledSteps) per static combination and shape class
         self._other: list = []  # leaf positions run through run_step
         self._signature: tuple = ()  # per native leaf: (grad dtype, addresses) the rows were built for
 
@@ -64,8 +64,10 @@ class KernelPlan:
         if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states):
             return None
         which = backend_for(g.device, self.backend)
-        if which == "compiled":
-            return which
+        if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
+            from ..qtensor import row_layout
+
+            return which if torch_backend.compiles(row_layout(g.shape)[0], torch_backend.state_kinds(states)) else None
         if which == "native" and _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
             return which
         return None
@@ -85,12 +87,14 @@ class KernelPlan:
                 p, corr = self.params[k], self.corrections[k]
                 stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
                 kinds = torch_backend.state_kinds(self.states[k])
-                compiled.setdefault((kinds, corr is not None, stochastic, g.device), []).append(k)
+                key = (kinds, corr is not None, stochastic, g.device, torch_backend.shape_class(g.shape, kinds),
+                       None if p is None else p.dtype, g.dtype)
+                compiled.setdefault(key, []).append(k)
             else:
                 (self._native if which == "native" else self._other).append(k)
         self._compiled = []
-        for (_, _, stochastic, _), ks in compiled.items():
-            leaves = [(self.params[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
+        for (_, _, stochastic, *_), ks in compiled.items():
+            leaves = [(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
             self._compiled.append((ks, torch_backend.CompiledSteps(self.spec, leaves, write=self.write, sr=stochastic)))
         self._held = [k for ks, _ in self._compiled for k in ks]
         self._held_signature = tuple(self._leaf_signature(k, grads[k]) for k in self._held)

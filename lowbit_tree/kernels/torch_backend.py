@@ -28,7 +28,7 @@ import torch
 from ..correction import master_value, split_master
 from ..formats import FORMATS
 from ..rounding import stochastic_round
-from .spec import Hyper, StepSpec
+from .spec import NHYPER, Hyper, StepSpec
 from .tables import _CPU_TABLES, code_table
 
 __all__ = ["quantize_rows", "dequantize_rows", "step_leaf"]
@@ -58,6 +58,13 @@ def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, threshold
     return idx.clamp(0, tab.last)
 
 
+_DIVISORS = {name: int(f.scale_divisor) for name, f in FORMATS.items()}
+"""Each format's scale divisor as an int (the same value): a float read in a compiled graph
+becomes a symbolic float under ``dynamic=True``, an input converted to a tensor on every call;
+an int stays a constant."""
+assert all(_DIVISORS[name] == f.scale_divisor for name, f in FORMATS.items())
+
+
 def _block_index(r: int, block_size: int, nblocks, device) -> torch.Tensor:
     """The block of each element of a row. The clamp changes nothing, but without
     it inductor 2.13 (CPU, dynamic shapes) reads garbage from a ``(rows, 1)`` scale
@@ -78,15 +85,15 @@ def _quantize_core(
     rows, r = x2.shape
     nblocks = (r + block_size - 1) // block_size
     if not fmt.signed:
-        x2 = torch.where(x2 < 0, torch.full_like(x2, float("nan")), x2)
+        x2 = torch.where(x2 < 0, float("nan"), x2)
     if fmt.sqrt:
         x2 = _exact_sqrt(x2)
     pad = nblocks * block_size - r
     xb = torch.nn.functional.pad(x2, (0, pad)).reshape(rows, nblocks, block_size)
     absmax = xb.abs().amax(dim=-1)
-    absmax = torch.where(torch.isfinite(absmax), absmax, torch.full_like(absmax, float("nan")))
-    scale = absmax / fmt.scale_divisor
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    absmax = torch.where(torch.isfinite(absmax), absmax, float("nan"))
+    scale = absmax / _DIVISORS[fmt_name]  # true division by the same value as a float
+    safe = torch.where(scale > 0, scale, 1.0)
     n = x2 / safe[:, _block_index(r, block_size, nblocks, x2.device)]
     idx = _nearest_index(n, fmt_name, base, thresholds)
     if fmt.bits == 4:
@@ -152,10 +159,16 @@ def _lerp(a: torch.Tensor, c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _fma(torch.where(small, w, w - 1), d, torch.where(small, a, c))
 
 
-def _rule(spec: StepSpec, hyper: torch.Tensor, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
+def _hyper(hyper) -> Hyper:
+    """The vector's entries by name (spec.HYPER_NAMES); a :class:`Hyper` passes through (a
+    graph of several leaves unbinds the vector once)."""
+    return hyper if isinstance(hyper, Hyper) else Hyper(*hyper.unbind(0))
+
+
+def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], olds: list):
     """The float32 math of one step (:mod:`.spec`, operation by operation): returns
     the update after the epilogue and the new (untransformed) states."""
-    h = Hyper(*hyper.unbind(0))  # the vector's entries by spec.HYPER_NAMES
+    h = _hyper(hyper)
     if spec.maximize:
         g = -g
     if spec.l2:
@@ -208,12 +221,14 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, 
     g2 = (g.reshape(g.shape[0], -1) if g.dim() >= 2 else g.reshape(1, -1)).float()
     rows, r = g2.shape
     p2 = None if p is None else p.reshape(rows, r).float()
+    # the row's parity matters to 4-bit codes only; asked otherwise it would be a guard (a graph per parity)
+    odd = bool(r % 2) if any(k[0] == "q" and FORMATS[k[1]].bits == 4 for k in kinds) else False
     olds, it = [], iter(state_tensors)
     for kind in kinds:
         if kind[0] == "q":
             codes, scale, decode = next(it), next(it), next(it)
             next(it), next(it), next(it)
-            olds.append(_dequantize_core(codes, scale, decode, kind[1], kind[2], bool(r % 2)))
+            olds.append(_dequantize_core(codes, scale, decode, kind[1], kind[2], odd))
         else:
             olds.append(next(it).reshape(rows, r).float())
     u, news = _rule(spec, hyper, g2, p2, olds)
@@ -250,24 +265,59 @@ def _step_many_core(hyper, key, *flat, spec, kinds, write, sr, width):
     The code tables (a quantized state's decode / base / thresholds / encode) are per
     format, the same for every leaf."""
     out = []
+    hyper = _hyper(hyper)
     for k in range(0, len(flat), width):
         p, g, index, corr, *tensors = flat[k:k + width]
         out.extend(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
     return tuple(out)
 
 
-def _step_inplace_core(hyper, key, *flat, spec, kinds, write, sr, formats):
+def _consts_layout(formats: tuple) -> tuple[int, dict]:
+    """The words (int32) of a compiled in-place call's constants buffer: the hyperparameter
+    vector (float32 bits) first, then per format its decode, base, thresholds and encode
+    tables. Returns (total words, {format: four (start, end) word ranges})."""
+    end, where = NHYPER, {}
+    for f in formats:
+        tab = _CPU_TABLES[f]
+        where[f] = []
+        for t in (tab.decode, tab.base, tab.thresholds, tab.encode):
+            where[f].append((end, end + t.numel()))
+            end += t.numel()
+    return end, where
+
+
+def _pack_consts(formats: tuple, device: torch.device) -> torch.Tensor:
+    """The constants buffer of :func:`_consts_layout` on ``device``, tables filled in (the
+    hyperparameters are written at each step). One input instead of one per table and the
+    hyperparameters: each tensor input costs a compiled call about a microsecond."""
+    total, where = _consts_layout(formats)
+    buf = torch.zeros(total, dtype=torch.int32, device=device)
+    for f in formats:
+        tab = code_table(f, device)
+        for (a, b), t in zip(where[f], (tab.decode, tab.base, tab.thresholds, tab.encode)):
+            buf[a:b] = t.view(torch.int32) if t.dtype == torch.float32 else t.to(torch.int32)
+    torch._dynamo.mark_static(buf)  # its size is a constant of the graph, not a symbol
+    return buf
+
+
+def _step_inplace_core(key, consts, *flat, spec, kinds, write, sr, formats, leaf_class):
     """:func:`_step_core` of several leaves of one static combination in one graph, in place:
     each leaf's new state tensors (and with ``write`` its new param and correction) are
     copied into its own tensors inside the graph, so inductor writes them where they lie.
-    ``flat``: the code tables of ``formats`` (decode, base, thresholds, encode each; every
-    leaf reads the same), then per leaf its param, gradient, index, correction and own state
-    tensors (``codes, scale`` of a quantized state, ``values`` of a plain one). Returns the
-    float32 updates (without ``write``), else nothing."""
-    tables = {f: flat[4 * i:4 * i + 4] for i, f in enumerate(formats)}
+    ``consts``: the hyperparameters and the code tables of ``formats`` in one int32 buffer
+    (:func:`_pack_consts`). ``flat``: per leaf its param, gradient, index, correction and own
+    state tensors (``codes, scale`` of a quantized state, ``values`` of a plain one). Returns
+    the float32 updates (without ``write``), else nothing. ``leaf_class`` (the leaves' shape
+    class, param and gradient dtypes, with or without a correction) is not read: as a static
+    argument it gives each its own compiled function, each with one graph."""
+    words = consts.view(torch.float32)
+    hyper = _hyper(words[:NHYPER])
+    tables = {}
+    for f, ((d0, d1), (b0, b1), (t0, t1), (e0, e1)) in _consts_layout(formats)[1].items():
+        tables[f] = (words[d0:d1], consts[b0:b1], words[t0:t1], consts[e0:e1].to(torch.uint8))
     width = 4 + sum(2 if kind[0] == "q" else 1 for kind in kinds)
     outs = []
-    for k in range(4 * len(formats), len(flat), width):
+    for k in range(0, len(flat), width):
         p, g, index, corr, *own = flat[k:k + width]
         tensors, it = [], iter(own)
         for kind in kinds:
@@ -301,11 +351,20 @@ def _bind_static(core, static: dict):
 
 
 def _compile_options(device_type: str) -> dict:
-    """Inductor's options: ``emulate_precision_casts`` on every device. Without it inductor
-    drops a cast down and back up (``x.to(bfloat16).float()`` becomes ``x``; on the CPU too),
-    so a param correction's rest ``x - float(p')`` came out 0; in Triton it also keeps
-    mul/add uncontracted (no FMA), so results equal eager's exactly."""
-    return {"emulate_precision_casts": True}
+    """Inductor's options, the same on every device.
+
+    - ``emulate_precision_casts``: without it inductor drops a cast down and back up
+      (``x.to(bfloat16).float()`` becomes ``x``; on the CPU too), so a param correction's
+      rest ``x - float(p')`` came out 0; in Triton it also keeps mul/add uncontracted (no
+      FMA), so results equal eager's exactly.
+    - ``size_asserts`` off: the generated wrapper re-checked every input's sizes and strides
+      on each call, which dynamo's guards have already checked (a new stride pattern
+      recompiles); about half a microsecond an input.
+    - ``cpp.enable_loop_tail_vec`` off (CPU code only): a loop's last partial vector runs as
+      scalar code instead of a second, masked vector loop; the step's C++ then compiles in
+      about half the time, with the same bits.
+    """
+    return {"emulate_precision_casts": True, "size_asserts": False, "cpp.enable_loop_tail_vec": False}
 
 
 _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _step_core,
@@ -316,13 +375,16 @@ _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _s
 def _compiled(kind: str, static: tuple, device_type: str):
     """One compiled callable per (kernel, static arguments, device type): dynamic shapes,
     without duck sizing (two sizes that happen to be equal at the first call would
-    otherwise become one symbol, and the next shape a second graph)."""
+    otherwise become one symbol, and the next shape a second graph). Duck sizing is switched
+    off around every call, not only the first: dynamo's guards check the setting, and a
+    call without it compiles again."""
     fn = torch.compile(
         _bind_static(_CORES[kind], dict(static)), dynamic=True, fullgraph=True, options=_compile_options(device_type)
     )
+    patch = _no_duck_shapes()  # one context manager, entered at each call (building one costs a class)
 
     def call(*tensors):
-        with _no_duck_shapes():
+        with patch:
             return fn(*tensors)
 
     return call
@@ -340,27 +402,58 @@ def _run(kind: str, tensors: tuple, static: dict, device: torch.device, compile:
     return _CORES[kind](*tensors, **static)
 
 
-BATCH = 4
-"""Leaves a compiled call takes. A step's leaves of one static combination run in chunks of
-4 and the rest one by one: at most two graphs per combination, whatever the number of params
-or their shapes. (Measured on the CPU with :class:`CompiledSteps`, 200 params of 8x8..32x4,
-one after the other in one quiet period: chunks of 8 cost 30 us a param over torch's fused
-AdamW and compiled for 35 s, chunks of 4 37 us and 21 s, one leaf a call 140 us and 9 s. The
-graph's compile time grows with its leaves, and its first step is what a user waits for.)"""
+BATCH = 2
+"""Leaves a compiled call takes. The leaves of one static combination and shape class
+(:func:`shape_class`) run in calls of 2, the last call filled up (:func:`_chunks`): one graph
+per combination and class, whatever the number of params or their sizes. The graph's compile
+time grows with its leaves and a call's host cost is mostly fixed (dynamo's call of a graph
+with 13 tensor inputs, about 40 us here), so this trades the first step against every later
+one. Measured on this 2-core CPU, 200 AdamW8bit params of 8x8..32x4, one process, one period
+(torch's fused AdamW 1.0 ms a step): 2 leaves a call 37-42 us a param over torch's fused AdamW
+and a 9.5 s first step from scratch, 3 leaves 32-37 us and 15.2 s, 4 leaves 29-33 us and 19 s."""
 
 
 def _chunks(count: int) -> list:
-    """Positions ``0 .. count - 1`` as the calls take them: chunks of :data:`BATCH`, then the
-    rest one by one."""
-    full = count - count % BATCH
-    return [range(s, s + BATCH) for s in range(0, full, BATCH)] + [range(s, s + 1) for s in range(full, count)]
+    """Positions ``0 .. count - 1`` as the calls take them: :data:`BATCH` a call, the last call
+    filled up with ``None`` (a leaf whose results are dropped)."""
+    return [[k if k < count else None for k in range(s, s + BATCH)] for s in range(0, count, BATCH)]
+
+
+def _rows(shape) -> int:
+    return shape[0] if len(shape) >= 2 else 1
+
+
+def compiles(rows: int, kinds: tuple) -> bool:
+    """Whether a leaf of ``rows`` rows (its 2-D row view) with states ``kinds`` runs through a
+    compiled graph; else eagerly (the same bits). A single row with a quantized state does not:
+    inductor 2.13 (CPU, ``dynamic=True``) miscompiles block quantization of a ``(1, R)`` row
+    view (a size-1 dim that dynamo makes a constant): the codes came out all zero, and with two
+    blocks a row the dequantized values were wrong too (``tests/test_kernels_step.py``,
+    ``test_compiled_single_row_runs_eagerly``)."""
+    return rows != 1 or not any(kind[0] == "q" for kind in kinds)
+
+
+def shape_class(shape, kinds: tuple) -> tuple:
+    """What a compiled graph is specialized on besides its static combination, for a leaf of
+    this shape and state kinds: which dims are 1 (dynamo makes a size-1 dim a constant), and
+    per quantized state whether a row is a single block (its scale then has a size-1 dim),
+    with 4-bit codes also the row's parity and whether its codes are one byte. Leaves of one
+    class share a graph whatever their sizes; a call takes leaves of one class only."""
+    from ..qtensor import row_layout
+
+    r = row_layout(shape)[1]
+    per_state = tuple(
+        (-(-r // kind[2]) == 1,) + ((r % 2, (r + 1) // 2 == 1) if FORMATS[kind[1]].bits == 4 else ())
+        for kind in kinds if kind[0] == "q"
+    )
+    return tuple(d == 1 for d in shape), per_state
 
 
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
     """float ``(rows, R)`` -> ``(codes uint8, scale float32)``, the reference's codes."""
     tab = code_table(fmt_name, x2.device)
     return _run("quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode),
-                {"fmt_name": fmt_name, "block_size": block_size}, x2.device, compile)
+                {"fmt_name": fmt_name, "block_size": block_size}, x2.device, compile and x2.shape[0] != 1)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_size: int, r: int, *,
@@ -368,7 +461,8 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, blo
     """``(codes, scale)`` of a ``(rows, r)`` view -> float32 ``(rows, r)``."""
     tab = code_table(fmt_name, codes.device)
     return _run("dequantize", (codes, scale, tab.decode),
-                {"fmt_name": fmt_name, "block_size": block_size, "odd": bool(r % 2)}, codes.device, compile)
+                {"fmt_name": fmt_name, "block_size": block_size, "odd": bool(r % 2)}, codes.device,
+                compile and codes.shape[0] != 1)
 
 
 def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], *, write: bool, sr: bool = False,
@@ -384,6 +478,7 @@ def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], 
     index = torch.tensor(leaf_index, dtype=torch.int64, device=device) if sr else None
     if isinstance(p, torch.nn.Parameter):  # dynamo keeps a Parameter's shape static: one graph per shape
         p = p.detach()
+    compile = compile and compiles(_rows(g.shape), kinds)
     res = _run("step", (p, g, h, key, index, correction, *tensors), static, device, compile)
     k = 1 if correction is None else 2
     return res[0], _new_states(states, res[k:]), (res[1] if correction is not None else None)
@@ -429,90 +524,132 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
                 key: Optional[torch.Tensor] = None) -> list:
     """The compiled step of several leaves ``(param, grad, states, leaf_index, correction)``
     (pure: new tensors out), those of one static combination (rule, state kinds and formats,
-    ``write``, ``sr``, with or without a correction) in chunks of :data:`BATCH`. Returns
-    ``(out, new_states, new_correction)`` per leaf, the bits of :func:`step_leaf` on each."""
+    ``write``, ``sr``, with or without a correction) and shape class in calls of
+    :data:`BATCH` (the last call filled up with a repeat of its first leaf, whose results are
+    dropped). Returns ``(out, new_states, new_correction)`` per leaf, the bits of
+    :func:`step_leaf` on each."""
     groups: dict = {}
-    prepared = []
+    prepared, eager = [], []
     for p, g, states, index, corr in leaves:
         kinds, tensors = _state_inputs(states, g.device)
         if isinstance(p, torch.nn.Parameter):
             p = p.detach()
         idx = torch.tensor(index, dtype=torch.int64, device=g.device) if sr else None
         prepared.append((p, g, idx, corr, tensors, states))
-        groups.setdefault((kinds, corr is not None, g.device), []).append(len(prepared) - 1)
+        if not compiles(_rows(g.shape), kinds):
+            eager.append((len(prepared) - 1, index))
+            continue
+        groups.setdefault((kinds, corr is not None, g.device, shape_class(g.shape, kinds)), []).append(len(prepared) - 1)
     results: list = [None] * len(prepared)
-    for (kinds, corrected, device), members in groups.items():
+    for j, index in eager:
+        p, g, _, corr, _, states = prepared[j]
+        results[j] = step_leaf(spec, hyper, p, g, states, write=write, sr=sr, key=key, leaf_index=index,
+                               correction=corr)
+    for (kinds, corrected, device, _), members in groups.items():
         static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
         width = 4 + len(prepared[members[0]][4])
         h = hyper.to(device=device, dtype=torch.float32)
+        fn = _compiled("step_many", tuple(sorted({**static, "width": width}.items())), device.type)
         for positions in _chunks(len(members)):
-            chunk = [members[m] for m in positions]
-            n = len(chunk)
+            chunk = [members[m if m is not None else positions[0]] for m in positions]
             flat = []
             for j in chunk:
                 p, g, idx, corr, tensors, _ = prepared[j]
                 flat += [p, g, idx, corr, *tensors]
-            res = _compiled("step_many", tuple(sorted({**static, "width": width}.items())), device.type)(h, key, *flat)
-            per = len(res) // n
+            res = fn(h, key, *flat)
+            per = len(res) // len(chunk)
             k = 2 if corrected else 1
-            for m, j in enumerate(chunk):
-                part = res[m * per:(m + 1) * per]
+            for m, j in zip(positions, chunk):
+                if m is None:
+                    continue
+                part = res[m % BATCH * per:(m % BATCH + 1) * per]
                 results[j] = (part[0], _new_states(prepared[j][5], part[k:]), part[1] if corrected else None)
     return results
 
 
+def _scratch_leaf(p, g, states, index, corr) -> list:
+    """The tensors of a leaf of the same shape class as ``(p, g, states, index, corr)`` with
+    at most 2 rows, all zero: what fills up a compiled in-place call (its writes land here).
+    Its step on zeros is finite (no division by zero: the rules add eps)."""
+    from ..qtensor import QTensor
+
+    def small(t, dtype=None):
+        if t is None:
+            return None
+        shape = tuple(t.shape) if t.dim() < 2 else (min(t.shape[0], 2), *t.shape[1:])
+        return torch.zeros(shape, dtype=dtype or t.dtype, device=t.device)
+
+    own = []
+    for s in states:
+        own += [small(s.codes, torch.uint8), small(s.scale)] if isinstance(s, QTensor) else [small(s)]
+    idx = None if index is None else torch.zeros_like(index)
+    return [small(p), small(g), idx, small(corr), *own]
+
+
 class CompiledSteps:
-    """The compiled in-place step of fixed leaves ``(param, states, leaf_index, correction)``
-    of one static combination (rule, state kinds and formats, ``write``, ``sr``, with or
-    without a correction; one device), prepared once: the arguments of each call (the shared
-    code tables once, then per leaf its tensors) are laid out at construction, and a step
-    puts in the gradients and makes one call per chunk of :data:`BATCH` leaves (the rest one
-    by one). The bits of :func:`step_leaf` on each leaf; states (and params with ``write``)
-    are overwritten."""
+    """The compiled in-place step of fixed leaves ``(param, gradient, states, leaf_index,
+    correction)`` of one static combination (rule, state kinds and formats, ``write``, ``sr``,
+    with or without a correction; one device) and shape class (:func:`shape_class`),
+    prepared once: the arguments of each call (the shared code tables once, then per leaf its
+    tensors) are laid out at construction, and a step puts in the gradients and makes one call
+    per :data:`BATCH` leaves, the last call filled up with a scratch leaf
+    (:func:`_scratch_leaf`): one graph. The gradients given here only tell the shape and dtype
+    of the scratch leaf's; a step takes its own. The bits of :func:`step_leaf` on each leaf;
+    states (and params with ``write``) are overwritten."""
 
     def __init__(self, spec: StepSpec, leaves: Sequence, *, write: bool, sr: bool):
         from ..qtensor import QTensor
 
-        kinds = state_kinds(leaves[0][1])
+        kinds = state_kinds(leaves[0][2])
+        classes = {(shape_class(g.shape, state_kinds(states)), None if p is None else p.dtype, g.dtype, corr is not None)
+                   for p, g, states, _, corr in leaves}
+        if len(classes) != 1:
+            raise ValueError(f"CompiledSteps takes leaves of one shape class, param and gradient dtype, with or "
+                             f"without a correction; got {len(classes)} kinds")
+        if not all(compiles(_rows(g.shape), kinds) for _, g, _, _, _ in leaves):
+            raise ValueError("CompiledSteps takes no single-row leaf with quantized states (see compiles)")
         formats = tuple(dict.fromkeys(kind[1] for kind in kinds if kind[0] == "q"))
         self.write, self.sr = write, sr
         self.device = None
-        prefix = []
         per_leaf = []
-        for p, states, index, corr in leaves:
+        for p, g, states, index, corr in leaves:
             own = []
             for s in states:
                 own += [s.codes.view(torch.uint8), s.scale] if isinstance(s, QTensor) else [s]
-            device = own[0].device if own else p.device
+            device = own[0].device if own else g.device
             if self.device is None:
                 self.device = device
-                for f in formats:
-                    t = code_table(f, device)
-                    prefix += [t.decode, t.base, t.thresholds, t.encode]
             idx = torch.tensor(index, dtype=torch.int64, device=device) if sr else None
             per_leaf.append([None if p is None else p.detach(), None, idx, corr, *own])
-        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats}
+        if len(per_leaf) % BATCH:
+            p, g, states, _, corr = min(leaves, key=lambda leaf: leaf[1].numel())
+            per_leaf.append(_scratch_leaf(None if p is None else p.detach(), g, states,
+                                          per_leaf[0][2], corr))
+        leaf_class = classes.pop()
+        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats, "leaf_class": leaf_class}
         self._fn = _compiled("step_inplace", tuple(sorted(static.items())), self.device.type)
-        width = len(per_leaf[0])
+        self._consts = _pack_consts(formats, self.device)
+        self._hyper = self._consts.view(torch.float32)[:NHYPER]
         self._calls = []  # (leaf positions, flat argument list, gradient slots in it)
-        for chunk in _chunks(len(per_leaf)):
-            flat = list(prefix)
+        for chunk in _chunks(len(leaves)):
+            flat = [self._consts]
             slots = []
             for m in chunk:
                 slots.append(len(flat) + 1)
-                flat += per_leaf[m]
-            self._calls.append((chunk, flat, slots))
+                flat += per_leaf[m if m is not None else len(leaves)]
+            real = [(m, slot) for m, slot in zip(chunk, slots) if m is not None]
+            self._calls.append(([m for m, _ in real], flat, [slot for _, slot in real]))
 
     def run(self, grads: Sequence[torch.Tensor], hyper: torch.Tensor, key: Optional[torch.Tensor] = None) -> list:
         """One step; ``grads`` in the leaves' order. Returns the float32 updates (``None``
         per leaf with ``write``)."""
-        h = hyper.to(device=self.device, dtype=torch.float32)
+        self._hyper.copy_(hyper)
         outs: list = [None] * len(grads)
         for positions, flat, slots in self._calls:
             for m, slot in zip(positions, slots):
                 flat[slot] = grads[m]
-            res = self._fn(h, key, *flat)
-            for slot in slots:  # hold no gradient between steps
+            res = self._fn(key, *flat)
+            for slot in slots:  # hold no gradient between steps (the scratch leaf keeps its own)
                 flat[slot] = None
             if not self.write:
                 for m, u in zip(positions, res):
