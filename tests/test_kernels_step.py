@@ -255,7 +255,7 @@ def test_compiled_single_row_runs_eagerly():
     from lowbit_tree.kernels import torch_backend
 
     for shape, fmt in [((64,), "8bit"), ((1, 300), "8bit"), ((1, 1, 64), "4bit"), ((1, 40), "fp8")]:
-        assert not torch_backend.compiles(1, (("q", "dynamic8", 256),))
+        assert not torch_backend.compiles(shape, (("q", "dynamic8", 256),))
         check_backend("compiled", "adam", {}, fmt, torch.float32, links_list=[dict(decay=True, lr=True)],
                       shapes=[(shape, None)])
         x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).reshape(1, -1)

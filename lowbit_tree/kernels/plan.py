@@ -65,9 +65,7 @@ class KernelPlan:
             return None
         which = backend_for(g.device, self.backend)
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
-            from ..qtensor import row_layout
-
-            return which if torch_backend.compiles(row_layout(g.shape)[0], torch_backend.state_kinds(states)) else None
+            return which if torch_backend.compiles(g.shape, torch_backend.state_kinds(states)) else None
         if which == "native" and _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
             return which
         return None
@@ -87,13 +85,12 @@ class KernelPlan:
                 p, corr = self.params[k], self.corrections[k]
                 stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
                 kinds = torch_backend.state_kinds(self.states[k])
-                key = (kinds, corr is not None, stochastic, g.device, torch_backend.shape_class(g.shape, kinds),
-                       None if p is None else p.dtype, g.dtype)
+                key = (kinds, stochastic, g.device, torch_backend.leaf_class(p, g, kinds, corr))
                 compiled.setdefault(key, []).append(k)
             else:
                 (self._native if which == "native" else self._other).append(k)
         self._compiled = []
-        for (_, _, stochastic, *_), ks in compiled.items():
+        for (_, stochastic, _, _), ks in compiled.items():
             leaves = [(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
             self._compiled.append((ks, torch_backend.CompiledSteps(self.spec, leaves, write=self.write, sr=stochastic)))
         self._held = [k for ks, _ in self._compiled for k in ks]

@@ -419,18 +419,16 @@ def _chunks(count: int) -> list:
     return [[k if k < count else None for k in range(s, s + BATCH)] for s in range(0, count, BATCH)]
 
 
-def _rows(shape) -> int:
-    return shape[0] if len(shape) >= 2 else 1
-
-
-def compiles(rows: int, kinds: tuple) -> bool:
-    """Whether a leaf of ``rows`` rows (its 2-D row view) with states ``kinds`` runs through a
-    compiled graph; else eagerly (the same bits). A single row with a quantized state does not:
+def compiles(shape, kinds: tuple) -> bool:
+    """Whether a leaf of this shape with states ``kinds`` runs through a compiled graph; else
+    eagerly (the same bits). A single row (its 2-D row view) with a quantized state does not:
     inductor 2.13 (CPU, ``dynamic=True``) miscompiles block quantization of a ``(1, R)`` row
     view (a size-1 dim that dynamo makes a constant): the codes came out all zero, and with two
     blocks a row the dequantized values were wrong too (``tests/test_kernels_step.py``,
     ``test_compiled_single_row_runs_eagerly``)."""
-    return rows != 1 or not any(kind[0] == "q" for kind in kinds)
+    from ..qtensor import row_layout
+
+    return row_layout(shape)[0] != 1 or not any(kind[0] == "q" for kind in kinds)
 
 
 def shape_class(shape, kinds: tuple) -> tuple:
@@ -449,11 +447,18 @@ def shape_class(shape, kinds: tuple) -> tuple:
     return tuple(d == 1 for d in shape), per_state
 
 
+def leaf_class(p, g, kinds: tuple, corr) -> tuple:
+    """What leaves must share to go through one compiled call: :func:`shape_class`, the
+    param's and the gradient's dtypes, with or without a correction (each a graph of its own)."""
+    return shape_class(g.shape, kinds), None if p is None else p.dtype, g.dtype, corr is not None
+
+
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
     """float ``(rows, R)`` -> ``(codes uint8, scale float32)``, the reference's codes."""
     tab = code_table(fmt_name, x2.device)
     return _run("quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode),
-                {"fmt_name": fmt_name, "block_size": block_size}, x2.device, compile and x2.shape[0] != 1)
+                {"fmt_name": fmt_name, "block_size": block_size}, x2.device,
+                compile and compiles(x2.shape, (("q", fmt_name, block_size),)))
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, block_size: int, r: int, *,
@@ -462,7 +467,7 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, fmt_name: str, blo
     tab = code_table(fmt_name, codes.device)
     return _run("dequantize", (codes, scale, tab.decode),
                 {"fmt_name": fmt_name, "block_size": block_size, "odd": bool(r % 2)}, codes.device,
-                compile and codes.shape[0] != 1)
+                compile and compiles(codes.shape, (("q", fmt_name, block_size),)))
 
 
 def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], *, write: bool, sr: bool = False,
@@ -478,7 +483,7 @@ def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], 
     index = torch.tensor(leaf_index, dtype=torch.int64, device=device) if sr else None
     if isinstance(p, torch.nn.Parameter):  # dynamo keeps a Parameter's shape static: one graph per shape
         p = p.detach()
-    compile = compile and compiles(_rows(g.shape), kinds)
+    compile = compile and compiles(g.shape, kinds)
     res = _run("step", (p, g, h, key, index, correction, *tensors), static, device, compile)
     k = 1 if correction is None else 2
     return res[0], _new_states(states, res[k:]), (res[1] if correction is not None else None)
@@ -536,16 +541,16 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
             p = p.detach()
         idx = torch.tensor(index, dtype=torch.int64, device=g.device) if sr else None
         prepared.append((p, g, idx, corr, tensors, states))
-        if not compiles(_rows(g.shape), kinds):
+        if not compiles(g.shape, kinds):
             eager.append((len(prepared) - 1, index))
             continue
-        groups.setdefault((kinds, corr is not None, g.device, shape_class(g.shape, kinds)), []).append(len(prepared) - 1)
+        groups.setdefault((kinds, g.device, leaf_class(p, g, kinds, corr)), []).append(len(prepared) - 1)
     results: list = [None] * len(prepared)
     for j, index in eager:
         p, g, _, corr, _, states = prepared[j]
         results[j] = step_leaf(spec, hyper, p, g, states, write=write, sr=sr, key=key, leaf_index=index,
                                correction=corr)
-    for (kinds, corrected, device, _), members in groups.items():
+    for (kinds, device, (*_, corrected)), members in groups.items():
         static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
         width = 4 + len(prepared[members[0]][4])
         h = hyper.to(device=device, dtype=torch.float32)
@@ -601,12 +606,11 @@ class CompiledSteps:
         from ..qtensor import QTensor
 
         kinds = state_kinds(leaves[0][2])
-        classes = {(shape_class(g.shape, state_kinds(states)), None if p is None else p.dtype, g.dtype, corr is not None)
-                   for p, g, states, _, corr in leaves}
+        classes = {leaf_class(p, g, state_kinds(states), corr) for p, g, states, _, corr in leaves}
         if len(classes) != 1:
             raise ValueError(f"CompiledSteps takes leaves of one shape class, param and gradient dtype, with or "
                              f"without a correction; got {len(classes)} kinds")
-        if not all(compiles(_rows(g.shape), kinds) for _, g, _, _, _ in leaves):
+        if not all(compiles(g.shape, kinds) for _, g, _, _, _ in leaves):
             raise ValueError("CompiledSteps takes no single-row leaf with quantized states (see compiles)")
         formats = tuple(dict.fromkeys(kind[1] for kind in kinds if kind[0] == "q"))
         self.write, self.sr = write, sr
@@ -625,8 +629,8 @@ class CompiledSteps:
             p, g, states, _, corr = min(leaves, key=lambda leaf: leaf[1].numel())
             per_leaf.append(_scratch_leaf(None if p is None else p.detach(), g, states,
                                           per_leaf[0][2], corr))
-        leaf_class = classes.pop()
-        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats, "leaf_class": leaf_class}
+        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats,
+                  "leaf_class": classes.pop()}
         self._fn = _compiled("step_inplace", tuple(sorted(static.items())), self.device.type)
         self._consts = _pack_consts(formats, self.device)
         self._hyper = self._consts.view(torch.float32)[:NHYPER]
