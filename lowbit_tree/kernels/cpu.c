@@ -1203,9 +1203,8 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
  * binade) then 2 ** (MANT + 7), neither of which rounds: nothing overflows (|x - p'| is at most
  * half an ulp of p'), and where the first factor shrinks (e >= 2), x - p' is 0 or at least
  * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
- * quotient's bits are the division's, at less cost. bfloat16 (corrected_bf16): one pass of
- * integer ops, selects and rintf that also computes the neighbour above for every element: the
- * loop vectorizes. float16 (corrected_run): GCC does not vectorize the float <-> _Float16
+ * quotient's bits are the division's, at less cost (float16's path). bfloat16 (corrected_bf16)
+ * gets the same bits from integer ops on x's bits alone. float16 (corrected_run): GCC does not vectorize the float <-> _Float16
  * conversions on a CPU without AVX512-FP16 (-fopt-info-vec-missed: "conversion not supported by
  * target"), so it keeps two passes and converts the neighbour above only where the rest is +128. */
 /* float16's step of one element on its slow path: where the rest against p' would be +128, p' is the
@@ -1300,36 +1299,44 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
     }
 }
 
-/* bfloat16's corrected write in one pass: the rest against both candidates, p' to nearest even (pattern
- * hb) and its neighbour above (hu: one step up in value, so hb + 1 for a clear sign bit, hb - 1 for
- * a set one, and -0 -> the smallest positive subnormal, 1), then selects. The neighbour above is
- * taken where p' is finite, its rest is above 127 (that is +128: one element in about 512) and the
- * neighbour is finite (else p' stays and the rest clamps to 127); its rest then fits int8
- * (split_master). Same-width (32-bit) integer masks and bit selects, no branches, no calls but the
- * inlined rintf: the loop vectorizes. r > 127 is tested on its bits, like a float compare where p'
- * is finite (r is then finite), and the mask has fin in it. */
+/* bfloat16's corrected write in one pass of integer ops on x's float32 bits, no branches: the loop
+ * vectorizes. With m = |x|'s bits, p' to nearest even is hm = |p'|'s bfloat16 bits and, where |x| and
+ * |p'| share a binade (float32's subnormals share the smallest one), x - p' in units of scale(p') is
+ * exactly sdm / 256 for sdm = (m - (hm << 16)) with x's sign: 256 float32 steps per unit; where
+ * rounding went up into the next binade (cross), a unit is 512 steps (and the rest at most 64 units).
+ * c' = rint of that (ties to even: an integer shift). Where the rest would be +128 (sdm >= 32640, not
+ * cross) and a finite value is above p', p' is the neighbour above (one bfloat16 step towards +inf:
+ * |p'| + 1 for x >= 0, - 1 for x < 0) and the rest drops by 65536 steps: c' = -128, or -64 where that
+ * neighbour is a positive binade's first value (its unit is twice as large; "top"). Where x < 0, the
+ * neighbour above is in the same binade or a subnormal one: |p'| a power of two, with a rest of +128,
+ * would need |x| below the midpoint of |p'| and the value under it, which is 64 units away. Every
+ * float32 x was checked against the float formula (the float16 path's, split_master's) when this was
+ * written. Non-finite p' (NaN x -> 0x7FC0, torch's) keeps c' = 0. */
 static void corrected_bf16(const float *restrict pv, const float *restrict d,
                            int8_t *restrict c, int64_t n, uint16_t *restrict q) {
     const int32_t emin = -126;
-    const float unit = 0x1p-15f, steps = 0x1p14f; /* 2 ** -(MANT + 8), 2 ** (MANT + 7) */
+    const float unit = 0x1p-15f; /* 2 ** -(MANT + 8) */
     for (int64_t k = 0; k < n; k++) {
         const float p = pv[k];
         const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
-        const uint32_t hb = bf16_round(x);
-        const float y = bits2f((int32_t)(hb << 16));
-        const float r = rintf(((x - y) * bits2f(0x7F800000 - binade_bits(y, emin))) * steps);
-        const uint32_t hs = hb + 1u - ((hb >> 14) & 2u); /* hb + 1, or hb - 1 with the sign bit set */
-        const uint32_t hu = hs ^ ((hs ^ 1u) & -(uint32_t)(hb == 0x8000u));
-        const float yu = bits2f((int32_t)(hu << 16));
-        const float ru = rintf(((x - yu) * bits2f(0x7F800000 - binade_bits(yu, emin))) * steps);
-        const uint32_t fin = -(uint32_t)((f2i(y) & 0x7F800000) != 0x7F800000); /* all ones where p' is finite */
-        const uint32_t up = fin & -(uint32_t)(f2i(r) > 0x42FE0000) /* r > 127 */
-                            & -(uint32_t)((f2i(yu) & 0x7F800000) != 0x7F800000);
-        const uint32_t ob = ((uint32_t)f2i(r) & fin & ~up) | ((uint32_t)f2i(ru) & up);
-        float o = bits2f((int32_t)ob);
-        o = o < -128.0f ? -128.0f : (o > 127.0f ? 127.0f : o);
-        c[k] = (int8_t)(int32_t)o;
-        q[k] = (uint16_t)(hb ^ ((hb ^ hu) & up));
+        const int32_t u = f2i(x);
+        const int32_t neg = u >> 31; /* all ones where x < 0 (or -0, -NaN) */
+        const int32_t m = u & 0x7FFFFFFF;
+        const int32_t hm = (int32_t)(((uint32_t)m + 0x7FFFu + (((uint32_t)m >> 16) & 1u)) >> 16);
+        const int32_t ym = hm << 16;
+        const int32_t sdm = ((m - ym) ^ neg) - neg;
+        const int32_t cross = -(((ym ^ m) > 0x007FFFFF) & (m > 0x007FFFFF));
+        const int32_t fin = -(m < 0x7F7F8000); /* p' finite: |x| below the midpoint of max and inf */
+        const int32_t up = fin & ~cross & -(sdm >= 32640) & ~(~neg & -(hm == 0x7F7F));
+        const int32_t top = up & ~neg & -(((hm + 1) & 0x7F) == 0) & -(hm > 0x7F);
+        const int32_t rest = sdm - (up & 65536);
+        const int32_t sh = 8 + ((cross | top) & 1);
+        int32_t r = (rest + (1 << (sh - 1)) - 1 + ((rest >> sh) & 1)) >> sh;
+        r = r > 127 ? 127 : r; /* +128 where no finite value is above p' */
+        c[k] = (int8_t)(r & fin);
+        const int32_t hq = (hm + (up & ((1 ^ neg) - neg))) | (neg & 0x8000);
+        const int32_t nan = -(m > 0x7F800000);
+        q[k] = (uint16_t)((hq & ~nan) | (0x7FC0 & nan));
     }
 }
 
