@@ -303,6 +303,43 @@ def test_native_corrected_write_on_every_value(dtype):
 
 
 @NATIVE
+@pytest.mark.parametrize("dtype", CORRECTED, ids=DT_IDS)
+def test_native_corrected_write_at_every_rounding_edge(dtype):
+    """New master values ``x`` at the edges of every value of the dtype: each 16-bit pattern's
+    float32 bits with the float32 bits below the dtype's mantissa set to 0, 1, a rest of exactly
+    127.5 units (where ``p'`` moves to the neighbour above) and one step either side, the midpoint
+    (a tie of ``p'``) and one step either side, and all ones; both signs, subnormals, the largest
+    finite values, infinities and NaN payloads included. From ``p = 0`` and ``c = 0`` the step
+    makes ``x = d`` exactly; the kernel's param and correction equal the float64 reference."""
+    mant = LAYOUT[dtype][0]
+    low = 23 - mant  # float32 bits under the dtype's mantissa
+    unit = 1 << (low - 8)  # float32 steps per correction unit, in a shared binade
+    half, up = 1 << (low - 1), 255 * unit // 2  # the midpoint; a rest of 127.5 units
+    if dtype is torch.bfloat16:
+        high = all_bits().astype(np.uint32) << 16
+    else:  # float16's patterns as float32 bits (its binades inside float32's)
+        with np.errstate(invalid="ignore"):
+            high = decode(all_bits(), dtype).astype(np.float32).view(np.uint32)
+        high = high & ~np.uint32((1 << low) - 1)
+    offsets = np.array([0, 1, up - 1, up, up + 1, half - 1, half, half + 1, (1 << low) - 1], dtype=np.uint32)
+    x = (high[:, None] | offsets[None, :]).reshape(-1).view(np.float32)
+    spec = StepSpec("momentum", lr=True)
+    hyper = step_hyperparams(spec, b1=0.9, lr=1.0)
+    g = torch.from_numpy(-x).reshape(-1, 256)
+    with np.errstate(all="ignore"):
+        x = np.float32(0) + np.float32(-1) * (np.float32(0) + -x)  # the kernel's x = p + c * scale + d
+    want_bits, want_c = ref_split(x, dtype)
+    p = torch.zeros(g.shape, dtype=dtype)
+    c = torch.zeros(g.shape, dtype=torch.int8)
+    (pn, cn, _), (pe, ce, _) = step_both(spec, hyper, p, g, c, (torch.zeros(g.shape),), inplace=True)
+    nan = np.isnan(x)
+    assert np.array_equal(torch_bits(pn).reshape(-1)[~nan], want_bits[~nan])
+    assert torch.isnan(pn.reshape(-1)[torch.from_numpy(nan)]).all()
+    assert np.array_equal(cn.reshape(-1).numpy(), want_c)
+    assert same(pn, pe) and torch.equal(cn, ce)
+
+
+@NATIVE
 def test_corrected_write_is_not_the_plain_write():
     """The corrected write is not the plain one: with updates below half an ulp the plain
     nearest-even write leaves params the corrected write moves, and the corrections change."""
