@@ -9,7 +9,8 @@ timed steps interleave every implementation; each ratio is printed beside torch'
 AdamW's own ms/step in the same runs, since on a shared machine the ratio moves with the
 machine's state.
 
-    python benchmarks/report.py                         # full batteries, docs/results.md (~20 min, 2 cores)
+    python benchmarks/report.py                         # full batteries, docs/results.md (~25 min, 2 cores;
+                                                        # needs the parity and bench extras)
     python benchmarks/report.py --quick --out /tmp/r.md # CI smoke: the same code at tiny sizes (~1-2 min)
 """
 from __future__ import annotations
@@ -149,6 +150,16 @@ def version(dist: str) -> str | None:
         return None
 
 
+ANCHORS = ("torchao", "bitsandbytes", "scikit-learn")
+"""What the full page compares with (the ``parity`` and ``bench`` extras): without one, its rows
+and tables would be missing from the page, so the full run refuses to start."""
+
+
+def missing_anchors() -> list[str]:
+    """The :data:`ANCHORS` not installed."""
+    return [d for d in ANCHORS if version(d) is None]
+
+
 # ----------------------------------------------------------------------------- the machine
 
 
@@ -201,7 +212,7 @@ def kernel_build_seconds() -> str:
 def environment(started: datetime.datetime, build: str, load: str) -> list[list[str]]:
     gpu = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
            else "none: no GPU figures yet; the CUDA path is tested only where a GPU is present")
-    optional = ", ".join(f"{d} {version(d)}" for d in ("torchao", "bitsandbytes", "scikit-learn") if version(d))
+    optional = ", ".join(f"{d} {version(d)}" for d in ANCHORS if version(d))
     return [
         ["date", started.strftime("%Y-%m-%d %H:%M UTC")],
         ["machine", f"{platform.system()} {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {memory_gib()}"],
@@ -211,7 +222,7 @@ def environment(started: datetime.datetime, build: str, load: str) -> list[list[
         ["Python", platform.python_version()],
         ["torch", torch.__version__],
         ["lowbit-tree", f"{version('lowbit-tree') or '?'}, commit {git_commit()}"],
-        ["compared with", optional or "nothing installed (torchao, bitsandbytes, scikit-learn)"],
+        ["compared with", optional or f"nothing installed ({', '.join(ANCHORS)})"],
         ["native CPU kernel build", build],
     ]
 
@@ -483,6 +494,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CI smoke: every battery at tiny sizes, one run each")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results.md"))
     args = ap.parse_args(argv)
+    missing = missing_anchors()
+    if missing and not args.quick:
+        ap.error(f"{', '.join(missing)} not installed: the page compares with them. Install them with "
+                 '`pip install -e ".[parity,bench]"` (--quick, the CI smoke, runs without them)')
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
