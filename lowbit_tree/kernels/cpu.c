@@ -1312,6 +1312,9 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
  * would need |x| below the midpoint of |p'| and the value under it, which is 64 units away. Every
  * float32 x was checked against the float formula (the float16 path's, split_master's) when this was
  * written. Non-finite p' (NaN x -> 0x7FC0, torch's) keeps c' = 0. */
+/* rest >> sh rounds towards -inf for a negative rest: C leaves a negative value's right shift to
+ * the compiler; GCC and Clang shift in the sign */
+_Static_assert((-3 >> 1) == -2, "the corrected write needs an arithmetic right shift of negative ints");
 static void corrected_bf16(const float *restrict pv, const float *restrict d,
                            int8_t *restrict c, int64_t n, uint16_t *restrict q) {
     const int32_t emin = -126;
@@ -1320,7 +1323,7 @@ static void corrected_bf16(const float *restrict pv, const float *restrict d,
         const float p = pv[k];
         const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
         const int32_t u = f2i(x);
-        const int32_t neg = u >> 31; /* all ones where x < 0 (or -0, -NaN) */
+        const int32_t neg = -(int32_t)((uint32_t)u >> 31); /* all ones where x < 0 (or -0, -NaN) */
         const int32_t m = u & 0x7FFFFFFF;
         const int32_t hm = (int32_t)(((uint32_t)m + 0x7FFFu + (((uint32_t)m >> 16) & 1u)) >> 16);
         const int32_t ym = hm << 16;
