@@ -617,8 +617,7 @@ def main(argv=None) -> int:
         " Counted: `opt.training_bytes()`, params + gradients + optimizer states (with steps in backward the"
         " largest gradient, each being freed after its step). Measured: the bytes of every tensor alive, followed"
         " from allocation to release through torch's dispatcher; between steps (params and states) and at the peak"
-        " (adding the gradients alive together, the small batch's activations and the step's temporaries: the"
-        " rank-1 4-bit step writes its params' new second moments to a float32 buffer before encoding them). "
+        " (adding the gradients alive together, the small batch's activations and the step's temporaries). "
         + demo_setup_legend() + "\n\n"
         + training_state_bytes.format_table(training_state))
     sections.append(

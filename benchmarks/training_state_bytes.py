@@ -16,8 +16,7 @@ window of ``--window`` bytes, so the activations are small beside the training s
                   optimizer keeps, such as its plans' step counters)
   peak            the most alive at once: params + states + the gradients alive together +
                   the small batch's activations and their gradients + the step's temporaries
-                  (the native kernel works in tiles; the rank-1 4-bit step writes the new
-                  second moments of the params it steps to a float32 buffer before encoding)
+                  (the native kernel works in tiles)
 Tensors made outside torch's dispatcher (numpy arrays of the kernel's job tables) are not seen.
 
     python benchmarks/training_state_bytes.py            # the demo's model (~1 min)

@@ -134,19 +134,19 @@ def test_job_row_of_records_puts_each_field_at_its_spec_index():
     q = lt.zeros((rows, r), "8bit", signed=True, block_size=4)
     codes = q.codes.view(torch.uint8)
     r1 = rank1_quantize(torch.arange(rows * r, dtype=torch.float32).reshape(rows, r))
-    values, rmax, cmax = torch.zeros(rows, r), torch.zeros(rows), torch.zeros(r)
+    new_codes, rmax, cmax = torch.zeros_like(r1.codes), torch.zeros(rows), torch.zeros(r)
     states = (native.NativeState(codes, codes, q.scale, q.scale, q.format, 4),
-              native.NativeState(r1.codes, values, r1.row_max, r1.col_max, r1.format, RANK1_BLOCK, rmax, cmax))
+              native.NativeState(r1.codes, new_codes, r1.row_max, r1.col_max, r1.format, RANK1_BLOCK, rmax, cmax))
     row = native.job_row(native.NativeJob(rows, r, None, torch.zeros(rows, r), torch.zeros(rows, r), s, False, False,
                                           0, step_hyperparams(s), states))
     at = {name: [row[job_row_index(name, i)] for i in range(STATE_SLOTS)] for name in STATE_FIELDS}
     assert at["in"][:2] == [codes.data_ptr(), r1.codes.data_ptr()]
-    assert at["out"][:2] == [codes.data_ptr(), values.data_ptr()]
+    assert at["out"][:2] == [codes.data_ptr(), new_codes.data_ptr()]
     assert at["scale_in"][:2] == [q.scale.data_ptr(), r1.row_max.data_ptr()]
     assert at["scale_out"][:2] == [q.scale.data_ptr(), r1.col_max.data_ptr()]
     assert at["f"] == [native._format_address(q.format), native._format_address(r1.format), 0]
     assert at["bs"] == [4, RANK1_BLOCK, 0]
-    assert at["rmax_out"] == [0, rmax.data_ptr(), 0] and at["cmax_out"] == [0, cmax.data_ptr(), 0]
+    assert at["rmax_new"] == [0, rmax.data_ptr(), 0] and at["cmax_new"] == [0, cmax.data_ptr(), 0]
     assert row[job_row_index("p")] == 0 and row[job_row_index("nstates")] == 2
 
 

@@ -434,15 +434,10 @@ def test_backend_switch(monkeypatch):
     assert K.backend_for(cpu, "eager") == "eager"
 
 
-@pytest.mark.parametrize("chunk", [1, 1 << 25], ids=["chunk-per-leaf", "one-chunk"])
-def test_rank1_maxima_are_completed_in_leaf_order(monkeypatch, chunk):
+def test_rank1_maxima_are_completed_in_leaf_order():
     """Each rank-1 record's ``reduce`` (a collective under FSDP2 / TP) is called once per step,
     in leaf order, whichever path runs each leaf (native, a float64 param on the torch backend,
-    an empty shard) and however the native leaves are chunked; the results equal one call per
-    leaf."""
-    import lowbit_tree.kernels as kernels
-
-    monkeypatch.setattr(kernels, "_RANK1_CHUNK", chunk)
+    an empty shard); the results equal one call per leaf."""
     calls = []
 
     def reduce_named(name):

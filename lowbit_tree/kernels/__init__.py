@@ -14,8 +14,10 @@ cannot be built, eager (said once, with a warning naming the switch), never
 inductor, which needs the same C compiler. Leaves the native kernel does not take
 (float64 params, non-contiguous params written in place) run on the torch backend of
 their device, with the same float operations. Rank-1 records (:mod:`lowbit_tree.rank1`)
-are stepped as float32 values and encoded after the step, once their maxima are complete
-(``_Rank1Wait``; design.md, "Rank-1 normalization").
+are encoded with the maxima of their new values, completed across shards first
+(``_Rank1Wait``; design.md, "Rank-1 normalization"): the C kernel computes those maxima in a
+job of their own, then steps and encodes; the torch backends step the float32 values and
+encode them after.
 
 Also here: the fast quantize / dequantize (``quantize_rows_fast``, ...), with codes
 bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
@@ -201,42 +203,47 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
 
 
 class _Rank1Wait(NamedTuple):
-    """A rank-1 state's new float32 values ``(rows, R)``, waiting for its maxima: they are
-    completed across shards (the record's ``reduce``, a collective) in leaf order on every
-    rank, after the step that computed them."""
+    """A rank-1 state waiting for the maxima of its new values: they are completed across
+    shards (the record's ``reduce``, a collective) in leaf order on every rank. From the torch
+    backend: its new float32 ``values`` ``(rows, R)``, encoded once complete. From the native
+    kernel: the ``maxima`` its maxima job wrote, completed in place for its step job, which
+    writes the new ``codes``."""
 
     leaf: int
     slot: int
-    values: torch.Tensor
+    values: Optional[torch.Tensor]
     old: Rank1QTensor
-    maxima: Optional[tuple] = None  # (row_max, col_max) of the values, from the native step
+    maxima: Optional[tuple] = None  # native: (row_max, col_max) of the new values
+    codes: Optional[torch.Tensor] = None  # native: where the step job writes the new codes
 
 
-def _rank1_finish(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
-    """The new record of ``w.values`` (written into ``w.old`` with ``inplace``)."""
+def _rank1_complete(w: _Rank1Wait, inplace: bool) -> Optional[Rank1QTensor]:
+    """Completes ``w``'s maxima across shards. The torch backend's values: returns their new
+    record (written into ``w.old`` with ``inplace``). Native: the maxima in place, for the
+    step job; returns None."""
     old = w.old
-    if w.maxima is None:  # the torch backend's values
+    if w.maxima is None:
         new = rank1_quantize(w.values.reshape(old.shape), old.reduce)
         if inplace:
             _copy_leaf_(old, new)
             return old
         return new
-    row_max, col_max = w.maxima
     if old.reduce is not None:
-        row_max, col_max = old.reduce(row_max, col_max)
-        row_max, col_max = row_max.float().contiguous(), col_max.float().contiguous()
-    codes = old.codes if inplace else buffers.empty_like(old.codes)
-    native.rank1_encode(w.values, row_max, col_max, old.format, codes)
+        row_max, col_max = old.reduce(*w.maxima)
+        w.maxima[0].copy_(row_max)
+        w.maxima[1].copy_(col_max)
+    return None
+
+
+def _rank1_native_record(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
+    """The new record of a native rank-1 state once its step job has written ``w.codes``."""
+    old = w.old
+    row_max, col_max = w.maxima
     if inplace:
         old.row_max.copy_(row_max)
         old.col_max.copy_(col_max)
         return old
-    return Rank1QTensor(codes, row_max, col_max, old.shape, old.format, old.reduce)
-
-
-_RANK1_CHUNK = 1 << 25
-"""Float32 elements of rank-1 values (128 MiB) a call holds at once: native leaves with rank-1
-states run in chunks of about this size, each finished before the next is decoded."""
+    return Rank1QTensor(w.codes, row_max, col_max, old.shape, old.format, old.reduce)
 
 
 def _native_state(s, inplace: bool):
@@ -326,20 +333,11 @@ def run_step(
         raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
-    jobs, rank1_jobs = [], []  # native jobs; those with rank-1 states run in chunks (_RANK1_CHUNK)
-    waits: list = []  # _Rank1Wait, in leaf order: finished in that order on every rank
-    rank1_numel = 0
+    jobs = []  # native jobs
+    maxima_jobs, rank1_jobs = [], []  # native leaves with rank-1 states: their maxima jobs, then their steps
+    waits: list = []  # _Rank1Wait, in leaf order: completed in that order on every rank
     batched: list = []  # leaves for the compiled backend
     backends: dict = {}  # device -> backend, decided once per call
-
-    def finish_waits():
-        nonlocal rank1_numel
-        native.run_jobs(_hyper_jobs(rank1_jobs, hyper))
-        rank1_jobs.clear()
-        rank1_numel = 0
-        for w in waits:
-            news[w.leaf][w.slot] = _rank1_finish(w, inplace)
-        waits.clear()
 
     for i, leaf in enumerate(leaves):
         g, p = leaf.grad, leaf.param
@@ -372,12 +370,12 @@ def run_step(
             rows, r = row_layout(g.shape)
             pairs, has_rank1 = [], False
             for k, s in enumerate(leaf.states):
-                if _is_rank1(s):  # the kernel decodes it, writes its new values and their maxima
-                    values = buffers.empty((rows, r), torch.float32, g.device)
+                if _is_rank1(s):  # a maxima job, the completed maxima, then the step encodes with them
                     maxima = (torch.empty(rows, dtype=torch.float32, device=g.device),
                               torch.empty(r, dtype=torch.float32, device=g.device))
-                    waits.append(_Rank1Wait(i, k, values, s, maxima))
-                    pairs.append((native.NativeState(s.codes, values, s.row_max, s.col_max, s.format,
+                    codes = s.codes if inplace else buffers.empty_like(s.codes)
+                    waits.append(_Rank1Wait(i, k, None, s, maxima, codes))
+                    pairs.append((native.NativeState(s.codes, codes, s.row_max, s.col_max, s.format,
                                                      native.RANK1_BLOCK, *maxima), s))
                     has_rank1 = True
                 else:
@@ -394,10 +392,8 @@ def run_step(
             outs[i] = None if write else out
             news[i] = [leaf_ for _, leaf_ in pairs]
             if has_rank1:
+                maxima_jobs.append(job._replace(write=False, stochastic=False, correction=None, maxima=True))
                 rank1_jobs.append(job)
-                rank1_numel += rows * r
-                if rank1_numel >= _RANK1_CHUNK:
-                    finish_waits()
             else:
                 jobs.append(job)
         elif which == "compiled" and not any(_is_rank1(s) for s in leaf.states):
@@ -408,7 +404,15 @@ def run_step(
             outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
     native.run_jobs(_hyper_jobs(jobs, hyper))
     _compiled_leaves(spec, hyper, leaves, batched, write, inplace, sr_key, outs, news)
-    finish_waits()
+    native.run_jobs(_hyper_jobs(maxima_jobs, hyper))
+    for w in waits:
+        new = _rank1_complete(w, inplace)
+        if new is not None:
+            news[w.leaf][w.slot] = new
+    native.run_jobs(_hyper_jobs(rank1_jobs, hyper))
+    for w in waits:
+        if w.maxima is not None:
+            news[w.leaf][w.slot] = _rank1_native_record(w, inplace)
     return outs, [tuple(n) for n in news]
 
 

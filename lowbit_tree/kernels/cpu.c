@@ -961,9 +961,11 @@ void lbt_dequantize(int64_t rows, int64_t R, const uint8_t *codes, const float *
  * Rank-1 normalized 4-bit records (lowbit_tree/rank1.py): element (i, j) of the
  * row view is coded by the count of thresholds <= x / safe, safe = min(row_max[i],
  * col_max[j]) if that is > 0 (NaN if either is), else 1, and decodes to
- * decode(code) * min(row_max[i], col_max[j]). Three calls, because a shard's maxima
- * are completed across shards between them: the step (decode, and the maxima of the new
- * values: rank1_tile_maxima), then encode.
+ * decode(code) * min(row_max[i], col_max[j]). A step of such a record takes two jobs, because
+ * a shard's maxima are completed across shards between them: a maxima job (LBT_MAXIMA) computes
+ * the new values' maxima and writes nothing else (rank1_maxima_tile), then the step encodes each
+ * tile's new values with the completed maxima as it goes (quantized_tile): the new values are
+ * never stored whole.
  * ------------------------------------------------------------------------ */
 #define LBT_NAN_BITS 0x7FC00000
 
@@ -982,6 +984,26 @@ static void rank1_decode_run(const uint8_t *restrict c, int64_t n, float rm, con
     for (int64_t j = 0; j < n; j++) o[j] = o[j] * rank1_norm(rm, cm[j]);
 }
 
+/* The codes of n values of one row (from an even element: two a byte) with its row maximum and
+ * the column maxima of its elements; buf and idx: scratch of n */
+static void rank1_encode_run(const float *restrict xi, int64_t n, float rm, const float *restrict cm,
+                             const lbt_format *f, uint8_t *codes, float *restrict buf, int32_t *restrict idx) {
+    if (f->lin) { /* lin_pass's index of q = x / safe, in the same loop (one division) */
+        const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
+        for (int64_t j = 0; j < n; j++) {
+            float nm = rank1_norm(rm, cm[j]);
+            idx[j] = lin_index(xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f), a, b, last); /* negative: NaN */
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            float nm = rank1_norm(rm, cm[j]);
+            buf[j] = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f);
+        }
+        count_pass(buf, n, 1.0f, f, idx); /* x / 1 == x: the threshold count of q */
+    }
+    pack_nibbles(idx, n, codes);
+}
+
 /* codes (uint8 (rows, ceil(R / 2)), two a byte) of x with the given maxima */
 void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_max, const float *col_max,
                       const lbt_format *f, uint8_t *codes, int nthreads) {
@@ -993,24 +1015,7 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows * tiles; t++) {
             const int64_t i = t / tiles, j0 = (t % tiles) * T, len = R - j0 < T ? R - j0 : T;
-            const float *restrict xi = x + i * R + j0, *restrict cm = col_max + j0;
-            float *restrict q = buf;
-            const float rm = row_max[i];
-            if (f->lin) { /* lin_pass's index of q = x / safe, in the same loop (one division) */
-                const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
-                int32_t *restrict k = idx;
-                for (int64_t j = 0; j < len; j++) {
-                    float nm = rank1_norm(rm, cm[j]);
-                    k[j] = lin_index(xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f), a, b, last); /* negative: NaN */
-                }
-            } else {
-                for (int64_t j = 0; j < len; j++) {
-                    float nm = rank1_norm(rm, cm[j]);
-                    q[j] = xi[j] < 0.0f ? NAN : xi[j] / (nm > 0.0f ? nm : 1.0f);
-                }
-                count_pass(buf, len, 1.0f, f, idx); /* x / 1 == x: the threshold count of q */
-            }
-            pack_nibbles(idx, len, codes + i * cc + j0 / 2);
+            rank1_encode_run(x + i * R + j0, len, row_max[i], col_max + j0, f, codes + i * cc + j0 / 2, buf, idx);
         }
         free(buf);
         free(idx);
@@ -1052,9 +1057,9 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
 
 /* One state of a job. Every field is 8 bytes wide (jobs are passed as int64 rows).
  * A rank-1 record (bs == LBT_RANK1): in its codes, scale_in its row maxima, scale_out
- * its column maxima (read only), out the float32 new values, rmax_out / cmax_out their
- * row and column maxima (the caller completes them across shards and encodes the values
- * with lbt_rank1_encode). */
+ * its column maxima (read only), out its new codes (may be ``in``), rmax_new / cmax_new the
+ * row and column maxima of its new values: written by a maxima job (LBT_MAXIMA), then, once
+ * the caller has completed them across shards, read by the step that encodes with them. */
 typedef struct {
     void *in;                /* codes (row layout) or plain values */
     void *out;               /* where the new state goes; may be ``in`` (in place) */
@@ -1062,8 +1067,8 @@ typedef struct {
     float *scale_out;        /* may be ``scale_in`` */
     const lbt_format *f;     /* NULL: plain values */
     int64_t bs;              /* quantized: block size; plain: LBT_F32 or LBT_BF16 */
-    float *rmax_out;         /* rank-1: the row maxima of the new values (a negative or NaN value: NaN) */
-    float *cmax_out;         /* rank-1: their column maxima */
+    float *rmax_new;         /* rank-1: the row maxima of the new values (a negative or NaN value: NaN) */
+    float *cmax_new;         /* rank-1: their column maxima */
 } lbt_state;
 
 typedef struct {
@@ -1789,6 +1794,62 @@ static void rank1_tile_maxima(const float *restrict v, int64_t r0, int64_t nr, i
     }
 }
 
+/* State i's values at the tile (nr rows r0.. of len elements from column j0; nr > 1 only with
+ * j0 == 0 and len == R) into io->s[i], or io->s[i] pointed at them (plain float32 in place) */
+static void decode_state(const lbt_job *J, int64_t i, int64_t r0, int64_t nr, int64_t j0, int64_t len,
+                         run_io *io) {
+    const lbt_state *S = &J->st[i];
+    const int64_t R = J->R, off = r0 * R + j0;
+    if (!S->f) {
+        if (S->bs == LBT_F32 && S->in == S->out) io->s[i] = (float *)S->out + off;
+        else load_plain((const char *)S->in + off * dt_size(S->bs), S->bs, nr * len, io->s[i]);
+        return;
+    }
+    if (S->bs == LBT_RANK1) {
+        for (int64_t q = 0; q < nr; q++)
+            rank1_decode_run((const uint8_t *)S->in + (r0 + q) * ((R + 1) / 2) + j0 / 2, len, S->scale_in[r0 + q],
+                             S->scale_out + j0, S->f->decode, io->s[i] + q * len);
+        return;
+    }
+    const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
+    const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
+    for (int64_t q = 0; q < nr; q++) {
+        int64_t r = r0 + q;
+        dequantize_segment((const uint8_t *)S->in + r * cc + cj, S->scale_in + r * nb + j0 / S->bs, len, S->bs,
+                           S->f, io->s[i] + q * len);
+    }
+}
+
+/* A maxima job's tile (LBT_MAXIMA): the new second moment of Adam and AdEMAMix (state 1),
+ * v = b2 * v + (1 - b2) * (g * g) after the prologue, and amsgrad's running max (state 2),
+ * w = max(w, v), with rule_run's float operations (so the step that follows computes the same
+ * values), into the tile's maxima of the rank-1 ones among them. Nothing is written. */
+static void rank1_maxima_tile(const lbt_job *J, int64_t r0, int64_t nr, int64_t j0, int64_t len, scratch *B) {
+    const int64_t off = r0 * J->R + j0, n = nr * len;
+    const int flags = (int)J->flags;
+    run_io io;
+    for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) io.s[i] = B->s[i], io.in[i] = NULL;
+    const float *p = NULL;
+    if (flags & LBT_L2) {
+        load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, B->p);
+        p = B->p;
+    }
+    const float *restrict g = prologue(J, off, n, p, B->g);
+    const int ams = (flags & LBT_AMSGRAD) && J->rule == LBT_ADAM && J->st[2].bs == LBT_RANK1;
+    decode_state(J, 1, r0, nr, j0, len, &io);
+    if (ams) decode_state(J, 2, r0, nr, j0, len, &io);
+    const float b2 = J->hyper[LBT_H_B2], omb2 = J->hyper[LBT_H_OMB2];
+    float *restrict v = B->u; /* io.s[1] may be a plain state's own memory: the new values go to scratch */
+    const float *restrict v0 = io.s[1];
+    for (int64_t k = 0; k < n; k++) v[k] = b2 * v0[k] + omb2 * (g[k] * g[k]);
+    if (J->st[1].bs == LBT_RANK1) rank1_tile_maxima(v, r0, nr, j0, len, B->r1 + B->r1off[1], J->rows);
+    if (ams) {
+        float *restrict w = io.s[2]; /* decoded into scratch (a rank-1 record) */
+        for (int64_t k = 0; k < n; k++) w[k] = (v[k] > w[k] || v[k] != v[k]) ? v[k] : w[k];
+        rank1_tile_maxima(w, r0, nr, j0, len, B->r1 + B->r1off[2], J->rows);
+    }
+}
+
 static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
     const int64_t R = J->R, T = job_tile(J), ns = J->nstates;
     int64_t r0, nr, j0, len;
@@ -1799,6 +1860,10 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
     } else {
         int64_t k = T / R;
         r0 = t * k, nr = J->rows - r0 < k ? J->rows - r0 : k, j0 = 0, len = R;
+    }
+    if (J->flags & LBT_MAXIMA) {
+        rank1_maxima_tile(J, r0, nr, j0, len, B);
+        return;
     }
     const int block = job_block_path(J);
     /* rows of one block each (R <= bs; 4-bit: R even, so each row starts a byte): the tile's
@@ -1821,42 +1886,24 @@ static void quantized_tile(const lbt_job *J, int64_t t, scratch *B) {
         return;
     }
     /* any block sizes: each state a pass over the tile (nr > 1 only with j0 == 0,
-     * len == R: the tile's elements are contiguous); plain states (the float32
-     * values of rank-1 records) are read and written at the tile's elements */
+     * len == R: the tile's elements are contiguous); plain states are read and written at
+     * the tile's elements, rank-1 records encoded with their completed new maxima */
     run_io io;
     io.sep = 0;
     const int64_t off = r0 * R + j0;
     for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) io.s[i] = B->s[i], io.in[i] = NULL;
+    for (int64_t i = 0; i < ns; i++) decode_state(J, i, r0, nr, j0, len, &io);
+    run_elements(J, off, nr * len, &io, B, 0, NULL, 0); /* raw states: quantize_segment transforms */
     for (int64_t i = 0; i < ns; i++) {
         const lbt_state *S = &J->st[i];
         if (!S->f) {
-            if (S->bs == LBT_F32 && S->in == S->out) io.s[i] = (float *)S->out + off;
-            else load_plain((const char *)S->in + off * dt_size(S->bs), S->bs, nr * len, io.s[i]);
+            store_plain(io.s[i], nr * len, S->bs, (char *)S->out + off * dt_size(S->bs), 0, 0, 0);
             continue;
         }
-        if (S->bs == LBT_RANK1) {
+        if (S->bs == LBT_RANK1) { /* B->u and B->s1: scratch again once run_elements is done */
             for (int64_t q = 0; q < nr; q++)
-                rank1_decode_run((const uint8_t *)S->in + (r0 + q) * ((R + 1) / 2) + j0 / 2, len, S->scale_in[r0 + q],
-                                 S->scale_out + j0, S->f->decode, io.s[i] + q * len);
-            continue;
-        }
-        const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
-        const int64_t cj = S->f->bits == 4 ? j0 / 2 : j0;
-        for (int64_t q = 0; q < nr; q++) {
-            int64_t r = r0 + q;
-            dequantize_segment((const uint8_t *)S->in + r * cc + cj, S->scale_in + r * nb + j0 / S->bs, len, S->bs,
-                               S->f, io.s[i] + q * len);
-        }
-    }
-    run_elements(J, off, nr * len, &io, B, 0, NULL, 0); /* raw states: quantize_segment transforms */
-    for (int64_t i = 0; i < ns; i++) {
-        if (J->st[i].bs == LBT_RANK1) rank1_tile_maxima(io.s[i], r0, nr, j0, len, B->r1 + B->r1off[i], J->rows);
-    }
-    for (int64_t i = 0; i < ns; i++) {
-        const lbt_state *S = &J->st[i];
-        if (!S->f || S->bs == LBT_RANK1) {
-            store_plain(io.s[i], nr * len, S->f ? LBT_F32 : S->bs, (char *)S->out + off * dt_size(S->f ? LBT_F32 : S->bs),
-                        0, 0, 0);
+                rank1_encode_run(io.s[i] + q * len, len, S->rmax_new[r0 + q], S->cmax_new + j0, S->f,
+                                 (uint8_t *)S->out + (r0 + q) * ((R + 1) / 2) + j0 / 2, B->u, B->s1);
             continue;
         }
         const int64_t cc = state_cols(S, R), nb = (R + S->bs - 1) / S->bs;
@@ -1883,12 +1930,12 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
     }
     const int64_t total = start[njobs];
     if (total < 2) nthreads = 1;
-    /* rank-1 states: each thread's maxima (bits; 0 is neutral for non-negative values), rows
-     * then columns of each, merged after the tiles */
+    /* maxima jobs' rank-1 states: each thread's maxima (bits; 0 is neutral for non-negative
+     * values), rows then columns of each, merged after the tiles */
     int64_t *r1off = (int64_t *)malloc(sizeof(int64_t) * LBT_STATE_SLOTS * njobs), r1n = 0;
     for (int64_t j = 0; j < njobs; j++)
         for (int64_t i = 0; i < LBT_STATE_SLOTS; i++) {
-            int r1 = i < jobs[j].nstates && jobs[j].st[i].bs == LBT_RANK1;
+            int r1 = (jobs[j].flags & LBT_MAXIMA) && i < jobs[j].nstates && jobs[j].st[i].bs == LBT_RANK1;
             r1off[LBT_STATE_SLOTS * j + i] = r1 ? r1n : 0;
             r1n += r1 ? jobs[j].rows + jobs[j].R : 0;
         }
@@ -1935,7 +1982,7 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
     for (int64_t j = 0; r1all && j < njobs; j++)
         for (int64_t i = 0; i < jobs[j].nstates; i++) {
             const lbt_state *S = &jobs[j].st[i];
-            if (S->bs != LBT_RANK1) continue;
+            if (S->bs != LBT_RANK1 || !(jobs[j].flags & LBT_MAXIMA)) continue;
             const int64_t rows = jobs[j].rows, n = rows + jobs[j].R;
             for (int64_t k = 0; k < n; k++) {
                 int32_t m = 0;
@@ -1943,8 +1990,8 @@ void lbt_step_jobs(int64_t njobs, const lbt_job *jobs, int nthreads) {
                     int32_t b = r1all[(int64_t)t * r1n + r1off[LBT_STATE_SLOTS * j + i] + k];
                     m = b > m ? b : m;
                 }
-                if (k < rows) S->rmax_out[k] = bits2f(m);
-                else S->cmax_out[k - rows] = bits2f(m);
+                if (k < rows) S->rmax_new[k] = bits2f(m);
+                else S->cmax_new[k - rows] = bits2f(m);
             }
         }
     free(r1all);

@@ -451,10 +451,10 @@ class NativeState(NamedTuple):
     codes (uint8 views) and ``scale_src``/``scale_dst`` the scales; plain: float32
     or bfloat16 values and no scales. ``dst`` may be ``src`` (in place). A rank-1 record
     (``block_size`` :data:`RANK1_BLOCK`): ``src`` its codes, ``scale_src``/``scale_dst`` its
-    row and column maxima (read), ``dst`` a float32 tensor for its new values, which the
-    kernel fills ``row_max_dst`` / ``col_max_dst`` with their maxima (those of
-    :func:`lowbit_tree.rank1.rank1_quantize`),
-    and the caller encodes them (:func:`rank1_encode`) once the maxima are complete."""
+    row and column maxima (read), ``dst`` its new codes (may be ``src``), ``row_max_new`` /
+    ``col_max_new`` the maxima of its new values (those of
+    :func:`lowbit_tree.rank1.rank1_quantize`): a ``maxima`` job writes them, the caller completes
+    them across shards, and the step job encodes the new values with them."""
 
     src: torch.Tensor
     dst: torch.Tensor
@@ -462,8 +462,8 @@ class NativeState(NamedTuple):
     scale_dst: Optional[torch.Tensor]
     format: Optional[str]
     block_size: int
-    row_max_dst: Optional[torch.Tensor] = None  # rank-1: the new values' row maxima go here
-    col_max_dst: Optional[torch.Tensor] = None  # and their column maxima
+    row_max_new: Optional[torch.Tensor] = None  # rank-1: the new values' row maxima
+    col_max_new: Optional[torch.Tensor] = None  # and their column maxima
 
 
 class NativeJob(NamedTuple):
@@ -471,7 +471,8 @@ class NativeJob(NamedTuple):
     result goes (``out``: the param itself with ``write``, else a float32 update),
     the step's hyperparameter vector and the leaf's states; with ``write``, a bfloat16 /
     float16 param's int8 ``correction`` (:mod:`lowbit_tree.correction`), read and written in
-    place."""
+    place. ``maxima``: the job only computes its rank-1 states' new maxima (the first of a
+    rank-1 step's two jobs; ``write``, ``stochastic`` and ``correction`` off, ``out`` unused)."""
 
     rows: int
     r: int
@@ -485,16 +486,17 @@ class NativeJob(NamedTuple):
     hyper: torch.Tensor
     states: tuple
     correction: Optional[torch.Tensor] = None
+    maxima: bool = False
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool) -> int:
+def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool, maxima: bool) -> int:
     return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, amsgrad=s.amsgrad, nesterov=s.nesterov,
-                     write_param=write, stochastic=stochastic, correct=correct)
+                     write_param=write, stochastic=stochastic, correct=correct, maxima=maxima)
 
 
 def _flags(job: NativeJob) -> int:
-    return _spec_flags(job.spec, job.write, job.stochastic, job.correction is not None)
+    return _spec_flags(job.spec, job.write, job.stochastic, job.correction is not None, job.maxima)
 
 
 @functools.lru_cache(maxsize=None)
@@ -530,7 +532,12 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
     rows, r = job.rows, job.r
     n = rows * r
     spec = job.spec
-    if job.write:
+    if job.maxima:
+        if job.write or job.stochastic or job.correction is not None or spec.rule not in ("adam", "ademamix"):
+            raise ValueError("native CPU kernel: a maxima job is Adam's or AdEMAMix's and writes nothing")
+        if not any(st.block_size == RANK1_BLOCK for st in job.states[1:]):
+            raise ValueError("native CPU kernel: a maxima job needs a rank-1 second moment")
+    elif job.write:
         if job.param is None or job.out is not job.param:
             raise ValueError("native CPU kernel: writing the param needs out to be the param itself")
         if job.stochastic and job.param.dtype is not torch.bfloat16:
@@ -550,7 +557,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
                          f"{STATE_SLOTS}), got {len(job.states)}")
     p = 0 if job.param is None else _addr(job.param, _DTS, n, "param", rows, r)
     g = _addr(job.grad, _DTS, n, "grad", rows, r)
-    o = p if job.write else _addr(job.out, _F32, n, "out", rows, r)
+    o = 0 if job.maxima else p if job.write else _addr(job.out, _F32, n, "out", rows, r)
     h = hyper_ptr if hyper_ptr is not None else _addr(job.hyper, _F32, NHYPER, "hyper", 1, NHYPER)
     row = list(_HEADER_ROW({
         "rows": rows, "R": r, "p": p, "g": g, "out": o, "rule": RULE_IDS[spec.rule], "flags": _flags(job),
@@ -568,20 +575,21 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             src = _addr(st.src, (dt,), n, what, rows, r)
             dst = src if st.dst is st.src else _addr(st.dst, (dt,), n, what + " out", rows, r)
             fields = {"in": src, "out": dst, "scale_in": 0, "scale_out": 0, "f": 0, "bs": DTYPE_IDS[dt],
-                      "rmax_out": 0, "cmax_out": 0}
-        elif st.block_size == RANK1_BLOCK:  # a rank-1 record: codes and maxima in, float32 values out
-            if _FORMATS[st.format].bits != 4 or st.dst is st.src:
-                raise ValueError(f"native CPU kernel: rank-1 {what} needs 4-bit codes and a separate values tensor")
-            src = _addr(st.src, _U8, rows * ((r + 1) // 2), what + " codes", rows, r)
-            dst = _addr(st.dst, _F32, n, what + " values", rows, r)
+                      "rmax_new": 0, "cmax_new": 0}
+        elif st.block_size == RANK1_BLOCK:  # a rank-1 record: codes and maxima in, new codes out
+            if _FORMATS[st.format].bits != 4:
+                raise ValueError(f"native CPU kernel: rank-1 {what} needs 4-bit codes")
+            cols = rows * ((r + 1) // 2)
+            src = _addr(st.src, _U8, cols, what + " codes", rows, r)
+            dst = src if st.dst is st.src else _addr(st.dst, _U8, cols, what + " codes out", rows, r)
             rmax = _addr(st.scale_src, _F32, rows, what + " row_max", rows, r)
             cmax = _addr(st.scale_dst, _F32, r, what + " col_max", rows, r)
-            if st.row_max_dst is None or st.col_max_dst is None:
+            if st.row_max_new is None or st.col_max_new is None:
                 raise ValueError(f"native CPU kernel: rank-1 {what} needs tensors for its new maxima")
-            rnew = _addr(st.row_max_dst, _F32, rows, what + " new row_max", rows, r)
-            cnew = _addr(st.col_max_dst, _F32, r, what + " new col_max", rows, r)
+            rnew = _addr(st.row_max_new, _F32, rows, what + " new row_max", rows, r)
+            cnew = _addr(st.col_max_new, _F32, r, what + " new col_max", rows, r)
             fields = {"in": src, "out": dst, "scale_in": rmax, "scale_out": cmax, "f": _format_address(st.format),
-                      "bs": RANK1_BLOCK, "rmax_out": rnew, "cmax_out": cnew}
+                      "bs": RANK1_BLOCK, "rmax_new": rnew, "cmax_new": cnew}
         else:
             fmt = _FORMATS[st.format]
             cols = (r + 1) // 2 if fmt.bits == 4 else r
@@ -591,7 +599,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             ssrc = _addr(st.scale_src, _F32, nb, what + " scale", rows, r)
             sdst = ssrc if st.scale_dst is st.scale_src else _addr(st.scale_dst, _F32, nb, what + " scale out", rows, r)
             fields = {"in": src, "out": dst, "scale_in": ssrc, "scale_out": sdst, "f": _format_address(st.format),
-                      "bs": int(st.block_size), "rmax_out": 0, "cmax_out": 0}
+                      "bs": int(st.block_size), "rmax_new": 0, "cmax_new": 0}
         row += _STATE_ROW(fields)
     row += _EMPTY_STATE * (STATE_SLOTS - len(job.states))
     return row

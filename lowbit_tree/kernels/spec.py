@@ -63,12 +63,14 @@ NHYPER = len(HYPER_NAMES)
 Hyper = collections.namedtuple("Hyper", HYPER_NAMES)
 """The entries of one hyperparameter vector by name: ``Hyper(*hyper.unbind(0)).rbc1``."""
 
-FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic", "correct")
+FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic", "correct", "maxima")
 """A job's flag bits: flag ``FLAGS[i]`` is bit ``1 << i``. ``write_param``: the output is the
 param itself, updated in place (else a float32 update); ``stochastic``: a bfloat16 param is
 rounded stochastically; ``correct`` (with ``write_param``, never with ``stochastic``): the
 bfloat16 / float16 param is written from its corrected master value and its int8 correction
-(the row's ``corr``) with it; the others are :class:`StepSpec`'s fields."""
+(the row's ``corr``) with it; ``maxima``: the job only computes the row and column maxima of
+its rank-1 states' new values (``rmax_new``, ``cmax_new``) and writes nothing else, the first
+of a rank-1 step's two jobs; the others are :class:`StepSpec`'s fields."""
 
 DTYPES = (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))
 """The param, gradient and plain-state dtypes the C kernel reads and writes, as (name, dtype);
@@ -87,12 +89,13 @@ of the param's int8 correction, read and written in place (0 without the ``corre
 number of states. cpu.c's ``lbt_job`` declares these fields with C types and checks at build time that
 each sits at ``8 * index`` (its header is generated from this tuple)."""
 
-STATE_FIELDS = ("in", "out", "scale_in", "scale_out", "f", "bs", "rmax_out", "cmax_out")
+STATE_FIELDS = ("in", "out", "scale_in", "scale_out", "f", "bs", "rmax_new", "cmax_new")
 """One state slot of a job row, one int64 each, in order: source and destination (codes or
 plain values; the same address in place), scales (or a rank-1 record's row and column maxima)
 in and out, the format struct's address (0: plain values), the block size (plain: the dtype id;
-:data:`RANK1_BLOCK`: a rank-1 record), and where a rank-1 record's new row and column maxima
-go."""
+:data:`RANK1_BLOCK`: a rank-1 record), and a rank-1 record's new row and column maxima: where a
+``maxima`` job writes them, and what the step job that follows encodes with (completed across
+shards in between)."""
 
 STATE_SLOTS = 3
 """State slots in a job row (unused ones are zeros)."""
