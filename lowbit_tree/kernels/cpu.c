@@ -1209,8 +1209,8 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
  * half an ulp of p'), and where the first factor shrinks (e >= 2), x - p' is 0 or at least
  * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
  * quotient's bits are the division's, at less cost (float16's path). bfloat16 (corrected_bf16)
- * gets the same bits from integer ops on x's bits alone. float16 (corrected_run): GCC does not vectorize the float <-> _Float16
- * conversions on a CPU without AVX512-FP16 (-fopt-info-vec-missed: "conversion not supported by
+ * gets the same bits from integer ops on x's bits alone. float16 (corrected_run): GCC does not
+ * vectorize the float <-> _Float16 conversions on a CPU without AVX512-FP16 (-fopt-info-vec-missed: "conversion not supported by
  * target"), so it keeps two passes and converts the neighbour above only where the rest is +128. */
 /* float16's step of one element on its slow path: where the rest against p' would be +128, p' is the
  * neighbour above (split_master), whose rest fits int8. x is the new master value, hb p''s 16-bit
@@ -1374,6 +1374,11 @@ typedef struct {
     float sm, sv, sw;
 } block_codes;
 
+/* Adam's (and AdEMAMix's) new second moment, and amsgrad's running max of it: one definition for
+ * rule_run and for the maxima job (rank1_maxima_tile), which must compute the same bits */
+static inline float adam_second_moment(float b2, float omb2, float v0, float g) { return b2 * v0 + omb2 * (g * g); }
+static inline float amsgrad_max(float v, float w0) { return (v > w0 || v != v) ? v : w0; }
+
 static inline __attribute__((always_inline)) void rule_run(
     const float *restrict hyper, int64_t n, const float *restrict g, const float *restrict p, float *restrict o,
     float *restrict s0, float *restrict s1, float *restrict s2, const int RULE, const int VAR, const int TR,
@@ -1407,7 +1412,7 @@ static inline __attribute__((always_inline)) void rule_run(
             } else {
                 m0 = OLD(0), v0 = OLD(1);
             }
-            float m = b1 * m0 + omb1 * gi, v = b2 * v0 + omb2 * (gi * gi);
+            float m = b1 * m0 + omb1 * gi, v = adam_second_moment(b2, omb2, v0, gi);
             float sv = sqrtf(v), sr = sv; /* sqrt(v): the update's root, and the sqrt formats' transform */
             float num = m * rbc1;
             if (RULE == LBT_ADEMAMIX) { /* third state: the slow EMA (signed, stored as is) */
@@ -1425,7 +1430,7 @@ static inline __attribute__((always_inline)) void rule_run(
                 } else {
                     w0 = OLD(2);
                 }
-                float w = (v > w0 || v != v) ? v : w0;
+                float w = amsgrad_max(v, w0);
                 sr = sqrtf(w);
                 t2 = TR == 1 ? sr : (TR == 2 && w < 0.0f ? NAN : w);
                 s2[k] = t2;
@@ -1841,11 +1846,11 @@ static void rank1_maxima_tile(const lbt_job *J, int64_t r0, int64_t nr, int64_t 
     const float b2 = J->hyper[LBT_H_B2], omb2 = J->hyper[LBT_H_OMB2];
     float *restrict v = B->u; /* io.s[1] may be a plain state's own memory: the new values go to scratch */
     const float *restrict v0 = io.s[1];
-    for (int64_t k = 0; k < n; k++) v[k] = b2 * v0[k] + omb2 * (g[k] * g[k]);
+    for (int64_t k = 0; k < n; k++) v[k] = adam_second_moment(b2, omb2, v0[k], g[k]);
     if (J->st[1].bs == LBT_RANK1) rank1_tile_maxima(v, r0, nr, j0, len, B->r1 + B->r1off[1], J->rows);
     if (ams) {
         float *restrict w = io.s[2]; /* decoded into scratch (a rank-1 record) */
-        for (int64_t k = 0; k < n; k++) w[k] = (v[k] > w[k] || v[k] != v[k]) ? v[k] : w[k];
+        for (int64_t k = 0; k < n; k++) w[k] = amsgrad_max(v[k], w[k]);
         rank1_tile_maxima(w, r0, nr, j0, len, B->r1 + B->r1off[2], J->rows);
     }
 }
