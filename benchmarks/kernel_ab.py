@@ -21,6 +21,9 @@ absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
        [--rule adamw|amsgrad|lion|momentum|ademamix] [--dtype float32|bfloat16] [--functional]
+       [--correct]
+``--correct`` (with ``--dtype bfloat16``, not with ``--functional``): the param is written with its
+int8 correction (``param_correction``), the correction compared like the other outputs.
 ``--formats`` takes ``fp32`` too (plain float32 states).
 With no source, the library's own source (one build: absolute figures only).
 """
@@ -118,7 +121,10 @@ def main(argv=None) -> int:
     ap.add_argument("--functional", action="store_true",
                     help="write the update and leave the param (tx.update's mode) instead of writing the param")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--correct", action="store_true", help="write the param with its int8 correction")
     args = ap.parse_args(argv)
+    if args.correct and (args.dtype != "bfloat16" or args.functional):
+        ap.error("--correct writes a bfloat16 param: give --dtype bfloat16, without --functional")
     if not KC.available():
         print("native CPU kernels unavailable (no working C compiler)")
         return 1
@@ -133,6 +139,8 @@ def main(argv=None) -> int:
                 for data in args.data.split(","):
                     spec = RULES[args.rule]
                     p, g, states, hyper = make_case(spec, sf, rows, cols, data, getattr(torch, args.dtype))
+                    corr = (torch.randint(-128, 128, (rows, cols), dtype=torch.int8,
+                                          generator=torch.Generator().manual_seed(1)) if args.correct else None)
                     for li in range(len(libs)):
                         # out of place: the param is written in place (the bridge's mode), or with
                         # --functional an update is written and the param only read (tx.update's
@@ -151,11 +159,13 @@ def main(argv=None) -> int:
                             sts = tuple(KC.NativeState(i.codes.view(torch.uint8), o.codes.view(torch.uint8), i.scale,
                                                        o.scale, o.format, o.block_size) for i, o in zip(ins, new))
                         target = torch.empty(rows, cols) if args.functional else pp
+                        cc = corr.clone() if args.correct else None
                         row = KC.job_row(KC.NativeJob(rows, cols, pp, g, target, spec, not args.functional, False, 0,
-                                                      hyper, sts))
+                                                      hyper, sts, cc))
                         for i, s in enumerate(new if not plain else ()):  # this build's own format structs
                             row[job_row_index("f", i)] = lib_format(libs[li], s.format)
                         out = (target,) + (new if plain else tuple(t for s in new for t in (s.codes.view(torch.uint8), s.scale)))
+                        out += (cc,) if args.correct else ()
                         # the row holds raw addresses: keep every tensor it names alive (pp is not in out
                         # with --functional)
                         cfgs.append(dict(key=f"{sf} {size} {data}", lib=libs[li], table=torch.tensor(row), out=out, keep=(pp, sts),

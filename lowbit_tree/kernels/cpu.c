@@ -1304,47 +1304,51 @@ static inline __attribute__((always_inline)) void corrected_run(const float *res
     }
 }
 
-/* bfloat16's corrected write in one pass of integer ops on x's float32 bits, no branches: the loop
- * vectorizes. With m = |x|'s bits, p' to nearest even is hm = |p'|'s bfloat16 bits and, where |x| and
- * |p'| share a binade (float32's subnormals share the smallest one), x - p' in units of scale(p') is
- * exactly sdm / 256 for sdm = (m - (hm << 16)) with x's sign: 256 float32 steps per unit; where
- * rounding went up into the next binade (cross), a unit is 512 steps (and the rest at most 64 units).
- * c' = rint of that (ties to even: an integer shift). Where the rest would be +128 (sdm >= 32640, not
- * cross) and a finite value is above p', p' is the neighbour above (one bfloat16 step towards +inf:
- * |p'| + 1 for x >= 0, - 1 for x < 0) and the rest drops by 65536 steps: c' = -128, or -64 where that
- * neighbour is a positive binade's first value (its unit is twice as large; "top"). Where x < 0, the
- * neighbour above is in the same binade or a subnormal one: |p'| a power of two, with a rest of +128,
- * would need |x| below the midpoint of |p'| and the value under it, which is 64 units away. Every
- * float32 x was checked against the float formula (the float16 path's, split_master's) when this was
- * written. Non-finite p' (NaN x -> 0x7FC0, torch's) keeps c' = 0. */
-/* rest >> sh rounds towards -inf for a negative rest: C leaves a negative value's right shift to
- * the compiler; GCC and Clang shift in the sign */
+/* bfloat16's split of the new master value x (float32) into p' (q, bfloat16 bits) and c' (c), with
+ * integer ops on x's bits alone, no branches: the loop calling it vectorizes. With m = |x|'s bits,
+ * |p'| is the bfloat16 value (bits hm) under m rounded up from a threshold: m's low 16 bits at least
+ * 32640 for x >= 0 (rest >= 127.5 units would round to +128: the neighbour above instead), above 32896
+ * for x < 0 (the neighbour above is the smaller magnitude; rests to -128.5 units round to -128), and
+ * at least 32768, nearest even, for x < 0 where rounding |x| up crosses into the next binade (its unit
+ * is twice as large: the rest is at most 64 units, so nearest never gives +128). That is x to nearest
+ * even, or the neighbour above where c' would be +128, with nothing more to correct. Where |x| and |p'|
+ * share a binade (float32's subnormals share the smallest one), x - p' in units of scale(p') is
+ * exactly sdm / 256 for sdm = m - (hm << 16) with x's sign: 256 float32 steps per unit; where
+ * rounding went up into the next binade (cross), a unit is 512 steps. c' = rint of that (ties to
+ * even: an integer shift). The largest finite value: for x >= 0 above it by less than the midpoint
+ * to infinity, p' stays the largest and c' clamps to 127. Non-finite p' (|x| at or above that midpoint:
+ * infinity; NaN x -> 0x7FC0, torch's) keeps c' = 0. Every float32 x gives the bits of the float formula
+ * (the float16 path's, split_master's): checked exhaustively when this was written. */
+/* sdm >> sh rounds towards -inf for a negative sdm: C leaves a negative value's right shift to the
+ * compiler; GCC and Clang shift in the sign */
 _Static_assert((-3 >> 1) == -2, "the corrected write needs an arithmetic right shift of negative ints");
+static inline __attribute__((always_inline)) void bf16_split(float x, int8_t *restrict c, uint16_t *restrict q) {
+    const int32_t u = f2i(x);
+    const int32_t neg = u >> 31; /* all ones where x < 0 (or -0, -NaN) */
+    const int32_t m = u & 0x7FFFFFFF;
+    const int32_t normal = m > 0x007FFFFF;
+    const int32_t wrap = normal & ((m & 0x007F0000) == 0x007F0000); /* |x| rounded up is the next binade's first */
+    int32_t hm = (int32_t)(((uint32_t)m + (uint32_t)(neg ? (wrap ? 32768 : 32639) : 32896)) >> 16);
+    hm = hm < 0x7F7F ? hm : 0x7F7F;
+    const int32_t ym = hm << 16;
+    const int32_t sdm = ((m - ym) ^ neg) - neg;
+    const int32_t cross = ((ym ^ m) > 0x007FFFFF) & normal;
+    const int32_t sh = 8 + cross;
+    int32_t r = (sdm + (127 | (cross << 7)) + ((sdm >> sh) & 1)) >> sh;
+    r = r > 127 ? 127 : r;
+    const int32_t fin = m < 0x7F7F8000; /* p' finite: |x| below the midpoint of the largest value and infinity */
+    *c = (int8_t)(fin ? r : 0);
+    *q = (uint16_t)(m > 0x7F800000 ? 0x7FC0 : ((fin ? hm : 0x7F80) | (neg & 0x8000)));
+}
+
+/* bfloat16's corrected write: the new master value, then bf16_split */
 static void corrected_bf16(const float *restrict pv, const float *restrict d,
                            int8_t *restrict c, int64_t n, uint16_t *restrict q) {
     const int32_t emin = -126;
     const float unit = 0x1p-15f; /* 2 ** -(MANT + 8) */
     for (int64_t k = 0; k < n; k++) {
         const float p = pv[k];
-        const float x = (p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k];
-        const int32_t u = f2i(x);
-        const int32_t neg = -(int32_t)((uint32_t)u >> 31); /* all ones where x < 0 (or -0, -NaN) */
-        const int32_t m = u & 0x7FFFFFFF;
-        const int32_t hm = (int32_t)(((uint32_t)m + 0x7FFFu + (((uint32_t)m >> 16) & 1u)) >> 16);
-        const int32_t ym = hm << 16;
-        const int32_t sdm = ((m - ym) ^ neg) - neg;
-        const int32_t cross = -(((ym ^ m) > 0x007FFFFF) & (m > 0x007FFFFF));
-        const int32_t fin = -(m < 0x7F7F8000); /* p' finite: |x| below the midpoint of max and inf */
-        const int32_t up = fin & ~cross & -(sdm >= 32640) & ~(~neg & -(hm == 0x7F7F));
-        const int32_t top = up & ~neg & -(((hm + 1) & 0x7F) == 0) & -(hm > 0x7F);
-        const int32_t rest = sdm - (up & 65536);
-        const int32_t sh = 8 + ((cross | top) & 1);
-        int32_t r = (rest + (1 << (sh - 1)) - 1 + ((rest >> sh) & 1)) >> sh;
-        r = r > 127 ? 127 : r; /* +128 where no finite value is above p' */
-        c[k] = (int8_t)(r & fin);
-        const int32_t hq = (hm + (up & ((1 ^ neg) - neg))) | (neg & 0x8000);
-        const int32_t nan = -(m > 0x7F800000);
-        q[k] = (uint16_t)((hq & ~nan) | (0x7FC0 & nan));
+        bf16_split((p + (float)c[k] * (bits2f(binade_bits(p, emin)) * unit)) + d[k], c + k, q + k);
     }
 }
 
