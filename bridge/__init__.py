@@ -19,6 +19,7 @@ from .optimizers import (
     SGD8bit,
 )
 from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
+from . import dcp  # bridge.dcp.load_optimizer after a plain `import bridge`
 from .in_backward import StepInBackward, step_in_backward
 from .master import load_master_params, master_params
 from .qstate import QState

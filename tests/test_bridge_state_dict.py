@@ -460,3 +460,15 @@ def test_dcp_load_optimizer_and_an_older_block_4bit_checkpoint(tmp_path):
                 assert torch.equal(v.codes, w.codes) and torch.equal(v.scale, w.scale), k
             else:
                 assert torch.equal(v, w), k
+
+
+def test_bridge_dcp_is_reachable_after_import_bridge():
+    """The docs write ``bridge.dcp.load_optimizer``: a fresh process with only ``import bridge``
+    reaches it (another test importing ``bridge.dcp`` first would hide a missing import)."""
+    import subprocess
+    import sys
+
+    code = "import bridge; print(callable(bridge.dcp.load_optimizer))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

@@ -574,3 +574,16 @@ def test_cuda_muon4bit_bridge_equals_functional():
         assert same(p.cpu(), q.cpu())
         assert same_record(on_cpu(_live_record(opt, p)), on_cpu(state[0].trace[i]))
         assert _rel(q.cpu(), c) < 0.02
+
+
+@pytest.mark.parametrize("cls", [bridge.Muon, bridge.Muon8bit, bridge.Muon4bit])
+def test_muon_refuses_param_correction_in_a_group(cls):
+    """The Muon classes keep no int8 correction: a group asking for one is refused, naming the
+    option, instead of being stepped without it (as an ignored group key would be)."""
+    w = nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).bfloat16())
+    with pytest.raises(ValueError, match="param_correction"):
+        cls([{"params": [w], "param_correction": True}])
+    opt = cls([w])
+    with pytest.raises(ValueError, match="param_correction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(8, 8))], "param_correction": True})
+    assert len(opt.param_groups) == 1
