@@ -43,7 +43,7 @@ from .checkpoint import state_from_dict, state_to_dict
 
 __version__ = "0.1.0"
 
-# The public API, in the order the API reference lists it (docs/api/lowbit_tree.md).
+# The public API, in the order the API reference lists it (docs/api/lowbit_tree.rst).
 __all__ = [
     # records and formats
     "QTensor", "Rank1QTensor", "quantize", "dequantize", "zeros", "has_nonfinite", "row_layout",
