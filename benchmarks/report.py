@@ -3,8 +3,8 @@ command that measured it, the machine, the versions and the date.
 
 It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
 ``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, ``training_state_bytes.py``,
-the demo and ``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a
-format") from their results. Step times are medians of three runs of ``step_time.py``, whose
+``step_in_backward.py``, the demo and ``lowbit-tree roundtrip``) in this one process, and builds
+the page's summary ("choose a format") from their results. Step times are medians of three runs of ``step_time.py``, whose
 timed steps interleave every implementation; each ratio is printed beside torch's fused
 AdamW's own ms/step in the same runs, since on a shared machine the ratio moves with the
 machine's state.
@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)  # lowbit_tree and bridge of this checkout
 import convergence  # noqa: E402
 import digits_mlp  # noqa: E402
 import second_moment_formats  # noqa: E402
+import step_in_backward  # noqa: E402
 import step_overhead  # noqa: E402
 import step_time  # noqa: E402
 import training_state_bytes  # noqa: E402
@@ -95,6 +96,8 @@ DIGITS_FULL = ["--seeds", "0,1,2,3,4,5,6,7,8,9", "--variants", ",".join(DIGITS_V
 DIGITS_QUICK = ["--steps", "30", "--seeds", "0", "--variants", "fp32,8bit,4bit-rank1,4bit-block,fp8,8bit-bf16c"]
 TRAINING_STATE_FULL: list[str] = []
 TRAINING_STATE_QUICK = ["--quick"]
+IN_BACKWARD_FULL: list[str] = []
+IN_BACKWARD_QUICK = ["--quick"]
 DEMO_FULL = ["demo", "--no-progress"]
 DEMO_QUICK = ["demo", "--tiny", "--no-progress"]
 SECOND_MOMENT_QUICK = ["--steps", "20"]
@@ -545,6 +548,9 @@ def main(argv=None) -> int:
         ts_args = TRAINING_STATE_QUICK if args.quick else TRAINING_STATE_FULL
         with isolated(1):
             training_state = training_state_bytes.main(ts_args)
+        log("the step in backward")
+        ib_args = IN_BACKWARD_QUICK if args.quick else IN_BACKWARD_FULL
+        in_backward = captured(step_in_backward.main, ib_args)
         log("second-moment robustness and round trips")
         sm_args = SECOND_MOMENT_QUICK if args.quick else []
         sm = captured(second_moment_formats.main, sm_args)
@@ -620,6 +626,12 @@ def main(argv=None) -> int:
         " (adding the gradients alive together, the small batch's activations and the step's temporaries). "
         + demo_setup_legend() + "\n\n"
         + training_state_bytes.format_table(training_state))
+    sections.append(
+        f"## The step in backward\n\n{cmd('benchmarks/step_in_backward.py', ib_args)}: `bridge.step_in_backward`"
+        " against `backward()` then `opt.step()`, one thread. Host cost: each param's step in backward is one call"
+        " through its own plan; `extra per param` is what that costs over `opt.step()`'s one call for the group."
+        " Memory: the gradients alive at once, and the process's peak RSS growth during an iteration.\n\n"
+        + in_backward)
     sections.append(
         f"## Convergence: byte-level GPT\n\n{cmd('benchmarks/convergence.py', conv_args)}: the demo's model at"
         f" {conv['params']:,} params; per seed every variant starts from the same weights and sees the same"

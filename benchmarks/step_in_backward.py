@@ -186,12 +186,12 @@ def memory(mode: str) -> dict:
             "rss_growth": statistics.median(growth) if growth else None, "grad_bytes": runs[0]["grad_bytes"]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20, help="timed calls per mode and round")
     ap.add_argument("--quick", action="store_true", help="5 calls per round, 8-bit only")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.child:
         print(json.dumps(memory_child(args.child)))
