@@ -313,11 +313,6 @@ class Muon(_TorchOptimizer):
         """torch's, plus: an AdamW group (``use_muon=False``) without a ``state_format`` of its own
         takes ``ADAMW_FORMATS``'s format for the optimizer's, written into the group (so its
         ``param_groups``, state dict and ``state_report`` say it)."""
-        if param_group.get("param_correction"):
-            raise ValueError(
-                f"{type(self).__name__}: param_correction is not supported by the Muon classes (a group asks for it); "
-                "keep float32 params for Muon, or step bfloat16 params with bf16_stochastic_round=True"
-            )
         default = self.defaults["state_format"]
         if (not param_group.get("use_muon", self.defaults["use_muon"]) and "state_format" not in param_group
                 and isinstance(default, str)):  # (a mapping's left-out states: _default_formats)
@@ -348,6 +343,9 @@ class Muon(_TorchOptimizer):
         _betas(owner, group["betas"])
         _flag(owner, "nesterov", group["nesterov"])
         _flag(owner, "use_muon", group["use_muon"])
+        if group.get("param_correction"):
+            raise ValueError(f"{owner}: param_correction is not supported by the Muon classes (a group asks for it); "
+                             "keep float32 params for Muon, or step bfloat16 params with bf16_stochastic_round=True")
         try:
             check_ns_args(group["ns_coefficients"], group["ns_steps"], group["adjust_lr_fn"])
             check_momentum_rank(group["momentum_rank"],
