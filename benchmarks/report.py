@@ -4,10 +4,10 @@ command that measured it, the machine, the versions and the date.
 It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
 ``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, ``training_state_bytes.py``,
 ``step_in_backward.py``, the demo and ``lowbit-tree roundtrip``) in this one process, and builds
-the page's summary ("choose a format") from their results. Step times are medians of three runs of ``step_time.py``, whose
-timed steps interleave every implementation; each ratio is printed beside torch's fused
-AdamW's own ms/step in the same runs, since on a shared machine the ratio moves with the
-machine's state.
+the page's summary ("choose a format") from their results. Step times are medians of three runs
+of ``step_time.py``, whose timed steps interleave every implementation; each ratio is printed
+beside torch's fused AdamW's own ms/step in the same runs, since on a shared machine the ratio
+moves with the machine's state.
 
     python benchmarks/report.py                         # full batteries, docs/results.md (~25 min, 2 cores;
                                                         # needs the parity and bench extras)

@@ -1210,8 +1210,9 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
  * 2 ** (e - 24), an ulp of float32 in the binade below p', so the product stays normal. So the
  * quotient's bits are the division's, at less cost (float16's path). bfloat16 (corrected_bf16)
  * gets the same bits from integer ops on x's bits alone. float16 (corrected_run): GCC does not
- * vectorize the float <-> _Float16 conversions on a CPU without AVX512-FP16 (-fopt-info-vec-missed: "conversion not supported by
- * target"), so it keeps two passes and converts the neighbour above only where the rest is +128. */
+ * vectorize the float <-> _Float16 conversions on a CPU without AVX512-FP16
+ * (-fopt-info-vec-missed: "conversion not supported by target"), so it keeps two passes and
+ * converts the neighbour above only where the rest is +128. */
 /* float16's step of one element on its slow path: where the rest against p' would be +128, p' is the
  * neighbour above (split_master), whose rest fits int8. x is the new master value, hb p''s 16-bit
  * pattern (nearest even), y its value, both finite. Returns the new correction; *q the pattern. */
