@@ -44,6 +44,16 @@ __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 # ----------------------------------------------------------------------------
 # the optimizer
 # ----------------------------------------------------------------------------
+_PURE_KWARGS_MODULES = ("bridge.optimizers",)
+
+
+def _containers(values: tuple) -> str:
+    """The group values that can change in place (a ``state_format`` mapping; not the params
+    list), written out: a remembered split holds only while they read the same."""
+    return repr([v for v in values if isinstance(v, (dict, set)) or (isinstance(v, list) and not
+                                                                        (v and isinstance(v[0], torch.Tensor)))])
+
+
 class LowBitOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a lowbit_tree transformation per parameter.
 
@@ -90,6 +100,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _clear_caches(self) -> None:
         self._transforms: dict = {}
+        self._split_cache: dict = {}  # id(group) -> (group, its values, _containers of them, _transform's result)
+        # the named classes' group_to_kwargs read the group alone (their _transform may be remembered)
+        self._pure_kwargs = getattr(self._group_to_kwargs, "__module__", None) in _PURE_KWARGS_MODULES
         self._bindings: dict = {}
         self._param_templates: dict = {}
         self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
@@ -170,6 +183,22 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return static, numeric
 
     def _transform(self, group: dict):
+        """(the group's transformation, its static key, its numeric kwargs). Remembered per group
+        while the group's values are the same objects (a scheduler's new ``lr`` is a new one), so
+        a step in backward, one call per param, does not split the group again each time; not for
+        a ``group_to_kwargs`` of the caller's, which may read more than the group."""
+        if self._group_to_kwargs is self._default_group_to_kwargs or self._pure_kwargs:
+            values = tuple(group.values())
+            hit = self._split_cache.get(id(group))
+            if (hit is not None and hit[0] is group and len(hit[1]) == len(values)
+                    and all(a is b for a, b in zip(hit[1], values)) and hit[2] == _containers(values)):
+                return hit[3]
+            found = self._transform_of(group)
+            self._split_cache[id(group)] = (group, values, _containers(values), found)
+            return found
+        return self._transform_of(group)
+
+    def _transform_of(self, group: dict):
         static, numeric = self._split(group)
         key = (tuple(sorted((k, repr(v)) for k, v in static.items())), tuple(sorted(numeric)))
         tx = self._transforms.get(key)

@@ -111,12 +111,35 @@ def _fused_spec(spec: kernels.StepSpec, fusion: Fusion) -> kernels.StepSpec:
                                decay=fusion.decay is not None, lr=fusion.lr is not None)
 
 
+_HYPER_MEMO: dict = {}
+"""Recent hyperparameter vectors by their inputs' values (:func:`_hyper`); at most
+``_HYPER_MEMO_SIZE``, emptied when full."""
+_HYPER_MEMO_SIZE = 256
+
+
 def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.Tensor:
-    return kernels.step_hyperparams(
-        spec, count=count, **rule_hyper, lr=0.0 if lr is None else lr,
-        weight_decay=0.0 if fusion.decay is None else fusion.decay, l2=0.0 if fusion.l2 is None else fusion.l2,
-        device=device,
-    )
+    """This step's hyperparameter vector (:func:`~lowbit_tree.kernels.step_hyperparams`). With
+    values on the host (numbers, CPU tensors) the vector is remembered by their values: the
+    params of a group stepped one at a time (a step in backward) share one count and one set of
+    values, so they share the vector instead of each building it (and, on a GPU, copying it over).
+    The kernels only read it."""
+    values = dict(rule_hyper, count=count, lr=0.0 if lr is None else lr,
+                  weight_decay=0.0 if fusion.decay is None else fusion.decay,
+                  l2=0.0 if fusion.l2 is None else fusion.l2)
+    key = None
+    if not torch.compiler.is_compiling() and all(
+            not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and v.numel() == 1) for v in values.values()):
+        key = (spec.rule, str(device)) + tuple(
+            (k, int(v) if k == "count" else float(v)) for k, v in values.items())
+        hit = _HYPER_MEMO.get(key)
+        if hit is not None:
+            return hit
+    out = kernels.step_hyperparams(spec, **values, device=device)
+    if key is not None:
+        if len(_HYPER_MEMO) >= _HYPER_MEMO_SIZE:
+            _HYPER_MEMO.clear()
+        _HYPER_MEMO[key] = out
+    return out
 
 
 def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,

@@ -142,6 +142,32 @@ def test_same_bits_as_opt_step(case):
         h.remove()
 
 
+def test_group_values_changed_between_steps_reach_the_steps_in_backward():
+    """The steps in backward remember each group's split of its values (one per param would
+    cost host time per param) only while the values are the same: betas and weight decay
+    replaced, a group's epsilon written as a tensor and changed in place, all between
+    iterations, give the bits of opt.step() given the same changes."""
+    model, ref, opt, ref_opt = make("AdamW8bit")
+    ref_opt._pure_kwargs = False  # the reference splits its groups afresh at every step
+    for o in (opt, ref_opt):
+        o.param_groups[1]["eps"] = torch.tensor(1e-8, dtype=torch.float64)
+    handle = bridge.step_in_backward(model, opt)
+    for step in range(4):
+        if step == 2:
+            for o in (opt, ref_opt):
+                o.param_groups[0]["betas"] = (0.5, 0.9)
+                o.param_groups[1]["weight_decay"] = 0.5
+                o.param_groups[1]["eps"].fill_(1e-2)
+        x = batch(step, torch.float32)
+        model(x, step).backward()
+        opt.step()
+        ref(x, step).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_same(model, ref, opt, ref_opt)
+    handle.remove()
+
+
 def test_muon_same_bits_as_opt_step():
     """Muon (Newton-Schulz per matrix; AdamW groups for the rest): the same bits too."""
     torch.manual_seed(0)

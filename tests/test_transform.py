@@ -220,3 +220,24 @@ def test_rank1_record_costs_and_gains():
     bad[3, 5] = float("nan")
     assert torch.isnan(rank1_dequantize(rank1_quantize(bad))[3, 5])
     assert torch.equal(rank1_dequantize(rank1_quantize(torch.zeros(4, 6))), torch.zeros(4, 6))
+
+
+def test_hyperparameter_vectors_remembered_by_value_are_the_kernels_own():
+    """transform._hyper remembers vectors by the values they are built from (the params of a
+    group stepped one at a time share one): every vector it gives equals step_hyperparams' of the
+    same values, bit for bit: the same numbers again, one tensor hyperparameter changed in place
+    between calls (its value, not its identity, is the key), the same numbers for another rule."""
+    from lowbit_tree import kernels
+    from lowbit_tree.transform import Fusion, _hyper
+
+    b2 = torch.tensor(0.999, dtype=torch.float64)
+    fusion = Fusion(decay=0.1, l2=None)
+    for count in (0, 3, 3):
+        for rule in ("adam", "lion", "adam"):
+            spec = kernels.StepSpec(rule=rule)
+            for b2_value in (0.999, 0.99, 0.999):
+                b2.fill_(b2_value)
+                got = _hyper(spec, dict(b1=0.9, b2=b2, eps=1e-8), torch.tensor(count), fusion, 1e-3, "cpu")
+                want = kernels.step_hyperparams(spec, count=count, b1=0.9, b2=b2_value, eps=1e-8, lr=1e-3,
+                                                weight_decay=0.1, l2=0.0, device="cpu")
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (rule, count, b2_value)
