@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import operator
 from typing import Any, Callable, Iterable
 
 import torch
@@ -47,11 +48,11 @@ __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 _PURE_KWARGS_MODULES = ("bridge.optimizers",)
 
 
-def _containers(values: tuple) -> str:
-    """The group values that can change in place (a ``state_format`` mapping; not the params
-    list), written out: a remembered split holds only while they read the same."""
-    return repr([v for v in values if isinstance(v, (dict, set)) or (isinstance(v, list) and not
-                                                                        (v and isinstance(v[0], torch.Tensor)))])
+def _mutable(values: tuple) -> tuple:
+    """The positions of the group values that can change in place (a ``state_format`` mapping;
+    not the params list): a remembered split holds only while they read the same."""
+    return tuple(i for i, v in enumerate(values) if isinstance(v, (dict, set)) or (
+        isinstance(v, list) and not (v and isinstance(v[0], torch.Tensor))))
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -100,7 +101,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _clear_caches(self) -> None:
         self._transforms: dict = {}
-        self._split_cache: dict = {}  # id(group) -> (group, its values, _containers of them, _transform's result)
+        # id(group) -> (group, its values, the positions of its _mutable ones, their repr, _transform's result)
+        self._split_cache: dict = {}
         # the named classes' group_to_kwargs read the group alone (their _transform may be remembered)
         self._pure_kwargs = getattr(self._group_to_kwargs, "__module__", None) in _PURE_KWARGS_MODULES
         self._bindings: dict = {}
@@ -191,10 +193,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             values = tuple(group.values())
             hit = self._split_cache.get(id(group))
             if (hit is not None and hit[0] is group and len(hit[1]) == len(values)
-                    and all(a is b for a, b in zip(hit[1], values)) and hit[2] == _containers(values)):
-                return hit[3]
+                    and all(map(operator.is_, hit[1], values)) and repr([values[i] for i in hit[2]]) == hit[3]):
+                return hit[4]
             found = self._transform_of(group)
-            self._split_cache[id(group)] = (group, values, _containers(values), found)
+            mutable = _mutable(values)
+            self._split_cache[id(group)] = (group, values, mutable, repr([values[i] for i in mutable]), found)
             return found
         return self._transform_of(group)
 

@@ -117,6 +117,19 @@ _HYPER_MEMO: dict = {}
 _HYPER_MEMO_SIZE = 256
 
 
+def _host_key(spec, device, values: dict):
+    """``values`` by value (a 0-d CPU tensor's number), with the rule and the device; ``None``
+    if one is on another device (reading it would wait for it)."""
+    key = [spec.rule, str(device), *values]
+    for v in values.values():
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "cpu" or v.numel() != 1:
+                return None
+            v = v.item()
+        key.append(v)
+    return tuple(key)
+
+
 def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.Tensor:
     """This step's hyperparameter vector (:func:`~lowbit_tree.kernels.step_hyperparams`). With
     values on the host (numbers, CPU tensors) the vector is remembered by their values: the
@@ -126,11 +139,8 @@ def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.T
     values = dict(rule_hyper, count=count, lr=0.0 if lr is None else lr,
                   weight_decay=0.0 if fusion.decay is None else fusion.decay,
                   l2=0.0 if fusion.l2 is None else fusion.l2)
-    key = None
-    if not torch.compiler.is_compiling() and all(
-            not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and v.numel() == 1) for v in values.values()):
-        key = (spec.rule, str(device)) + tuple(
-            (k, int(v) if k == "count" else float(v)) for k, v in values.items())
+    key = None if torch.compiler.is_compiling() else _host_key(spec, device, values)
+    if key is not None:
         hit = _HYPER_MEMO.get(key)
         if hit is not None:
             return hit
