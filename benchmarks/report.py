@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)  # lowbit_tree and bridge of this checkout
 
 import convergence  # noqa: E402
 import digits_mlp  # noqa: E402
+import requantize_drift  # noqa: E402
 import second_moment_formats  # noqa: E402
 import step_in_backward  # noqa: E402
 import step_overhead  # noqa: E402
@@ -551,9 +552,11 @@ def main(argv=None) -> int:
         log("the step in backward")
         ib_args = IN_BACKWARD_QUICK if args.quick else IN_BACKWARD_FULL
         in_backward = captured(step_in_backward.main, ib_args)
-        log("second-moment robustness and round trips")
+        log("second-moment robustness, requantization drift and round trips")
         sm_args = SECOND_MOMENT_QUICK if args.quick else []
         sm = captured(second_moment_formats.main, sm_args)
+        drift_args = ["--quick"] if args.quick else []
+        drift = captured(requantize_drift.main, drift_args)
         from bridge.cli import main as cli
 
         rt = captured(cli, ["roundtrip"])
@@ -659,6 +662,10 @@ def main(argv=None) -> int:
                     " Adam on rows whose gradients span 1e-8..1 inside a block, half the rows absent (zero"
                     " gradient) at each step; the largest weight step against fp32 Adam's largest.\n\n```\n"
                     + sm + "\n```")
+    sections.append(f"## Requantization drift\n\n{cmd('benchmarks/requantize_drift.py', drift_args)}: a state"
+                    " requantized at every step, as every step does (design.md, \"Scales are float32\"): a uniform"
+                    " decay keeps its codes (1.0000: none), and the steady first moment of a constant gradient at each"
+                    " block's largest element.\n\n```\n" + drift + "\n```")
     sections.append(f"## Round-trip error of each format\n\n`lowbit-tree roundtrip`: a heavy-tailed 256x1024 tensor"
                     " through each format's default block size.\n\n```\n" + rt + "\n```")
     text = "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"

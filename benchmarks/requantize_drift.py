@@ -1,18 +1,19 @@
 """How a state's encoding behaves when it is requantized every step, per format.
 
-Two measurements on seeded normal data, 256x1024, blocks of 128 (rank-1: the whole matrix):
+Two measurements on seeded normal data, 128x1024, blocks of 128 (rank-1: the whole matrix):
 
-- ``decay``: ``x = b * deq(q(x))`` for ``--steps`` steps with ``b = 0.999`` (a second moment
-  under zero gradients). With exact block maxima every value keeps its code and the state ends
-  at ``b ** steps`` of its first encoding; printed is the largest element's ratio to that (1.0:
-  no drift; above: the maxima stagnate or grow).
+- ``decay``: ``x = b * deq(q(x))`` for ``--steps`` steps with ``b = 0.999`` (a moment under
+  zero gradients), ``x`` the data's magnitudes (the signed maps' negative side is the next
+  measurement's). With exact block maxima every value keeps its code and the state ends at
+  ``b ** steps`` of its first encoding; printed is the largest element's ratio to that (1.0: no
+  drift; above: the maxima stagnate or grow).
 - ``steady``: ``m = q(0.9 * deq(m) + 0.1 * g)`` with a constant ``g`` (a first moment): the
   block-maximum element's ``m / g`` at the end, for blocks whose largest gradient is positive
   and for those where it is negative (the signed dynamic maps hold 1.0 but not -1.0), and the
   mean relative error of all elements.
 
-Usage: python benchmarks/requantize_drift.py [--steps 1000]
-design.md ("Scales are float32") quotes it.
+Usage: python benchmarks/requantize_drift.py [--steps 1000] [--quick]
+``--quick``: 50 steps on 16x1024 (the CI smoke). A battery of ``benchmarks/report.py``.
 """
 from __future__ import annotations
 
@@ -47,17 +48,20 @@ def steady(fmt: str, g: torch.Tensor, steps: int) -> tuple[float, float, float]:
     return ratio[~neg].mean().item(), ratio[neg].mean().item(), ((m - g).abs().mean() / g.abs().mean()).item()
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="50 steps on 16x1024")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps = 50
     gen = torch.Generator().manual_seed(0)
-    g = torch.randn(256, 1024, generator=gen)
+    g = torch.randn(16 if args.quick else 128, 1024, generator=gen)
     v = g.square()
     print(f"decay: largest element after {args.steps} steps of x = 0.999 * deq(q(x)), over 0.999**steps "
           "times its first encoding")
     for fmt in SIGNED + UNSIGNED:
-        x = g if fmt in SIGNED else v
+        x = g.abs() if fmt in SIGNED else v
         print(f"  {fmt:<18} {decay(lambda t: lt.dequantize(lt.quantize(t, fmt, BLOCK)), x, args.steps):.4f}")
     print(f"  {'rank1':<18} {decay(lambda t: rank1_dequantize(rank1_quantize(t)), v, args.steps):.4f}")
     print(f"steady: m = q(0.9 m + 0.1 g), constant g, {args.steps} steps: block-maximum m/g (positive max, "
