@@ -97,6 +97,17 @@ def assert_same(model, ref, opt, ref_opt):
                 assert a.dtype == b.dtype and torch.equal(a, b), (name, k)
 
 
+def iterate(model, ref, opt, ref_opt, step):
+    """One float32 iteration of both: ``model``'s steps in backward (``opt.step()`` ends it), and
+    backward then ``ref_opt.step()`` on the reference."""
+    x = batch(step, torch.float32)
+    model(x, step).backward()
+    opt.step()
+    ref(x, step).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def live_gradient_probe(model):
     """A post-accumulate-grad hook on every param, registered before step_in_backward's so it
     runs first: it records how many params hold a gradient at that moment."""
@@ -158,12 +169,7 @@ def test_group_values_changed_between_steps_reach_the_steps_in_backward():
                 o.param_groups[0]["betas"] = (0.5, 0.9)
                 o.param_groups[1]["weight_decay"] = 0.5
                 o.param_groups[1]["eps"].fill_(1e-2)
-        x = batch(step, torch.float32)
-        model(x, step).backward()
-        opt.step()
-        ref(x, step).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        iterate(model, ref, opt, ref_opt, step)
         assert_same(model, ref, opt, ref_opt)
     handle.remove()
 
@@ -180,12 +186,7 @@ def test_muon_same_bits_as_opt_step():
     opt, ref_opt = muon(model), muon(ref)
     with bridge.step_in_backward(model, opt):
         for step in range(3):
-            x = batch(step, torch.float32)
-            model(x, step).backward()
-            opt.step()
-            ref(x, step).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            iterate(model, ref, opt, ref_opt, step)
     assert_same(model, ref, opt, ref_opt)
 
 
