@@ -95,8 +95,8 @@ DIGITS_VARIANTS = ["fp32", "8bit", "4bit-rank1", "4bit-block", "fp8", "8bit-bf16
                    "4bit-bf16c"]
 DIGITS_FULL = ["--seeds", "0,1,2,3,4,5,6,7,8,9", "--variants", ",".join(DIGITS_VARIANTS)]
 DIGITS_QUICK = ["--steps", "30", "--seeds", "0", "--variants", "fp32,8bit,4bit-rank1,4bit-block,fp8,8bit-bf16c"]
-TRAINING_STATE_FULL: list[str] = []
-TRAINING_STATE_QUICK = ["--quick"]
+TRAINING_STATE_FULL = ["--wider", "256,512"]
+TRAINING_STATE_QUICK = ["--quick", "--wider", "48"]
 IN_BACKWARD_FULL: list[str] = []
 IN_BACKWARD_QUICK = ["--quick"]
 DEMO_FULL = ["demo", "--no-progress"]
@@ -549,6 +549,8 @@ def main(argv=None) -> int:
         ts_args = TRAINING_STATE_QUICK if args.quick else TRAINING_STATE_FULL
         with isolated(1):
             training_state = training_state_bytes.main(ts_args)
+        wide_state = [r for r in training_state if r["table"] == "wider"]
+        training_state = [r for r in training_state if r["table"] == "demo"]
         log("the step in backward")
         ib_args = IN_BACKWARD_QUICK if args.quick else IN_BACKWARD_FULL
         in_backward = captured(step_in_backward.main, ib_args)
@@ -628,7 +630,15 @@ def main(argv=None) -> int:
         " from allocation to release through torch's dispatcher; between steps (params and states) and at the peak"
         " (adding the gradients alive together, the small batch's activations and the step's temporaries). "
         + demo_setup_legend() + "\n\n"
-        + training_state_bytes.format_table(training_state))
+        + training_state_bytes.format_table(training_state)
+        + "\n\nWhere the optimizer states' bytes go: the records' codes; their scales and maxima (block scales,"
+        " rank-1 row and column maxima, float32: design.md, \"Scales are float32\"); the states kept unquantized"
+        " (float32: the params with one dimension, biases and norms, and those under `min_quant_size`); the int8"
+        " param corrections.\n\n"
+        + training_state_bytes.format_parts_table(training_state)
+        + "\n\nThe bfloat16-param setups on wider models of the same depth (the same command's second table),"
+        " where biases and norms are a smaller share of the params:\n\n"
+        + training_state_bytes.format_wider_table(wide_state))
     sections.append(
         f"## The step in backward\n\n{cmd('benchmarks/step_in_backward.py', ib_args)}: `bridge.step_in_backward`"
         " against `backward()` then `opt.step()`, one thread. Host cost: each param's step in backward is one call"

@@ -19,7 +19,13 @@ window of ``--window`` bytes, so the activations are small beside the training s
                   (the native kernel works in tiles)
 Tensors made outside torch's dispatcher (numpy arrays of the kernel's job tables) are not seen.
 
+Where the optimizer-state bytes go: the records' codes, their other parts (block scales, rank-1
+maxima), the states kept unquantized (params under ``min_quant_size`` or with one dimension:
+biases and norms) and the param corrections. ``--wider``: the bfloat16-param setups' totals on
+wider models of the same depth, where biases and norms are a smaller share.
+
     python benchmarks/training_state_bytes.py            # the demo's model (~1 min)
+    python benchmarks/training_state_bytes.py --wider 256,512
     python benchmarks/training_state_bytes.py --quick    # the --tiny demo's model
 """
 from __future__ import annotations
@@ -33,10 +39,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lowbit_tree import records
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bridge  # noqa: E402
+from bridge.qstate import QState  # noqa: E402
 from bridge.demo import MEMORY_SETUPS, SETUP_LEGEND, TINY, CharGPT, loss_fn, make_optimizer, parse_setup  # noqa: E402
 
 LR, WEIGHT_DECAY, MIN_QUANT_SIZE = 3e-3, 0.01, 1024  # the demo's
@@ -78,6 +87,30 @@ class LiveTensorBytes(TorchDispatchMode):
         self.live -= n
 
 
+PARTS = ("codes", "scales and maxima", "unquantized states", "correction")
+
+
+def state_parts(opt) -> dict:
+    """The optimizer states' bytes by what holds them (one process: the whole model's)."""
+    out = dict.fromkeys(PARTS, 0)
+    for st in opt.state.values():
+        for name, v in st.items():
+            if name == "step":
+                continue
+            if isinstance(v, QState):
+                for part, t in records.parts_of(v.record).items():
+                    out["codes" if part == "codes" else "scales and maxima"] += t.numel() * t.element_size()
+            else:
+                out["correction" if name == "param_correction" else "unquantized states"] += v.numel() * v.element_size()
+    return out
+
+
+def unquantized_elements(opt) -> int:
+    """Param elements whose states are all unquantized (every state a plain tensor)."""
+    return sum(p.numel() for p, st in opt.state.items()
+               if not any(isinstance(v, QState) for k, v in st.items() if k != "step"))
+
+
 def measure(name: str, d_model: int, layers: int, heads: int, seq_len: int, window: int) -> dict:
     """One setup: counted (``opt.training_bytes()``) and measured bytes, and the param count."""
     setup = parse_setup(name)
@@ -101,7 +134,8 @@ def measure(name: str, d_model: int, layers: int, heads: int, seq_len: int, wind
         between = tracker.live
     if handle is not None:
         handle.remove()
-    return {"name": name, **counted._asdict(), "between_steps": between, "peak": tracker.peak}
+    return {"name": name, **counted._asdict(), "between_steps": between, "peak": tracker.peak,
+            "parts": state_parts(opt), "unquantized_elements": unquantized_elements(opt), "d_model": d_model}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -115,8 +149,40 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_parts_table(rows: list[dict]) -> str:
+    """Where each setup's optimizer-state bytes go, in bytes per param."""
+    head = ["setup", *PARTS, "states"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        cells = [r["parts"][k] for k in PARTS] + [r["states"]]
+        lines.append(f"| {r['name']} | " + " | ".join(f"{b / r['elements']:.3f}" for b in cells) + " |")
+    return "\n".join(lines)
+
+
+def wider(d_models: list[int], setups: list[str], layers: int, heads: int, seq_len: int, window: int) -> list[dict]:
+    """``measure`` of each setup on models of each width (the same depth)."""
+    return [measure(s, d, layers, heads, seq_len, window) for d in d_models for s in setups]
+
+
+def format_wider_table(rows: list[dict]) -> str:
+    """Per width: params, the share of them with unquantized states, each setup's counted total
+    (params + gradients + states) in bytes per param."""
+    setups = list(dict.fromkeys(r["name"] for r in rows))
+    head = ["d_model", "params", "params with unquantized states", *setups]
+    lines = ["| " + " | ".join(head) + " |", "|---:|" + "---:|" * (len(head) - 1)]
+    for d in dict.fromkeys(r["d_model"] for r in rows):
+        at = {r["name"]: r for r in rows if r["d_model"] == d}
+        first = at[setups[0]]
+        n = first["elements"]
+        totals = [at[s]["params"] + at[s]["grads"] + at[s]["states"] for s in setups]
+        lines.append(f"| {d} | {n:,} | {100 * first['unquantized_elements'] / n:.2f}% | "
+                     + " | ".join(f"{t / n:.3f}" for t in totals) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> list[dict]:
-    """Prints the table (bytes per param); returns one dict of bytes per setup."""
+    """Prints the tables (bytes per param); returns one dict of bytes per setup and model, its
+    ``"table"`` ``"demo"`` (the demo's model) or ``"wider"`` (``--wider``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setups", default=",".join(MEMORY_SETUPS), help="comma-separated demo setups")
     ap.add_argument("--d-model", type=int, default=128)  # the demo's model
@@ -125,6 +191,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--window", type=int, default=8, help="bytes in the batch's one window")
     ap.add_argument("--quick", action="store_true", help="the --tiny demo's model")
+    ap.add_argument("--wider", default="", help="comma-separated widths (d_model) for a second table")
+    ap.add_argument("--wider-setups", default="8bit-bf16c,4bit-bf16c", help="the setups of that table")
     args = ap.parse_args(argv)
     if args.quick:
         for k in ("d_model", "layers", "heads", "seq_len"):
@@ -133,11 +201,21 @@ def main(argv=None) -> list[dict]:
     setups = [s.strip() for s in args.setups.split(",") if s.strip()]
     for s in setups:
         parse_setup(s)
-    rows = [measure(s, args.d_model, args.layers, args.heads, args.seq_len, args.window) for s in setups]
+    rows = [{**measure(s, args.d_model, args.layers, args.heads, args.seq_len, args.window), "table": "demo"}
+            for s in setups]
     print(f"the demo's byte-level GPT, {rows[0]['elements']:,} params (d_model {args.d_model}, {args.layers} layers), "
           f"AdamW, a batch of one {args.window}-byte window; bytes per param\n")
     print(format_table(rows))
     print("\n" + SETUP_LEGEND.replace("\n", " "))
+    print("\nwhere the optimizer states' bytes go, bytes per param\n")
+    print(format_parts_table(rows))
+    if args.wider:
+        widths = [args.d_model] + [int(w) for w in args.wider.split(",") if w.strip()]
+        print(f"\nwider {args.layers}-layer models, counted params + gradients + states, bytes per param\n")
+        wide = [{**r, "table": "wider"} for r in wider(widths, [s.strip() for s in args.wider_setups.split(",")],
+                                                       args.layers, args.heads, args.seq_len, args.window)]
+        print(format_wider_table(wide))
+        rows += wide
     return rows
 
 

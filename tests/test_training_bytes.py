@@ -140,4 +140,12 @@ def test_benchmark_measures_what_is_counted(capsys):
         # steps in backward keep a plan per param: a 13-float vector, its step count, a few scalars
         assert kept <= r["between_steps"] <= kept + 128 * tensors, (name, r)
         assert r["peak"] >= r["params"] + r["grads"] + r["states"], (name, r)
+        # where the state bytes go: every byte counted somewhere, each part what its layout says
+        parts = r["parts"]
+        assert sum(parts.values()) == r["states"], (name, parts)
+        assert parts["unquantized states"] == 2 * 4 * r["unquantized_elements"], (name, parts)
+        quantized = r["elements"] - r["unquantized_elements"]
+        assert parts["codes"] == 2 * quantized, (name, parts)  # two 8-bit codes an element
+        assert 0 < parts["scales and maxima"] < parts["codes"], (name, parts)
+        assert parts["correction"] == (r["elements"] if "bf16c" in name else 0), (name, parts)
     assert "| 8bit-bf16c-bw | 2.000 |" in capsys.readouterr().out
