@@ -57,8 +57,9 @@ def should_quantize(shape: Sequence[int], min_quant_size: int) -> bool:
     """Whether a parameter of this (global, unsharded) shape gets a quantized state.
 
     Only tensors with ``ndim >= 2`` and at least ``min_quant_size`` elements:
-    biases, norms and scalars keep a float state (their memory is negligible,
-    and a 1-D block would mix unrelated channels).
+    biases, norms and scalars keep a float state (their memory is small, a 1-D
+    block would mix unrelated channels, and a 1-D param is one row, which FSDP2
+    would cut inside a block).
     """
     shape = tuple(shape)
     return len(shape) >= 2 and math.prod(shape) >= min_quant_size
