@@ -38,16 +38,34 @@ def master_params(opt) -> list[torch.Tensor]:
     return out
 
 
-def load_master_params(opt, values: Iterable[torch.Tensor] | Mapping[torch.Tensor, torch.Tensor]) -> None:
+def _mapped_pairs(params: list, values: Mapping, strict: bool) -> list:
+    """``(param, value)`` for a mapping keyed by params; refuses other keys (a model's state
+    dict is keyed by names) and, when ``strict``, a mapping that leaves a param out."""
+    ids = {id(p) for p in params}
+    for k in values:
+        if not isinstance(k, torch.Tensor) or id(k) not in ids:
+            what = f"the key {k!r}" if not isinstance(k, torch.Tensor) else f"a tensor of shape {tuple(k.shape)}"
+            raise ValueError(f"load_master_params: {what} is not a param of the optimizer; a mapping is keyed by the "
+                             "params themselves: for a model's state dict pass "
+                             "{p: sd[name] for name, p in model.named_parameters()}")
+    pairs = [(p, values[p]) for p in params if p in values]
+    if strict and len(pairs) != len(params):
+        raise ValueError(f"load_master_params: the mapping has values for {len(pairs)} of the optimizer's "
+                         f"{len(params)} params; pass strict=False to set only those")
+    return pairs
+
+
+def load_master_params(opt, values: Iterable[torch.Tensor] | Mapping[torch.Tensor, torch.Tensor], *,
+                       strict: bool = True) -> None:
     """Set each param of ``opt`` from a float32 master value: the param becomes the value
     rounded to nearest in its dtype and, for a param with ``param_correction=True``, its
     correction the rest (the param's state is created if it has none yet; its other states are
     left as they are). ``values``: one tensor per param in ``param_groups`` order, or a mapping
-    ``{param: value}``; a value has the param's (global) shape, and under FSDP2 / tensor
-    parallel is a DTensor placed like its param."""
+    ``{param: value}`` (every param, unless ``strict=False``); a value has the param's (global)
+    shape, and under FSDP2 / tensor parallel is a DTensor placed like its param."""
     params = _params(opt)
     if isinstance(values, Mapping):
-        pairs = [(p, values[p]) for p in params if p in values]
+        pairs = _mapped_pairs(params, values, strict)
     else:
         values = list(values)
         if len(values) != len(params):

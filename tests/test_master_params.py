@@ -88,6 +88,39 @@ def test_master_params_are_param_plus_correction_and_load_back_exactly():
         bridge.load_master_params(opt2, values[:1])
 
 
+def _relative_error(got, want) -> float:
+    want = want.detach()
+    return ((got - want).abs() / want.abs().clamp(min=1e-30)).max().item()
+
+
+def test_master_params_load_from_a_mapping_of_params_and_refuse_other_keys():
+    """A mapping is keyed by the params: it sets each param it names; a model's state dict
+    (keyed by names) or a mapping that leaves params out is refused, never loaded as nothing."""
+    fp32 = _model(torch.float32, seed=3)
+    model = _model(seed=4)
+    opt = bridge.AdamW8bit(model.parameters(), lr=1e-3, min_quant_size=64, param_correction=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="key '0.weight' is not a param.*named_parameters"):
+        bridge.load_master_params(opt, fp32.state_dict())
+    with pytest.raises(ValueError, match="not a param"):
+        bridge.load_master_params(opt, {torch.zeros(80, 48): torch.zeros(80, 48)})
+    first = next(model.parameters())
+    with pytest.raises(ValueError, match="1 of the optimizer's 4 params; pass strict=False"):
+        bridge.load_master_params(opt, {first: fp32[0].weight.detach()})
+    for p, b in zip(model.parameters(), before):  # nothing was set by a refused call
+        assert torch.equal(p, b)
+    sd = fp32.state_dict()
+    bridge.load_master_params(opt, {p: sd[n] for n, p in model.named_parameters()})
+    for m, want in zip(bridge.master_params(opt), fp32.parameters()):
+        assert _relative_error(m, want) <= 2 ** -15
+    fresh = _model(seed=4)
+    opt2 = bridge.AdamW8bit(fresh.parameters(), lr=1e-3, min_quant_size=64, param_correction=True)
+    bridge.load_master_params(opt2, {next(fresh.parameters()): fp32[0].weight.detach()}, strict=False)
+    got = bridge.master_params(opt2)
+    assert _relative_error(got[0], fp32[0].weight) <= 2 ** -15
+    assert torch.equal(got[1], before[1].float())  # the params it leaves out keep their values
+
+
 def test_corrections_survive_state_dict_and_dcp_round_trips(tmp_path):
     import torch.distributed.checkpoint as dcp
 
