@@ -259,7 +259,8 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, r = row_layout(q.shape)
     vals = _code_values(q, fmt)
     # per-element scale by gather (a pad/reshape/slice here was miscompiled by
-    # inductor 2.13 on CPU when followed by a square: garbage in the last block)
+    # inductor 2.13 on CPU when followed by a square: garbage in the last block,
+    # its C++ loop split dropping the tail, pytorch issue 195582)
     block_of = torch.arange(r, device=vals.device) // q.block_size
     out = vals * q.scale[:, block_of]
     if fmt.sqrt:

@@ -263,6 +263,19 @@ def test_compiled_single_row_runs_eagerly():
                     torch_backend.quantize_rows(x, "dynamic8", 256, compile=False)[0])
 
 
+@pytest.mark.xfail(strict=True, reason="pytorch issue 195582: inductor's CPU loop split drops a loop's tail; when "
+                   "this passes, torch has fixed it and the workarounds it names (design.md, torch backend) can go")
+def test_inductor_cpu_loop_split_keeps_the_tail():
+    """The torch bug behind ``_block_index``'s clamp, the scale gather and ``compiles``: a block
+    scale read by ``arange(R) // block_size`` on a one-block row, compiled for the CPU."""
+    def scaled(scale, x):
+        return x * scale[:, torch.arange(x.shape[1]) // 256]
+
+    scale, x = torch.full((2, 1), 2.0), torch.ones(2, 64)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(scaled, dynamic=True)(scale, x), scaled(scale, x))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("backend", ["compiled", "eager"])

@@ -68,7 +68,9 @@ assert all(_DIVISORS[name] == f.scale_divisor for name, f in FORMATS.items())
 def _block_index(r: int, block_size: int, nblocks, device) -> torch.Tensor:
     """The block of each element of a row. The clamp changes nothing, but without
     it inductor 2.13 (CPU, dynamic shapes) reads garbage from a ``(rows, 1)`` scale
-    (one block per row, rows shorter than a block)."""
+    (one block per row, rows shorter than a block): its C++ loop split drops a loop's
+    last ``R % block_size`` iterations (pytorch issue 195582); with one block the
+    clamp folds the index to 0, leaving no ``// block_size`` to split."""
     return (torch.arange(r, device=device) // block_size).clamp(0, nblocks - 1)
 
 
@@ -425,7 +427,8 @@ def compiles(shape, kinds: tuple) -> bool:
     inductor 2.13 (CPU, ``dynamic=True``) miscompiles block quantization of a ``(1, R)`` row
     view (a size-1 dim that dynamo makes a constant): the codes came out all zero, and with two
     blocks a row the dequantized values were wrong too (``tests/test_kernels_step.py``,
-    ``test_compiled_single_row_runs_eagerly``)."""
+    ``test_compiled_single_row_runs_eagerly``). The cause is inductor's C++ loop split, which
+    drops a loop's last ``R % block_size`` iterations (pytorch issue 195582)."""
     from ..qtensor import row_layout
 
     return row_layout(shape)[0] != 1 or not any(kind[0] == "q" for kind in kinds)
