@@ -46,7 +46,8 @@ class StepInBackward:
                 f"step_in_backward: a second backward reached the param of shape {tuple(p.shape)} before "
                 "opt.step(): each backward steps every param it reaches, and gradients are not accumulated "
                 "over backward passes. Call opt.step() after each backward (it does not step again; it ends "
-                "the iteration), or handle.remove() to accumulate gradients and step with opt.step()"
+                "the iteration), or handle.remove() to accumulate gradients and step with opt.step(). This "
+                "backward's gradients are left in .grad: opt.zero_grad() drops them"
             )
         self.opt._step_param(p)
         self._stepped.add(id(p))
@@ -66,7 +67,8 @@ class StepInBackward:
             raise RuntimeError(
                 f"step_in_backward: {len(left)} param(s) hold a gradient that no backward hook stepped (the first "
                 f"of shape {tuple(left[0].shape)}): the steps run in backward, and opt.step() steps nothing while "
-                "the hooks are on; set gradients by backward(), or call handle.remove() and step with opt.step()"
+                "the hooks are on; set gradients by backward(), or call handle.remove() and step with opt.step(). "
+                "opt.zero_grad() drops them (a refused second backward leaves its gradients there)"
             )
         self._stepped.clear()
 
@@ -136,7 +138,12 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
     used and freed. ``torch.amp.GradScaler`` does not combine: the params step on the
     scaled gradients before ``scaler.step(opt)`` could unscale them (bfloat16 autocast needs
     no scaler). A param the backward still reads after its own gradient is final (through a
-    ``.detach()``d use) is read after its step. Hooks of ``opt``
+    ``.detach()``d use) is read after its step. Under reentrant activation checkpointing
+    (``torch.utils.checkpoint(..., use_reentrant=True)``) each checkpointed segment runs a
+    backward of its own: a weight used both inside and outside a segment (tied embeddings)
+    gets its hook in the segment's, on part of its gradient, and the rest raises as a second
+    backward; ``use_reentrant=False`` runs one backward. ``DistributedDataParallel`` is
+    refused: it averages gradients after these hooks, so replicas would step on their own. Hooks of ``opt``
     (``register_step_pre_hook`` and the like) run around ``opt.step()``, which steps nothing
     here.
 
@@ -171,10 +178,19 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
             params.append(p)
     if not params:
         raise ValueError("step_in_backward: no params given")
+    if isinstance(model_or_params, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "step_in_backward: DistributedDataParallel averages gradients after the params' post-accumulate-grad "
+            "hooks have run, so each replica would step on its own gradient and the replicas would drift apart; "
+            "shard with FSDP2 (fully_shard), whose hooks run after the reduce-scatter, or step with opt.step()"
+        )
     in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
     for p in params:
         if id(p) not in in_opt:
-            raise ValueError(f"step_in_backward: the param of shape {tuple(p.shape)} is not in {name}")
+            raise ValueError(
+                f"step_in_backward: the param of shape {tuple(p.shape)} is not in {name}; give the optimizer's "
+                "params only (with frozen params left out of it: [p for p in model.parameters() if p.requires_grad])"
+            )
         if not p.requires_grad:
             raise ValueError(
                 f"step_in_backward: the param of shape {tuple(p.shape)} does not require grad, so no backward "

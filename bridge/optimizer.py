@@ -55,6 +55,11 @@ def _mutable(values: tuple) -> tuple:
         isinstance(v, list) and not (v and isinstance(v[0], torch.Tensor))))
 
 
+def _stored_as(v) -> str:
+    v = to_local(v)
+    return f"{v.kind.name} {dict((k, x) for k, x in v.meta.items() if k != 'reduce')}" if isinstance(v, QState) else str(v.dtype)
+
+
 class LowBitOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` running a lowbit_tree transformation per parameter.
 
@@ -127,6 +132,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # -- param groups ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        if self.__dict__.get("_in_backward") is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.add_param_group: the steps run in backward (bridge.step_in_backward) and the "
+                "new params would have no hook, so they would never step; handle.remove(), add the group, then "
+                "call step_in_backward again"
+            )
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for p in params:
@@ -216,7 +227,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         (``tx.init`` on meta tensors of their *global* shapes: formats, block sizes
         and the quantize-or-not decision come from there)."""
         tx, key, _ = self._transform(group)
-        cache_key = (key, tuple(id(p) for p in params), present)
+        cache_key = (key, tuple((id(p), p.dtype) for p in params), present)
         b = self._bindings.get(cache_key)
         if b is None:
             on = set(present)
@@ -225,30 +236,69 @@ class LowBitOptimizer(torch.optim.Optimizer):
             b = self._bindings[cache_key] = binding(tx.init(metas))
         return b
 
+    def _layout(self, p, group) -> dict:
+        """The states ``group`` keeps for ``p`` as it is now (its global shape and dtype):
+        ``{name: (record kind, meta)}``, ``(None, dtype)`` for a plain tensor; the core's
+        ``tx.init`` of this one param, with tensor parallel's whole blocks on every shard."""
+        tx, key, _ = self._transform(group)
+        cache_key = (key, tuple(p.shape), p.dtype, tuple(to_local(p).shape))
+        layout = self._param_templates.get(cache_key)
+        if layout is None:
+            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+            layout = {}
+            for name, leaf in binding(tx.init([meta])).state_leaves(0).items():
+                kind = records.kind_of(leaf)
+                if kind is None:
+                    layout[name] = (None, leaf.dtype)
+                    continue
+                meta = kind.meta_of(leaf)
+                if "block_size" in meta:  # tensor parallel: whole blocks on every shard
+                    meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
+                layout[name] = (kind, meta)
+            self._param_templates[cache_key] = layout
+        return layout
+
     def _init_state(self, p, group) -> dict:
         """A new param's state, torch.optim's names, zeros in the formats the core chose: every
         state a tensor (records as :class:`QState`), DTensor-wrapped like ``p``."""
-        tx, key, _ = self._transform(group)
-        cache_key = (key, tuple(p.shape), p.dtype)
-        tmpl = self._param_templates.get(cache_key)
-        if tmpl is None:  # tx.init of this one param (its global shape): formats, block sizes
-            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-            tmpl = self._param_templates[cache_key] = binding(tx.init([meta])).state_leaves(0)
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
-        for name, leaf in tmpl.items():
-            kind = records.kind_of(leaf)
+        for name, (kind, meta) in self._layout(p, group).items():
             if kind is None:
-                st[name] = wrap_like(torch.zeros(local.shape, dtype=leaf.dtype, device=local.device), p)
+                st[name] = wrap_like(torch.zeros(local.shape, dtype=meta, device=local.device), p)
                 continue
-            meta = kind.meta_of(leaf)
-            if "block_size" in meta:  # tensor parallel: whole blocks on every shard
-                meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
             if "reduce" in kind.wiring:
                 self._reducer(p)  # made now: raises at creation for a shard it cannot complete
-            record = kind.zeros(tuple(local.shape), meta, local.device)
+            record = kind.zeros(tuple(local.shape), dict(meta), local.device)
             st[name] = wrap_like(QState(record, mesh_axes(p)), p)
         return st
+
+    def _check_layout(self, p, group, st: dict) -> None:
+        """Refuses a state that is not what ``group`` keeps for ``p`` now: the param's dtype
+        (``param_correction`` keeps a correction only for bfloat16 / float16 params) or a
+        storage option of the group changed after the state was created."""
+        want = self._layout(p, group)
+        have = {k: v for k, v in st.items() if k != "step"}
+        problem = None
+        if set(have) != set(want):
+            problem = f"holds {sorted(have)} where the group now keeps {sorted(want)}"
+        else:
+            for name, (kind, meta) in want.items():
+                v = to_local(have[name])
+                if kind is None and (isinstance(v, QState) or v.dtype != meta):
+                    problem = f"stores {name!r} as {_stored_as(v)} where the group now keeps {meta}"
+                elif kind is not None and (not isinstance(v, QState) or v.kind is not kind
+                                           or {k: x for k, x in v.meta.items() if k != "reduce"} != meta):
+                    problem = f"stores {name!r} as {_stored_as(v)} where the group now keeps {kind.name} {meta}"
+                if problem:
+                    break
+        if problem:
+            raise ValueError(
+                f"{type(self).__name__}: the state of a param of shape {tuple(p.shape)} ({p.dtype}) {problem}: the "
+                "param's dtype or the group's storage options (state_format, block_size, min_quant_size, "
+                "rank1_normalization, amsgrad, param_correction, ...) changed after its state was created, and "
+                "states keep the layout they were made with; cast the model before building the optimizer and set "
+                "these options at construction (or load a state dict saved with them)")
 
     def _live(self, p, st: dict) -> dict:
         """A param's states as the core sees them: records sharing the live storage, wired to
@@ -392,6 +442,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             st = self.state[p]
             if len(st) == 0:
                 st.update(self._init_state(p, group))
+            else:
+                self._check_layout(p, group, st)
             batches.setdefault(float(st["step"]), []).append(i)
         what = f"{type(self).__name__}'s transformation ({getattr(self._factory, '__name__', 'factory')})"
         for batch in batches.values():

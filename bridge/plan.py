@@ -36,6 +36,7 @@ class GroupPlan:
         self.present = present
         self.params = [params[i] for i in present]
         self.locals = [to_local(p) for p in self.params]
+        self.dtypes = [p.dtype for p in self.params]  # a module cast in place keeps the param object
         self.states = [opt.state[p] for p in self.params]
         live: list = [None] * len(params)
         for i, p, st in zip(present, self.params, self.states):
@@ -60,12 +61,15 @@ class GroupPlan:
         self.size = len(params)
 
     def current(self, opt, params: list, present: tuple) -> bool:
-        """Whether this plan still holds: the same params with gradients, the same state
-        objects, step counts untouched since the last step."""
+        """Whether this plan still holds: the same params with gradients (in the same dtypes),
+        the same state objects, step counts untouched since the last step."""
         if present != self.present or len(params) != self.size or self.steps._version != self.version:
             return False
-        for p, local, st, held, view in zip(self.params, self.locals, self.states, self.held, self.views):
+        for p, local, st, held, view, dtype in zip(self.params, self.locals, self.states, self.held, self.views,
+                                                   self.dtypes):
             if opt.state.get(p) is not st or st.get("step") is not view or to_local(p) is not local:
+                return False
+            if p.dtype != dtype:
                 return False
             if len(st) != len(held) + 1 or any(a is not b for a, b in zip((v for k, v in st.items() if k != "step"), held)):
                 return False

@@ -369,6 +369,66 @@ def test_bf16_params_and_bf16_default_dtype():
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
 
 
+@pytest.mark.parametrize("change, says", [
+    ("cast", r"\(torch.bfloat16\) holds \['exp_avg', 'exp_avg_sq'\] where the group now keeps \['exp_avg', "
+             r"'exp_avg_sq', 'param_correction'\]"),
+    ("state_format", r"stores 'exp_avg' as block .*dynamic8.* where the group now keeps block .*dynamic4"),
+    ("block_size", r"stores 'exp_avg' as block \{'block_size': 256.* where the group now keeps block \{'block_size': 64"),
+    ("amsgrad", r"where the group now keeps \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq'\]"),
+    ("mapping", r"stores 'exp_avg_sq' as block .*dynamic8_sqrt.* where the group now keeps rank1"),
+])
+def test_a_state_layout_changed_after_creation_is_refused_before_anything_moves(change, says):
+    """States keep the layout they were made with: a param cast to bfloat16 under
+    param_correction=True (it would step on without a correction) or a group's storage option
+    changed after the states exist is refused at the next step, naming both layouts and the
+    fix, with params and states untouched."""
+    m = mlp()
+    fmt = {"exp_avg": "8bit", "exp_avg_sq": "8bit"}
+    opt = bridge.AdamW(m.parameters(), lr=1e-3, min_quant_size=0, state_format=fmt,
+                       param_correction=(change == "cast"))
+    train(m, opt, 2)
+    if change == "cast":
+        m.bfloat16()
+    elif change == "state_format":
+        opt.param_groups[0]["state_format"] = "4bit"
+    elif change == "block_size":
+        opt.param_groups[0]["block_size"] = 64
+    elif change == "amsgrad":
+        opt.param_groups[0]["amsgrad"] = True
+    else:
+        opt.param_groups[0]["state_format"]["exp_avg_sq"] = "4bit"  # the group's own mapping, changed in place
+    before = [p.detach().clone() for p in m.parameters()]
+    states = {k: v.clone() for k, v in opt.state_dict()["state"][0].items() if torch.is_tensor(v)}
+    x, y = data()
+    loss_fn(m, x.to(before[0].dtype), y.to(before[0].dtype)).float().backward()
+    with pytest.raises(ValueError, match=says) as err:
+        opt.step()
+    assert "set these options at construction" in str(err.value) and "cast the model before" in str(err.value)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert all(torch.equal(opt.state_dict()["state"][0][k], v) for k, v in states.items())
+
+
+def test_a_cast_that_keeps_the_layout_steps_on_as_a_fresh_optimizer_would():
+    """Without param_correction a param's states do not depend on its dtype: a model cast to
+    bfloat16 after its states exist steps on exactly as an optimizer built on the cast model
+    and loaded with the same states."""
+    m = mlp()
+    opt = bridge.AdamW8bit(m.parameters(), lr=1e-3, min_quant_size=0)
+    train(m, opt, 2)
+    twin = mlp().bfloat16()
+    with torch.no_grad():
+        for a, b in zip(twin.parameters(), m.parameters()):
+            a.copy_(b)
+    twin_opt = bridge.AdamW8bit(twin.parameters(), lr=1e-3, min_quant_size=0)
+    twin_opt.load_state_dict(opt.state_dict())
+    m.bfloat16()
+    x, y = data()
+    for model, o in ((m, opt), (twin, twin_opt)):
+        train(model, o, 3, x=x.bfloat16(), y=y.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), twin.parameters()))
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+
+
 def test_bf16_stochastic_rounding_resumes_bit_for_bit_and_moves_tiny_updates():
     def run(steps, resume_at=None):
         torch.manual_seed(0)

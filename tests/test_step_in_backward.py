@@ -266,7 +266,7 @@ def test_refused_at_registration():
     with pytest.raises(ValueError, match="skip_nonfinite"):
         bridge.step_in_backward(model, bridge.AdamW8bit([{"params": params[:2], "skip_nonfinite": True},
                                                         {"params": params[2:]}]))
-    with pytest.raises(ValueError, match="not in AdamW8bit"):
+    with pytest.raises(ValueError, match=r"not in AdamW8bit; give the optimizer's params only"):
         bridge.step_in_backward(model, bridge.AdamW8bit(params[1:]))
     with pytest.raises(ValueError, match="not among the params given"):
         bridge.step_in_backward(params[1:], bridge.AdamW8bit(params))
@@ -286,6 +286,22 @@ def test_refused_at_registration():
     assert no_hooks(model)
 
 
+def test_distributed_data_parallel_is_refused(tmp_path):
+    """DDP averages gradients after the post-accumulate-grad hooks: each replica would step on
+    its own gradient. A DDP module is refused before any hook is registered."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Net()
+        ddp = DistributedDataParallel(model)
+        with pytest.raises(ValueError, match="DistributedDataParallel averages gradients after.*FSDP2"):
+            bridge.step_in_backward(ddp, bridge.AdamW8bit(ddp.parameters()))
+        assert no_hooks(model)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_refused_while_on():
     """While the hooks are on: a second backward before opt.step() (accumulation) raises at the
     first param it reaches; opt.step(closure) raises; a gradient set by hand makes opt.step()
@@ -295,12 +311,15 @@ def test_refused_while_on():
     x = batch(0, torch.float32)
     with bridge.step_in_backward(model, opt):
         model(x, 1).backward()
-        with pytest.raises(RuntimeError, match="second backward"):
+        with pytest.raises(RuntimeError, match="second backward.*left in .grad: opt.zero_grad.. drops them"):
             model(x, 1).backward()
-        with pytest.raises(RuntimeError, match="hold a gradient"):
+        with pytest.raises(RuntimeError, match="hold a gradient.*opt.zero_grad.. drops them"):
             opt.step()  # the gradient the refused backward left behind
         opt.zero_grad()
         opt.step()
+        with pytest.raises(RuntimeError, match="add_param_group.*would never step.*handle.remove"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+        assert len(opt.param_groups) == 2
         with pytest.raises(RuntimeError, match="closure"):
             opt.step(lambda: model(x, 1))
         model.out.weight.grad = torch.ones_like(model.out.weight)
