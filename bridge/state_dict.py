@@ -49,6 +49,9 @@ RANK_KEY = "momentum_rank"
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round",
                RANK1_KEY, RANK_KEY)
 
+CORRECTION = "param_correction"  # a bfloat16 / float16 param's state (and its group's option): its master's low bits
+TORCH_GROUP_KEYS = ("amsgrad", "nesterov")  # static keys torch.optim's groups have too: an export keeps them
+
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2, 3)
 NEW_IN_VERSION_2 = ("foreach", "maximize", "capturable", "differentiable", "fused")  # group keys
@@ -188,6 +191,7 @@ def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: di
                 f"param group {gi}: loaded state dict has {len(saved['params'])} params, this optimizer has {len(group['params'])}"
             )
         if migrating:
+            _check_torch_settings(gi, saved, group)
             continue
         version = _saved_version(saved, state_dict)
         if version not in READABLE_VERSIONS:
@@ -221,14 +225,48 @@ def _static_mismatch(gi: int, key: str, value, mine, detail: str = "") -> str:
             "re-quantizes its fp32 export")
 
 
+def _state_settings(group: dict) -> dict:
+    """The settings of a group, ours or torch.optim's, that decide which states its params keep
+    and how its rule reads them, ``{name: value}`` for those it has: ``amsgrad`` (a
+    ``max_exp_avg_sq``), ``nesterov``, and whether ``momentum`` keeps a ``momentum_buffer``
+    (torch.optim.SGD: ``momentum != 0``; ours: ``has_momentum``, fixed when the group was made)."""
+    out = {k: bool(group[k]) for k in TORCH_GROUP_KEYS if k in group}
+    if "has_momentum" in group:
+        out["momentum"] = bool(group["has_momentum"])
+    elif "momentum" in group:
+        out["momentum"] = float(group["momentum"]) != 0
+    return out
+
+
+SETTING_EFFECTS = {
+    "amsgrad": "amsgrad keeps a 'max_exp_avg_sq' per param",
+    "momentum": "a momentum other than 0 keeps a 'momentum_buffer' per param",
+    "nesterov": "nesterov changes how the momentum buffer is applied",
+}
+
+
+def _check_torch_settings(gi: int, saved: dict, group: dict) -> None:
+    """A torch.optim-layout group (torch.optim's own, or ``torch_state_dict()``) against this
+    group, setting by setting (:func:`_state_settings`): loading one into the other would drop a
+    state the dict holds, or lack one the rule reads (torch restores the group's values)."""
+    theirs, mine = _state_settings(saved), _state_settings(group)
+    for key in theirs:
+        if key in mine and theirs[key] != mine[key]:
+            raise ValueError(
+                f"param group {gi}: the state dict has {key}={saved.get(key)!r} but this optimizer has "
+                f"{key}={group.get(key)!r} ({SETTING_EFFECTS[key]}): loading it would change which states the "
+                f"group keeps; build the optimizer with {key}={saved.get(key)!r}, as the run that wrote it")
+
+
 FORMAT_KEYS = ("state_format",) + tuple(FORMAT_ARGUMENTS.values())  # the group keys that say states' formats
 
 
 def _check_formats(opt, gi: int, saved: dict, group: dict) -> None:
     """The saved group's state formats against this group's, state by state, as this optimizer
-    reads both (``opt._state_formats``): a mapping that gives every state the format a name gives
-    matches that name; any state in another format is refused, naming it. An optimizer that
-    cannot say its states (a plain ``LowBitOptimizer``) compares the values as they are."""
+    reads both (``opt._state_formats``), for the states the group keeps (:func:`_kept_states`): a
+    mapping that gives every kept state the format a name gives matches that name; a kept state in
+    another format is refused, naming it. An optimizer that cannot say its states (a plain
+    ``LowBitOptimizer``) compares the values as they are."""
     theirs_group = {k: v for k, v in group.items() if k not in FORMAT_KEYS}
     theirs_group.update({k: saved[k] for k in FORMAT_KEYS if k in saved})
     value, mine = saved.get("state_format"), group["state_format"]
@@ -245,10 +283,24 @@ def _check_formats(opt, gi: int, saved: dict, group: dict) -> None:
         return
     if theirs is None:
         raise ValueError(_static_mismatch(gi, "state_format", value, mine))
-    name = next(n for n in mine_formats if theirs[n] != mine_formats[n])
+    kept = _kept_states(opt, group)
+    differ = [n for n in mine_formats if n in kept and theirs[n] != mine_formats[n]]
+    if not differ:
+        return
+    name = differ[0]
     key = FORMAT_ARGUMENTS.get(name, "state_format") if value == mine else "state_format"  # (that argument differs)
     detail = f" (the state dict keeps {name!r} in {theirs[name]!r}, this optimizer in {mine_formats[name]!r})"
     raise ValueError(_static_mismatch(gi, key, saved.get(key), group.get(key), detail))
+
+
+def _kept_states(opt, group: dict) -> set:
+    """The states ``group``'s params keep: its transformation's ``tx.init`` of meta tensors of
+    their shapes (no memory; cached for the group's step). A state the rule keeps only with a
+    setting (``max_exp_avg_sq``: ``amsgrad``) is not among them without it, so its format
+    cannot make two optimizers differ."""
+    params = group["params"]
+    b = opt._binding(group, params, tuple(range(len(params))))
+    return {s.name for s in b.slots if s.kind == "state"}
 
 
 def _takes_rank1(opt) -> bool:
@@ -310,82 +362,144 @@ def _is_ours(state_dict: dict) -> bool:
 
 
 def load_into(opt, state_dict: dict) -> None:
-
+    """``opt.load_state_dict``: checks the groups, builds every param's new state (nothing
+    changes unless all of it loads), then lets torch restore the groups (hyperparameters from the
+    state dict, as torch.optim does; the settings that decide the states stay this optimizer's)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
     migrating = not _is_ours(state_dict)
     adopted = _check_groups(opt, state_dict["param_groups"], migrating, state_dict)
-
-    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-    params = [p for g in opt.param_groups for p in g["params"]]
     # the groups as they will be: a group on its format's default takes the saved rank-1 choice
     as_loaded = [dict(g, **{RANK1_KEY: adopted[gi]}) if gi in adopted else g for gi, g in enumerate(opt.param_groups)]
-    group_of = {id(p): g for g in as_loaded for p in g["params"]}
 
     # Build every new state first: nothing changes unless all of it loads.
     new_states = {}
-    for sid, p in zip(saved_ids, params):
-        saved = state_dict["state"].get(sid)
-        if saved is None:
-            continue
-        group = group_of[id(p)]
-        where = f"param {sid} (shape {tuple(p.shape)})"
-        fresh = opt._init_state(p, group)  # the expected layout, on the param's device
-        st: dict[str, Any] = {}
-        for name, expected in fresh.items():
-            exp_local = to_local(expected)
-            if name == "step":
-                if "step" not in saved and not (migrating and set(saved) == {"momentum_buffer"}):
-                    raise ValueError(f"{where}: the state dict has no 'step'")
-                # torch.optim.SGD / Muon keep no step: a migrated buffer starts our count at 0
-                step = saved.get("step", 0)
-                step = step.to_local() if is_dtensor(step) else step
-                st["step"] = torch.as_tensor(step, dtype=torch.float32, device=exp_local.device).detach().clone().reshape(())
-                _check_step(st["step"], where)
-                continue
-            if isinstance(exp_local, QState):
-                st[name] = _load_record(opt, saved, name, p, exp_local, expected, where)
-            else:
-                if name not in saved:
-                    raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
-                if not isinstance(saved[name], torch.Tensor):
-                    raise ValueError(f"{where}: {name!r} is a {type(saved[name]).__name__}, expected a tensor: this "
-                                     f"optimizer keeps it unquantized ({_describe(exp_local)}); the state dict was "
-                                     "written with another state_format or min_quant_size")
-                value = _rows(saved[name], p, f"{where} {name}") if exp_local.shape == to_local(p).shape and p.ndim else saved[name]
-                value = to_local(value)
-                if tuple(value.shape) != tuple(exp_local.shape):
-                    raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
-                if value.is_floating_point() != exp_local.is_floating_point():
-                    want = "a float tensor" if exp_local.is_floating_point() else f"a {exp_local.dtype} tensor"
-                    raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {want}")
-                local = value.detach().to(device=exp_local.device, dtype=exp_local.dtype).clone()
-                st[name] = wrap_like(local, p) if is_dtensor(expected) else local
-        known = set(fresh) | {f"{n}{s}" for n in fresh for s in STATE_SUFFIXES}
-        unknown = sorted(k for k in saved if k not in known)
-        if unknown and not migrating:
-            raise ValueError(f"{where}: unexpected state entries {unknown}; expected {sorted(fresh)}")
-        new_states[id(p)] = (p, st)
-    ids = set(saved_ids)
+    for gi, (saved_group, group) in enumerate(zip(state_dict["param_groups"], as_loaded)):
+        for sid, p in zip(saved_group["params"], group["params"]):
+            saved = state_dict["state"].get(sid)
+            if saved is not None:
+                st = _loaded_state(opt, saved, p, group, migrating, gi, sid)
+            elif not saved_group.get(CORRECTION):
+                st = _fresh_keeping_correction(opt, p, group)
+            else:  # a run with corrections held no state for it: its correction was zero
+                st = None
+            if st is not None:
+                new_states[id(p)] = (p, st)
+    ids = {i for g in state_dict["param_groups"] for i in g["params"]}
     passed = {k: v for k, v in state_dict["state"].items() if k not in ids}  # keys not of params: as torch
 
-    # torch restores the groups (hyperparameters from the state dict, as torch.optim does)
-    groups = []
-    for saved, group in zip(state_dict["param_groups"], as_loaded):
-        g = {k: v for k, v in saved.items() if k != VERSION_KEY}
-        # keys the saved group lacks (a torch.optim dict has none of our static keys; an older
-        # dict lacks keys added since) keep this optimizer's values
-        for k, v in group.items():
-            if k != "params" and k not in g:
-                g[k] = v
-        if not migrating and "state_format" in group:
-            g["state_format"] = group["state_format"]  # the same formats (checked): this optimizer's spelling
-        groups.append(g)
+    groups = [_restored_group(saved, group, migrating) for saved, group in zip(state_dict["param_groups"], as_loaded)]
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
     for p, st in new_states.values():
         opt.state[p] = st
     for k, v in passed.items():
         opt.state[k] = v
+
+
+def _restored_group(saved: dict, group: dict, migrating: bool) -> dict:
+    """The group as torch restores it: the saved hyperparameters; keys the saved group lacks (a
+    torch.optim dict has none of our static keys; an older dict lacks keys added since) keep
+    this optimizer's values, and so do its state formats (the same, checked: its spelling) and
+    ``param_correction`` (whether its params keep a correction: the states were built so)."""
+    g = {k: v for k, v in saved.items() if k not in (VERSION_KEY, CORRECTION)}
+    for k, v in group.items():
+        if k != "params" and k not in g:
+            g[k] = v
+    if not migrating and "state_format" in group:
+        g["state_format"] = group["state_format"]
+    return g
+
+
+def _loaded_state(opt, saved: dict, p, group: dict, migrating: bool, gi: int, sid) -> dict:
+    """Param ``p``'s new state from its saved one, in the layout ``group`` keeps (``opt._init_state``),
+    every state validated. A correction the dict does not hold (written on float32 params, or by
+    torch.optim) is left as it is (:func:`_live_correction`); a saved state this optimizer would
+    not keep is refused, never dropped."""
+    where = f"param {sid} (shape {tuple(p.shape)})"
+    fresh = opt._init_state(p, group)  # the expected layout, on the param's device
+    if saved.get(CORRECTION) is not None and CORRECTION not in fresh:
+        raise ValueError(_dropped_correction(gi, sid, p, group))
+    st: dict[str, Any] = {}
+    for name, expected in fresh.items():
+        exp_local = to_local(expected)
+        if name == "step":
+            st["step"] = _loaded_step(saved, exp_local, migrating, where)
+        elif name == CORRECTION and name not in saved:
+            st[name] = _live_correction(opt, p, expected)
+        elif isinstance(exp_local, QState):
+            st[name] = _load_record(opt, saved, name, p, exp_local, expected, where)
+        else:
+            st[name] = _load_plain(saved, name, p, exp_local, expected, where)
+    known = set(fresh) | {f"{n}{s}" for n in fresh for s in STATE_SUFFIXES}
+    unknown = sorted(k for k in saved if k not in known and not (migrating and saved[k] is None))
+    if unknown:
+        raise ValueError(f"{where}: unexpected state entries {unknown}; expected {sorted(fresh)}"
+                         + ("; loading would drop them: build the optimizer with the settings of the one that "
+                            "wrote the state dict (amsgrad, momentum, ...)" if migrating else ""))
+    return st
+
+
+def _loaded_step(saved: dict, exp_local: torch.Tensor, migrating: bool, where: str) -> torch.Tensor:
+    """The saved ``step`` as our 0-d float32 count; torch.optim.SGD / Muon keep no step: a
+    migrated buffer starts our count at 0."""
+    if "step" not in saved and not (migrating and set(saved) == {"momentum_buffer"}):
+        raise ValueError(f"{where}: the state dict has no 'step'")
+    step = saved.get("step", 0)
+    step = step.to_local() if is_dtensor(step) else step
+    step = torch.as_tensor(step, dtype=torch.float32, device=exp_local.device).detach().clone().reshape(())
+    _check_step(step, where)
+    return step
+
+
+def _load_plain(saved: dict, name: str, p, exp_local: torch.Tensor, expected, where: str):
+    """A state this optimizer keeps unquantized: the saved tensor (this rank's rows), checked,
+    copied in the live dtype."""
+    if name not in saved:
+        raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
+    if not isinstance(saved[name], torch.Tensor):
+        raise ValueError(f"{where}: {name!r} is a {type(saved[name]).__name__}, expected a tensor: this "
+                         f"optimizer keeps it unquantized ({_describe(exp_local)}); the state dict was "
+                         "written with another state_format or min_quant_size")
+    value = _rows(saved[name], p, f"{where} {name}") if exp_local.shape == to_local(p).shape and p.ndim else saved[name]
+    value = to_local(value)
+    if tuple(value.shape) != tuple(exp_local.shape):
+        raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
+    if value.is_floating_point() != exp_local.is_floating_point():
+        want = "a float tensor" if exp_local.is_floating_point() else f"a {exp_local.dtype} tensor"
+        raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {want}")
+    local = value.detach().to(device=exp_local.device, dtype=exp_local.dtype).clone()
+    return wrap_like(local, p) if is_dtensor(expected) else local
+
+
+def _live_correction(opt, p, fresh_correction):
+    """Param ``p``'s correction as it is: the one :func:`bridge.load_master_params` (or earlier
+    steps) set, else the fresh zeros. A state dict without corrections says nothing about the
+    low bits of the master weights, so loading one keeps them (in either order with
+    ``load_master_params``)."""
+    live = opt.state.get(p, {}).get(CORRECTION)  # .get: the state is a defaultdict
+    return fresh_correction if live is None else live
+
+
+def _fresh_keeping_correction(opt, p, group: dict) -> dict | None:
+    """A new state (zeros, step 0) for a param the state dict holds none for, carrying its live
+    correction (:func:`_live_correction`); ``None`` (no state, as torch) if it has none."""
+    live = opt.state.get(p, {}).get(CORRECTION)
+    if live is None:
+        return None
+    st = opt._init_state(p, group)
+    if CORRECTION not in st:
+        return None
+    st[CORRECTION] = live
+    return st
+
+
+def _dropped_correction(gi: int, sid, p, group: dict) -> str:
+    return (f"param group {gi}, param {sid} (shape {tuple(p.shape)}, {p.dtype}): the state dict holds its "
+            f"'param_correction' (the low bits of its float32 master weight) but this optimizer keeps none for it "
+            f"(param_correction={group.get(CORRECTION, False)!r}): loading would drop them; build the optimizer with "
+            "param_correction=True over bfloat16 / float16 params, or continue in float32: copy "
+            "bridge.master_params(old_optimizer) into float32 params and load the state dict without its "
+            "'param_correction' entries")
 
 
 def _record_parts(saved: dict, name: str, kind, where: str) -> dict | None:
@@ -555,7 +669,9 @@ def _regrid(codes, scale, name, p, exp_local: QState, where):
 
 
 def export_torch(opt) -> dict:
-
+    """``opt.torch_state_dict()``: torch.optim's layout with float32 states (records dequantized)
+    and the group keys torch.optim knows (``amsgrad`` and ``nesterov`` kept: torch's
+    ``load_state_dict`` would otherwise default them to False)."""
     sd = torch.optim.Optimizer.state_dict(opt)
     state = {}
     ids = {i for g in sd["param_groups"] for i in g["params"]}
@@ -572,6 +688,6 @@ def export_torch(opt) -> dict:
             else:
                 out[name] = v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
         state[idx] = out
-    groups = [{k: v for k, v in g.items() if k not in STATIC_KEYS + FORMAT_KEYS and k != "skip_nonfinite"}
-              for g in sd["param_groups"]]
+    ours = [k for k in STATIC_KEYS + FORMAT_KEYS if k not in TORCH_GROUP_KEYS] + ["skip_nonfinite"]
+    groups = [{k: v for k, v in g.items() if k not in ours} for g in sd["param_groups"]]
     return {"state": state, "param_groups": groups}
