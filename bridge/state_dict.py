@@ -389,6 +389,10 @@ def load_into(opt, state_dict: dict) -> None:
     passed = {k: v for k, v in state_dict["state"].items() if k not in ids}  # keys not of params: as torch
 
     groups = [_restored_group(saved, group, migrating) for saved, group in zip(state_dict["param_groups"], as_loaded)]
+    check = getattr(opt, "_check_group", None)  # the named classes' checks of a group's values
+    for gi, (g, group) in enumerate(zip(groups, as_loaded)):
+        if check is not None:  # (the saved group names its params by index: the live ones are checked)
+            check(f"{type(opt).__name__}.load_state_dict, param group {gi}", dict(g, params=group["params"]))
     torch.optim.Optimizer.load_state_dict(opt, {"state": {}, "param_groups": groups})
     for p, st in new_states.values():
         opt.state[p] = st

@@ -273,6 +273,17 @@ def test_a_torch_dict_state_this_optimizer_does_not_keep_is_refused():
     assert len(opt.state) == 0
 
 
+def test_a_torch_dict_with_values_this_optimizer_refuses_is_refused():
+    """A group value the class refuses at construction (SGD's dampening) is refused in a loaded
+    dict too, before anything changes: loaded, it would be kept in the group and ignored by
+    the rule."""
+    ref, _ = _torch_run(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5))
+    opt = bridge.SGD8bit(make_params(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"SGD8bit.load_state_dict, param group 0: dampening=0.5 is not supported"):
+        opt.load_state_dict(ref.state_dict())
+    assert len(opt.state) == 0 and opt.param_groups[0]["dampening"] == 0
+
+
 @pytest.mark.parametrize("make_torch,make_ours", [
     (lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True), lambda ps: bridge.AdamW(ps, lr=1e-2, amsgrad=True)),
     (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
