@@ -55,9 +55,18 @@ def _mutable(values: tuple) -> tuple:
         isinstance(v, list) and not (v and isinstance(v[0], torch.Tensor))))
 
 
-def _stored_as(v) -> str:
+def _stored_layout(v) -> tuple:
+    """A live state's layout as :meth:`LowBitOptimizer._layout` writes it: ``(record kind, meta)``
+    or ``(None, dtype)``."""
     v = to_local(v)
-    return f"{v.kind.name} {dict((k, x) for k, x in v.meta.items() if k != 'reduce')}" if isinstance(v, QState) else str(v.dtype)
+    if isinstance(v, QState):
+        return v.kind, {k: x for k, x in v.meta.items() if k != "reduce"}
+    return None, v.dtype
+
+
+def _layout_label(layout: tuple) -> str:
+    kind, meta = layout
+    return str(meta) if kind is None else f"{kind.name} {meta}"
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -278,27 +287,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
         (``param_correction`` keeps a correction only for bfloat16 / float16 params) or a
         storage option of the group changed after the state was created."""
         want = self._layout(p, group)
-        have = {k: v for k, v in st.items() if k != "step"}
-        problem = None
+        have = {k: _stored_layout(v) for k, v in st.items() if k != "step"}
+        if have == want:
+            return
         if set(have) != set(want):
             problem = f"holds {sorted(have)} where the group now keeps {sorted(want)}"
         else:
-            for name, (kind, meta) in want.items():
-                v = to_local(have[name])
-                if kind is None and (isinstance(v, QState) or v.dtype != meta):
-                    problem = f"stores {name!r} as {_stored_as(v)} where the group now keeps {meta}"
-                elif kind is not None and (not isinstance(v, QState) or v.kind is not kind
-                                           or {k: x for k, x in v.meta.items() if k != "reduce"} != meta):
-                    problem = f"stores {name!r} as {_stored_as(v)} where the group now keeps {kind.name} {meta}"
-                if problem:
-                    break
-        if problem:
-            raise ValueError(
-                f"{type(self).__name__}: the state of a param of shape {tuple(p.shape)} ({p.dtype}) {problem}: the "
-                "param's dtype or the group's storage options (state_format, block_size, min_quant_size, "
-                "rank1_normalization, amsgrad, param_correction, ...) changed after its state was created, and "
-                "states keep the layout they were made with; cast the model before building the optimizer and set "
-                "these options at construction (or load a state dict saved with them)")
+            name = next(n for n in want if have[n] != want[n])
+            problem = (f"stores {name!r} as {_layout_label(have[name])} where the group now keeps "
+                       f"{_layout_label(want[name])}")
+        raise ValueError(
+            f"{type(self).__name__}: the state of a param of shape {tuple(p.shape)} ({p.dtype}) {problem}: the "
+            "param's dtype or the group's storage options (state_format, block_size, min_quant_size, "
+            "rank1_normalization, amsgrad, param_correction, ...) changed after its state was created, and "
+            "states keep the layout they were made with; cast the model before building the optimizer and set "
+            "these options at construction (or load a state dict saved with them)")
 
     def _live(self, p, st: dict) -> dict:
         """A param's states as the core sees them: records sharing the live storage, wired to
