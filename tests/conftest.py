@@ -1,5 +1,6 @@
 import os
 import random
+import re
 import sys
 
 import numpy as np
@@ -40,6 +41,63 @@ def _fixed_seed():
 @pytest.fixture(params=_device_params())
 def device(request):
     return torch.device(request.param)
+
+
+# ----------------------------------------------------------------------------- optional extras
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _extras() -> dict[str, list[str]]:
+    """pyproject.toml's optional-dependencies, extra -> distribution names: the one list of what
+    each extra brings, read where it is declared (tests/test_ci.py checks the markers)."""
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the installed project's metadata says the same
+        import importlib.metadata
+
+        out: dict[str, list[str]] = {}
+        for line in importlib.metadata.requires("lowbit-tree") or []:
+            req = Requirement(line)
+            for extra in re.findall(r'extra == "([^"]+)"', str(req.marker or "")):
+                out.setdefault(extra, []).append(req.name)
+        return out
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["optional-dependencies"]
+    return {extra: [Requirement(r).name for r in reqs] for extra, reqs in deps.items()}
+
+
+EXTRAS = _extras()
+"""Tests that need an extra carry a marker of the extra's name (``@pytest.mark.parity``): they skip,
+naming the extra, where any of its packages is missing. The README's test command installs only
+``test``; CI installs the others afterwards and runs the marked tests again."""
+EXTRA_MARKERS = ("parity", "clients", "demo", "bench", "docs")
+
+
+def missing_distributions(extra: str) -> list[str]:
+    import importlib.metadata
+
+    missing = []
+    for dist in EXTRAS[extra]:
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    return missing
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for extra in EXTRA_MARKERS:
+            if item.get_closest_marker(extra) is None:
+                continue
+            missing = missing_distributions(extra)
+            if missing:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs the `{extra}` extra ({', '.join(missing)} not installed): "
+                           f"pip install -e \".[{extra}]\""))
 
 
 # One intra-op thread per test process: the suite runs under pytest-xdist on a

@@ -27,7 +27,6 @@ torch) kernels.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import math
 import os
@@ -41,10 +40,6 @@ from bridge import QState
 
 NAMED = [bridge.Adam8bit, bridge.AdamW8bit, bridge.Adam4bit, bridge.AdamW4bit, bridge.AdamFp8, bridge.AdamWFp8,
          bridge.Lion8bit, bridge.Lion4bit, bridge.SGD8bit]
-
-
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 def net(seed=0):
@@ -437,7 +432,7 @@ def hf_trainer(out_dir, model, max_steps, optimizer=None):
                    optimizer_cls_and_kwargs=(bridge.AdamW8bit, {"lr": 3e-3, "min_quant_size": 256}))
 
 
-@pytest.mark.skipif(not _have("transformers"), reason="transformers is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_hf_trainer_checkpoint_and_resume_bit_for_bit(tmp_path):
     """Trainer(optimizer_cls_and_kwargs=(bridge.AdamW8bit, ...)) on a tiny GPT-2 built from a
     config: 6 steps straight, against 3 steps, a checkpoint (optimizer.pt: torch.save of
@@ -459,7 +454,7 @@ def test_hf_trainer_checkpoint_and_resume_bit_for_bit(tmp_path):
     assert ropt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]  # the scheduler resumed too
 
 
-@pytest.mark.skipif(not _have("transformers"), reason="transformers is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_hf_trainer_resumes_muon4bit_bit_for_bit(tmp_path):
     """Muon4bit (low-rank momentum on GPT-2's hidden matrices, AdamW8bit on the rest) handed to the
     Trainer as ``optimizers=(opt, None)``: 6 steps straight against 3, the Trainer's checkpoint
@@ -511,7 +506,7 @@ def _titan_steps(model, container, steps, start):
         container.step()
 
 
-@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_torchtitan_optimizers_container_dcp_save_and_resume_bit_for_bit(tmp_path):
     """torchtitan 0.3.0's OptimizersContainer: its flat FQN state dict ('state.<fqn>.exp_avg.codes',
     'param_groups.<fqn>.<key>', looked up by the live state names on load) through dcp.save /
@@ -709,7 +704,7 @@ def _accelerate_steps(acc, model, opt, steps, start):
         opt.zero_grad()
 
 
-@pytest.mark.skipif(not _have("accelerate"), reason="accelerate is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_accelerate_prepare_save_state_and_load_state_bit_for_bit(tmp_path, fresh_accelerate_state):
     """accelerate 1.15.0, one CPU process: Accelerator.prepare wraps our optimizer
     (AcceleratedOptimizer), save_state writes its state dict, load_state into a fresh
@@ -775,7 +770,7 @@ def torchtitan_fsdp_worker(rank, world, workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_torchtitan_optimizers_container_fsdp2_two_ranks(tmp_path):
     """torchtitan's OptimizersContainer over an FSDP2 model (uneven shards) on 2 gloo ranks:
     its flat dict holds our row-sharded codes/scale DTensors; dcp.save, dcp.load into a fresh
@@ -818,7 +813,7 @@ def torchtitan_tp_worker(rank, world, workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_torchtitan_optimizers_container_fsdp2_tp_2x2(tmp_path):
     """torchtitan's OptimizersContainer over FSDP2 + TP on a 2x2 gloo mesh (its default
     parallelism): the flat dict holds codes DTensors placed like their weights (Shard(0),
@@ -845,7 +840,7 @@ def _exec(code, namespace, title):
     exec(compile(code, f"README {title}", "exec"), namespace)
 
 
-@pytest.mark.skipif(not _have("transformers"), reason="transformers is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_readme_trainer_snippet(tmp_path):
     head, resume = readme_snippet("Hugging Face Trainer")
     ns = {"model": tiny_gpt2(), "train_dataset": TokenDataset(), "ckpt_dir": str(tmp_path)}
@@ -875,7 +870,7 @@ def _resume_snippet_check(title, ns, step_fn, get_opts):
     assert all(torch.equal(a, b) for a, b in zip(saved_params, ns["model"].parameters()))
 
 
-@pytest.mark.skipif(not _have("torchtitan"), reason="torchtitan is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_readme_torchtitan_snippet(tmp_path):
     import fsdp_workers as W
 
@@ -890,7 +885,7 @@ def test_readme_torchtitan_snippet(tmp_path):
                               lambda ns: ns["optimizers"].optimizers)
 
 
-@pytest.mark.skipif(not _have("accelerate"), reason="accelerate is not installed (pip install -e '.[clients]')")
+@pytest.mark.clients
 def test_readme_accelerate_snippet(tmp_path, fresh_accelerate_state):
     import fsdp_workers as W
 

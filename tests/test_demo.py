@@ -5,12 +5,11 @@ import math
 import pytest
 import torch
 
-pytest.importorskip("matplotlib")
-pytest.importorskip("tqdm")
+import bridge
+from bridge.cli import main
+from bridge.demo import MEMORY_SETUPS, TINY, Batches, CharGPT, load_corpus, loss_fn
 
-import bridge  # noqa: E402
-from bridge.cli import main  # noqa: E402
-from bridge.demo import MEMORY_SETUPS, TINY, Batches, CharGPT, load_corpus, loss_fn  # noqa: E402
+# @pytest.mark.demo: a demo run plots its curves with matplotlib (the demo extra)
 
 
 @pytest.fixture
@@ -22,6 +21,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.demo
 def test_demo_tiny_writes_table_png_json(tmp_path, capsys, one_thread):
     out = tmp_path / "demo"
     assert main(["demo", "--tiny", "--no-progress", "--out", str(out)]) == 0
@@ -79,6 +79,7 @@ def _independent_training_bytes(name: str) -> tuple[int, int, int]:
     return params, max(grads) if name.endswith("-bw") else sum(grads), states
 
 
+@pytest.mark.demo
 def test_demo_training_state_counts_every_tensor(tmp_path, capsys, one_thread):
     """The table's bytes are the live tensors' (params, gradients, every state's parts), and the
     new setups take what they promise: bfloat16 params and gradients (2 + 2 bytes), the int8
@@ -108,6 +109,7 @@ def test_demo_refuses_an_unknown_setup(tmp_path, capsys):
     assert "unknown setup '8bit-bf17'" in capsys.readouterr().err
 
 
+@pytest.mark.demo
 def test_demo_tiny_ademamix(tmp_path, capsys, one_thread):
     """--optimizer ademamix: the same run with bridge.AdEMAMix, its three states quantized."""
     out = tmp_path / "demo"

@@ -1,5 +1,4 @@
 """The code maps: golden copies, bitsandbytes/torchao parity, structure."""
-import importlib.util
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ def test_4bit_maps_equal_golden_paper_maps():
 
 
 @pytest.mark.parity
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
 def test_8bit_maps_equal_installed_bitsandbytes():
     import bitsandbytes.functional as F
 

@@ -6,7 +6,6 @@ default second moment is sqrt(v) on a zero-free map; update arithmetic order
 differs. With rows that are whole blocks and our bitsandbytes-compatible
 "8bit_bnb" format, the first-moment codes agree almost everywhere.
 """
-import importlib.util
 import warnings
 
 import pytest
@@ -15,9 +14,6 @@ import torch
 import bridge
 
 pytestmark = pytest.mark.parity
-
-HAVE_BNB = importlib.util.find_spec("bitsandbytes") is not None
-HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
 def run(make, steps=10, shape=(64, 512), seed=0):
@@ -36,7 +32,6 @@ def reference():
     return run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2))[0].detach()
 
 
-@pytest.mark.skipif(not HAVE_BNB, reason="bitsandbytes not installed")
 def test_8bit_matches_bitsandbytes_adamw8bit():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -56,7 +51,6 @@ def test_8bit_matches_bitsandbytes_adamw8bit():
     assert same > 0.98, same  # measured 0.9935: same map, same blocks, same rounding up to math order
 
 
-@pytest.mark.skipif(not HAVE_TORCHAO, reason="torchao not installed")
 @pytest.mark.parametrize("name, fmt", [("AdamW8bit", "8bit"), ("AdamW4bit", "4bit"), ("AdamWFp8", "fp8")])
 def test_matches_torchao_low_bit_adamw(name, fmt):
     with warnings.catch_warnings():

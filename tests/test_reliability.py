@@ -147,10 +147,10 @@ def test_no_compiler_reports_it_once(tmp_path):
 
 
 @pytest.mark.slow  # a demo run in a fresh interpreter (~50 s when the machine is busy)
+@pytest.mark.demo  # the demo plots its curves
 def test_demo_without_a_compiler(tmp_path):
     """``python -m bridge demo --tiny`` with PATH = only the interpreter and no CC: it runs to the
     end on the fallback backend and prints exactly one notice that the native kernel is missing."""
-    pytest.importorskip("matplotlib")  # the demo plots its curves: the demo extra
     env = {k: v for k, v in os.environ.items() if k not in ("CC", "LOWBIT_TREE_BACKEND")}
     env.update(PATH=_python_only_path(tmp_path), LOWBIT_TREE_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
@@ -614,12 +614,12 @@ def test_rank_killed_during_dcp_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.demo  # the demo plots its curves
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                     reason="needs torch.distributed with gloo")
 def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
     """`torchrun -m bridge demo --fsdp` at 2 ranks: every rank leaves through os._exit, with
     status 0 after a run (table printed, files written) and non-zero after a failure."""
-    pytest.importorskip("matplotlib")  # the demo plots its curves: the demo extra
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MPLCONFIGDIR=str(tmp_path / "mpl"))
 

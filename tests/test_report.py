@@ -13,8 +13,8 @@ def test_full_report_refuses_without_the_anchors(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("report", SCRIPT)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    real = report.version
-    monkeypatch.setattr(report, "version", lambda d: None if d in ("torchao", "scikit-learn") else real(d))
+    # Which anchors this environment happens to have must not matter: every anchor but two is "installed".
+    monkeypatch.setattr(report, "version", lambda d: None if d in ("torchao", "scikit-learn") else "1.0")
     assert report.missing_anchors() == ["torchao", "scikit-learn"]
     out = tmp_path / "results.md"
     with pytest.raises(SystemExit) as e:

@@ -1,0 +1,69 @@
+"""CI runs the README's two commands as written, the test command before any extra is installed:
+.ci/run takes them from README.md through .ci/readme_commands.py (one definition), so the two
+cannot drift; these tests fail when the README loses its shape or .ci/run stops using it."""
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
+readme_commands = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(readme_commands)
+
+
+def test_the_readme_opens_with_the_demo_and_the_test_command():
+    demo, tests = readme_commands.readme_commands((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert demo.endswith("lowbit-tree demo") and '".[demo]"' in demo
+    # The newcomer's test command installs the test extra alone: what it runs must pass without the others.
+    assert re.search(r'pip install -e "\.\[test\]"', tests) and "python -m pytest" in tests
+
+
+@pytest.mark.parametrize("text, match", [
+    ("# t\n\nSome prose first.\n\n```bash\na\nb -m pytest\n```\n", "must start"),
+    ("# t\n\n```bash\nonly one -m pytest\n```\n", "exactly two"),
+    ("# t\n\n```bash\npython -m pytest\nlowbit-tree demo\n```\n", "demo command first"),
+])
+def test_a_readme_of_another_shape_is_refused(text, match):
+    with pytest.raises(ValueError, match=match):
+        readme_commands.readme_commands(text)
+
+
+def test_ci_runs_the_readme_test_command_before_installing_an_extra():
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    code = [line.strip() for line in run.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert any("python .ci/readme_commands.py" in line for line in code)
+    test_at = code.index('bash -c "$TEST_COMMAND"')
+    demo_at = code.index('bash -c "$DEMO_COMMAND"')
+    installs = [i for i, line in enumerate(code) if "pip install" in line]
+    assert installs and test_at < demo_at < min(installs), "an extra is installed before the README's commands"
+    # No second copy of the README's test command to drift from it: the only other pytest run is
+    # the one over the tests marked with an extra's name.
+    pytest_runs = [line for line in code if "-m pytest" in line]
+    assert len(pytest_runs) == 1 and '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
+
+
+def test_every_extra_but_test_has_a_registered_marker_that_ci_runs():
+    import conftest
+
+    assert set(conftest.EXTRA_MARKERS) == set(conftest.EXTRAS) - {"test"}
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    for extra in conftest.EXTRA_MARKERS:
+        assert f'"{extra}: needs the {extra} extra' in pyproject
+        assert extra in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+
+def test_an_extra_is_missing_when_one_of_its_packages_is(monkeypatch):
+    import importlib.metadata
+
+    import conftest
+
+    def version(dist):
+        if dist == "bitsandbytes":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return "1.0"
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert conftest.missing_distributions("parity") == ["bitsandbytes"]
+    assert conftest.missing_distributions("demo") == []
