@@ -15,8 +15,8 @@
 
 A client test is skipped, with the reason, when its library is not importable
 (``pip install -e ".[clients]"`` installs the tested versions: transformers 5.24.0,
-accelerate 1.15.0, torchtitan 0.3.0, all with torch 2.13.0). The README's "Use it
-with ..." snippets are the code of these tests (tests/test_readme.py runs them too).
+accelerate 1.15.0, torchtitan 0.3.0, all with torch 2.13.0). The snippets of
+docs/guide/integrations.md are the code of these tests (tests/test_readme.py runs them too).
 
 What would need a GPU (not run here; no GPU was lent to this work): Trainer with
 ``bf16=True`` / ``fp16=True`` mixed precision and its GradScaler, torchtitan's trainer
@@ -823,14 +823,18 @@ def test_torchtitan_optimizers_container_fsdp2_tp_2x2(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# the README's "Use it with ..." snippets (```py blocks; tests/test_readme.py runs the ```python ones)
+# the integration guide's snippets (docs/guide/integrations.md: ```py blocks; tests/test_readme.py
+# runs its ```python ones after the README's)
 # ----------------------------------------------------------------------------
+GUIDE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide", "integrations.md")
+
+
 def readme_snippet(title: str) -> tuple[str, str]:
-    """The ```py block under README's "### {title}", split before its last line (the resume)."""
+    """The ```py block under the integration guide's "## {title}", split before its last line (the resume)."""
     import re
 
-    text = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md"), encoding="utf-8").read()
-    section = text.split(f"\n### {title}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    text = open(GUIDE, encoding="utf-8").read()
+    section = text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
     code = re.findall(r"```py\n(.*?)```", section, flags=re.S)[0].rstrip("\n")
     head, _, last = code.rpartition("\n")
     return head, last
