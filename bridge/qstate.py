@@ -24,6 +24,7 @@ import math
 import torch
 import torch.distributed  # noqa: F401  (registers the c10d op namespaces)
 import torch.distributed._functional_collectives  # noqa: F401
+import torch.utils._pytree
 
 import lowbit_tree as lt
 from lowbit_tree import records
@@ -130,6 +131,15 @@ class QState(torch.Tensor):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The state's value as a plain tensor (float32 unless ``dtype`` says otherwise)."""
         return self.kind.dequantize(self.record).to(dtype)
+
+    def flatten(self, start_dim: int = 0, end_dim: int = -1) -> torch.Tensor:
+        """``Tensor.flatten``, which may copy (torch's contract): a view of the parts where the
+        record's layout allows one, else the float32 value flattened. Comparison tools
+        (``torch.testing.assert_close``'s mismatch report) flatten what they compare."""
+        try:
+            return super().flatten(start_dim, end_dim)
+        except NotImplementedError:
+            return self.dequantize().flatten(start_dim, end_dim)
 
     def set_(self, record) -> "QState":  # noqa: D401 - in place, like Tensor.set_
         """Copy a record of the same kind and layout into this state's storage, in place."""
@@ -461,6 +471,31 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     a, b = (x.dequantize() if _is_q(x) else x for x in args[:2])
     return func(a, b)
+
+
+# ---- read-only ops, answered on the float32 value ----
+_READ_ONLY = [
+    aten.isnan.default, aten.isinf.default, aten.isfinite.default, aten.isneginf.default, aten.isposinf.default,
+    aten.abs.default, aten.neg.default, aten.sign.default,
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar,
+    aten.add.Scalar, aten.sub.Scalar,
+    aten.lt.Tensor, aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar,
+    aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+    aten.isclose.default, aten.allclose.default,
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim,
+    aten.max.default, aten.min.default, aten.amax.default, aten.amin.default,
+    aten.any.default, aten.all.default, aten.linalg_vector_norm.default,
+]
+"""Ops that read a state without changing it (what ``torch.testing.assert_close``, torch's
+``TestCase.assertEqual`` and a user's ``state.abs().max()`` call): they run on the dequantized
+float32 value and return plain tensors. Every op that would write into a state (``add_``,
+``mul_``, ...) stays unsupported and raises, naming ``.dequantize()``."""
+
+
+@QState.implements(_READ_ONLY)
+def _(func, types, args, kwargs):
+    args, kwargs = torch.utils._pytree.tree_map_only(QState, lambda q: q.dequantize(), (args, kwargs))
+    return func(*args, **kwargs)
 
 
 # ---- shape ops ----

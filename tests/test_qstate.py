@@ -152,3 +152,61 @@ def test_all_gather_keeps_one_collective_in_flight(fmt, monkeypatch):
     g = handler(gather, (), (q, 2, "fake"), {})
     assert not in_flight and [e for e, _ in events] == ["gather", "wait", "gather", "wait"]
     _same(g, QState.from_float(torch.cat([x, x]), fmt, 3))
+
+
+# ---- read-only ops answer on the float32 value; writes keep raising ----
+def _stepped_states(cls, seed, shape=(33, 20)):
+    """A named class's states after two steps (block, rank-1 and e4m3 records by class)."""
+    import bridge
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(shape, generator=g))
+    opt = cls([p], lr=1e-2, min_quant_size=1)
+    for _ in range(2):
+        p.grad = torch.randn(shape, generator=g)
+        opt.step()
+    return {k: v for k, v in opt.state[p].items() if isinstance(v, QState)}
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_comparison_tools_compare_states_by_value(name):
+    """torch.testing.assert_close (what torch's own optimizer tests call on two optimizers'
+    states) passes on equal states and reports a mismatch, as an AssertionError, on others."""
+    import bridge
+
+    cls = getattr(bridge, name)
+    a, b, other = _stepped_states(cls, 0), _stepped_states(cls, 0), _stepped_states(cls, 1)
+    assert len(a) == 2
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for k in a:
+        with pytest.raises(AssertionError, match="not close|not equal"):
+            torch.testing.assert_close(a[k], other[k])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_read_only_ops_run_on_the_dequantized_value(fmt):
+    x, q = _q(fmt, shape=(6, 10), block_size=4)
+    q.codes.view(torch.uint8)[0, 0] = 0  # a zero or a large code: whatever it maps to, both sides agree
+    v = q.dequantize()
+    v2 = _q(fmt, shape=(6, 10), block_size=4, seed=1)[1]
+    for op in (torch.isnan, torch.isfinite, torch.isinf, torch.abs, torch.neg, torch.sum, torch.mean,
+               torch.amax, torch.amin, torch.max, torch.min, torch.linalg.vector_norm):
+        got = op(q)
+        assert type(got) is torch.Tensor and torch.equal(got, op(v)), op
+    assert torch.equal(q.sum(dim=1), v.sum(dim=1)) and torch.equal(q.mean(dim=0), v.mean(dim=0))
+    assert torch.equal(q - v2, v - v2.dequantize()) and torch.equal(q * 2, v * 2) and torch.equal(q / 2, v / 2)
+    assert torch.equal(q < 0, v < 0) and torch.equal(q >= v2, v >= v2.dequantize())
+    assert torch.equal(torch.isclose(q, v), torch.ones_like(v, dtype=torch.bool)) and torch.allclose(q, v)
+    assert torch.equal(q.isnan().any(), torch.tensor(False)) and bool(q.isfinite().all())
+    assert torch.equal(q.flatten(), v.flatten())
+
+
+@pytest.mark.parametrize("write", [lambda q: q.add_(1), lambda q: q.mul_(2), lambda q: q.zero_(),
+                                   lambda q: q.abs_()],
+                         ids=["add_", "mul_", "zero_", "abs_"])
+def test_ops_that_write_into_a_state_still_raise(write):
+    _, q = _q("dynamic8")
+    codes = q.codes.clone()
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        write(q)
+    assert torch.equal(q.codes, codes)
