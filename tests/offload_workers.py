@@ -11,6 +11,7 @@ gives each rank.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import time
@@ -36,6 +37,7 @@ FAMILIES = (
     "mixed",         # AdamW(state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"})
     "8bitc",         # AdamW8bit(param_correction=True), bfloat16 params
     "4bitc",         # AdamW4bit(param_correction=True), bfloat16 params
+    "8bit-bf16compute",  # AdamW8bit on float32 params, FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16)
 )
 CORRECTED = ("8bitc", "4bitc")  # families whose params are bfloat16
 
@@ -49,7 +51,26 @@ def make_opt(params, fmt: str):
         return bridge.Lion8bit(params, lr=1e-3, weight_decay=0.1, **kw)
     if fmt == "sgd8bit":
         return bridge.SGD8bit(params, lr=1e-2, momentum=0.9, weight_decay=0.1, **kw)
+    if fmt == "8bit-bf16compute":
+        return W.make_opt(params, "8bit")
     return W.make_opt(params, fmt)
+
+
+def shard(model: nn.Module, world: int, offload: bool, fmt: str) -> nn.Module:
+    """``fsdp_workers.shard``; for ``"8bit-bf16compute"`` with FSDP2's mixed precision (float32
+    params and gradient shards on the host, bfloat16 all-gathers and compute, float32 reduction)."""
+    if fmt != "8bit-bf16compute":
+        return W.shard(model, world, offload=offload)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kw = {"mesh": init_device_mesh("cpu", (world,)),
+          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    return fully_shard(model, **kw)
 
 
 def param_dtype(fmt: str) -> torch.dtype:
@@ -88,8 +109,8 @@ def _pair(world: int, fmt: str):
     """An offloaded FSDP2 model and a non-offloaded one with the same weights, each with ``fmt``'s optimizer."""
     model = W.make_model(dtype=param_dtype(fmt))
     ref = copy.deepcopy(model)
-    W.shard(model, world, offload=True)
-    W.shard(ref, world, offload=False)
+    shard(model, world, True, fmt)
+    shard(ref, world, False, fmt)
     return model, ref, make_opt(model.parameters(), fmt), make_opt(ref.parameters(), fmt)
 
 
@@ -109,6 +130,7 @@ def offload_parity_run(rank: int, world: int, fmt: str, steps: int = 4) -> None:
             o.zero_grad()
             losses.append(loss)
         assert torch.equal(*losses), (fmt, step, losses)
+        assert losses[0].dtype == (torch.bfloat16 if fmt in CORRECTED + ("8bit-bf16compute",) else torch.float32)
     assert_offloaded(model, opt, True)
     assert_offloaded(ref, ref_opt, False)
     assert_same(model, ref, opt, ref_opt, f"{fmt} offload vs not")
@@ -151,6 +173,93 @@ def parity_worker(rank: int, world: int) -> None:
         offload_parity_run(rank, world, fmt)
     for name in W._in_backward_opts():
         offload_in_backward_run(rank, world, name)
+    host_bytes_worker(rank, world)
+
+
+# ----------------------------------------------------------------------------
+# host bytes per param (the guide's table)
+# ----------------------------------------------------------------------------
+ROWS, COLS = 64, 512  # each weight (64, 512): 32 rows a rank at 2 ranks, rows of whole 8-bit and 4-bit blocks
+
+
+def counted_host_bytes(setup: str, local_rows: int) -> tuple[float, float, float]:
+    """docs/guide/offload.md's count, per param element of one rank's (local_rows, COLS) shard:
+    (params, gradients, states). Block scales are float32: one per 256 values in 8 bits, per 128
+    in 4 bits; a rank-1 4-bit second moment keeps a float32 maximum per local row and per column
+    of the whole matrix (completed across shards); the correction is one int8 per element."""
+    scale8, scale4 = 4 / 256, 4 / 128
+    rank1 = 0.5 + 4 * (local_rows + COLS) / (local_rows * COLS)
+    return {
+        "torch AdamW": (4, 4, 8),
+        "AdamW8bit": (4, 4, 2 * (1 + scale8)),
+        "AdamW8bit+correction": (2, 2, 1 + 2 * (1 + scale8)),
+        "AdamW4bit+correction": (2, 2, 1 + (0.5 + scale4) + rank1),
+    }[setup]
+
+
+class TwoMatrices(nn.Module):
+    """Two (ROWS, COLS) weights (no 1-D params, whose states stay float32), summed outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(COLS, ROWS, bias=False)
+        self.b = nn.Linear(COLS, ROWS, bias=False)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def _host_setup(setup: str, world: int):
+    import bridge
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    dtype = torch.bfloat16 if setup.endswith("correction") else torch.float32
+    torch.manual_seed(0)
+    model = TwoMatrices().to(dtype)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    params = list(model.parameters())
+    if setup == "torch AdamW":
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    elif setup == "AdamW8bit":
+        opt = bridge.AdamW8bit(params, lr=1e-3)
+    elif setup == "AdamW8bit+correction":
+        opt = bridge.AdamW8bit(params, lr=1e-3, param_correction=True)
+    else:
+        opt = bridge.AdamW4bit(params, lr=1e-3, param_correction=True)
+    return model, opt, dtype
+
+
+def host_bytes_worker(rank: int, world: int) -> None:
+    """Each rank's host bytes (its param shards, their gradients, its states: every part of every
+    record, walked here, not by the bridge's report) per param element equal
+    :func:`counted_host_bytes` exactly, for the guide's four setups, offloaded at ``world`` ranks."""
+    from bridge import QState
+    from bridge.distributed import to_local
+
+    for setup in ("torch AdamW", "AdamW8bit", "AdamW8bit+correction", "AdamW4bit+correction"):
+        W._mark(rank, "offload host bytes", setup)
+        model, opt, dtype = _host_setup(setup, world)
+        x = torch.randn(4, COLS, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        params = list(model.parameters())
+        local = [p.to_local() for p in params]
+        n = sum(t.numel() for t in local)
+        state = 0
+        for p in params:
+            for name, v in opt.state[p].items():
+                if name == "step":
+                    continue
+                v = to_local(v)
+                parts = v.parts.values() if isinstance(v, QState) else [v]
+                state += sum(t.numel() * t.element_size() for t in parts)
+        measured = (sum(t.numel() * t.element_size() for t in local) / n,
+                    sum(p.grad.to_local().numel() * p.grad.to_local().element_size() for p in params) / n,
+                    state / n)
+        assert all(t.shape == (ROWS // world, COLS) and t.device.type == "cpu" for t in local), setup
+        counted = counted_host_bytes(setup, ROWS // world)
+        assert all(math.isclose(m, c, rel_tol=1e-12) for m, c in zip(measured, counted)), (setup, measured, counted)
 
 
 # ----------------------------------------------------------------------------
@@ -160,7 +269,7 @@ SAVE_STEPS, MORE_STEPS = 3, 3
 
 
 def _offloaded(world: int, fmt: str, seed: int = 0):
-    model = W.shard(W.make_model(seed=seed, dtype=param_dtype(fmt)), world, offload=True)
+    model = shard(W.make_model(seed=seed, dtype=param_dtype(fmt)), world, True, fmt)
     return model, make_opt(model.parameters(), fmt)
 
 

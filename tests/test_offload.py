@@ -28,10 +28,13 @@ pytestmark = [
 def test_offload_equals_no_offload_for_every_family():
     """At 2 ranks, one launch: AdamW8bit, AdamW4bit (rank-1 second moments), AdamWFp8, Lion8bit,
     SGD8bit, AdEMAMix8bit, Muon (8-bit and low-rank 4-bit momentum, Newton-Schulz on owner ranks),
-    per-state formats, and param_correction with bfloat16 params (8-bit and 4-bit), 4 steps on
-    each rank's own batches: losses, params and every gathered state of the offloaded model equal
-    the non-offloaded one's bit for bit. Then step_in_backward for every family the step-in-backward
-    tests cover, offloaded, against opt.step() without offload."""
+    per-state formats, param_correction with bfloat16 params (8-bit and 4-bit), and AdamW8bit under
+    FSDP2's bfloat16 mixed precision, 4 steps on each rank's own batches: losses, params and every
+    gathered state of the offloaded model equal the non-offloaded one's bit for bit. Then
+    step_in_backward for every family the step-in-backward tests cover, offloaded, against
+    opt.step() without offload. Last, each rank's host bytes per param (param shards, gradient
+    shards, every part of every state) equal docs/guide/offload.md's count for torch's AdamW,
+    AdamW8bit, and AdamW8bit / AdamW4bit with param_correction."""
     W.launch(O.parity_worker, 2)
 
 
