@@ -51,9 +51,7 @@ def make_opt(params, fmt: str):
         return bridge.Lion8bit(params, lr=1e-3, weight_decay=0.1, **kw)
     if fmt == "sgd8bit":
         return bridge.SGD8bit(params, lr=1e-2, momentum=0.9, weight_decay=0.1, **kw)
-    if fmt == "8bit-bf16compute":
-        return W.make_opt(params, "8bit")
-    return W.make_opt(params, fmt)
+    return W.make_opt(params, "8bit" if fmt == "8bit-bf16compute" else fmt)
 
 
 def shard(model: nn.Module, world: int, offload: bool, fmt: str) -> nn.Module:
@@ -78,8 +76,8 @@ def param_dtype(fmt: str) -> torch.dtype:
 
 
 def assert_offloaded(model: nn.Module, opt, offload: bool) -> None:
-    """Every FSDP2 param is (or is not) under ``CPUOffloadPolicy``; sharded params, their
-    gradients (when held) and every state live on the host either way (a CPU-only machine)."""
+    """Every FSDP2 param is (or is not) under ``CPUOffloadPolicy``; sharded params and every
+    state live on the host either way (a CPU-only machine)."""
     from torch.distributed.fsdp import FSDPModule
 
     from bridge.distributed import to_local
