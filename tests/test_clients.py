@@ -577,22 +577,16 @@ def _entry(rank, fn, world, store_file, args):
 
 
 def launch(fn, world, *args):
-    """Like fsdp_workers.launch (same retry of a rank killed by a signal), ending ranks by _entry."""
-    import sys
+    """Like fsdp_workers.launch, ending ranks by _entry. A rank that dies, by a signal or an
+    exception, fails the test: no retry (ranks leave through os._exit, so the shutdown crash of
+    pytorch issue 190489 cannot kill them)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
-    for attempt in range(3):
-        try:
-            with tempfile.TemporaryDirectory(prefix="lowbit_clients_") as tmp:
-                mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
-                                   join=True, start_method="spawn")
-            return
-        except mp.ProcessExitedException as e:
-            if e.signal_name is None or attempt == 2:
-                raise
-            print(f"WARNING: {fn.__name__}: rank died by {e.signal_name}; retrying (see design.md)", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="lowbit_clients_") as tmp:
+        mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), args), nprocs=world,
+                           join=True, start_method="spawn")
 
 
 def _set_fails_like_torch(model_fn, get_opts, set_opts, rank):
