@@ -107,8 +107,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # id(group) -> (group, its values, the positions of its _mutable ones, their repr, _transform's result)
         self._split_cache: dict = {}
         self.param_states = ParamStates(self._transform, type(self).__name__)
-        # (id(group), positions stepped) -> GroupPlan: the whole group's plan of step() and,
-        # beside it, one per param stepped alone (step_param)
+        # (the group's offset among all params, positions stepped) -> (static key, GroupPlan): the
+        # whole group's plan of step() and, beside it, one per param stepped alone (step_param);
+        # a plan checks that it still holds (GroupPlan.current) before it runs
         self._plans: dict = {}
         self._positions = None  # (the groups it was made from, {id(param): (group, offset, index)})
 
@@ -327,7 +328,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             present.append(i)
         present = tuple(present)
         seed = int(group.get("seed", 0))
-        hit = self._plans.get((id(group), present))
+        hit = self._plans.get((offset, present))
         if hit is not None and hit[0] == key and hit[1].current(self.state, params, present):
             hit[1].run(numeric, seed)
             return
@@ -362,7 +363,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             plan = GroupPlan(self.state, tx, states.binding(group, params, batch), params, batch, live, numeric,
                              offset, what)
             if len(batches) == 1:
-                self._plans[(id(group), present)] = (key, plan)
+                self._plans[(offset, present)] = (key, plan)
             plan.run(numeric, seed, [g if i in batch else None for i, g in enumerate(grads)])
 
     # -- introspection ------------------------------------------------------------

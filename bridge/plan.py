@@ -75,14 +75,14 @@ class GroupPlan:
 
     def current(self, state, params: list, present: tuple) -> bool:
         """Whether this plan still holds over the optimizer's ``state`` (a loaded state dict
-        replaces it): the same params with gradients (in the same dtypes),
+        replaces it): the same params with gradients at the same positions (in the same dtypes),
         the same state objects, step counts untouched since the last step. (Loops, not
         generators: a step calls nothing here.)"""
         if present != self.present or len(params) != self.size or self.steps._version != self.version:
             return False
-        for p, local, st, held, view, dtype in zip(self.params, self.locals, self.states, self.held, self.views,
-                                                   self.dtypes):
-            if state.get(p) is not st or st.get("step") is not view or p.dtype != dtype:
+        for i, p, local, st, held, view, dtype in zip(self.present, self.params, self.locals, self.states, self.held,
+                                                      self.views, self.dtypes):
+            if params[i] is not p or state.get(p) is not st or st.get("step") is not view or p.dtype != dtype:
                 return False
             if local is not p and to_local(p) is not local:  # a DTensor's local shard replaced
                 return False
