@@ -17,8 +17,9 @@ group's state-tree :class:`bridge.state_tree.Binding`, and remembers them:
   keyed); a live record is made again when its state object is replaced (created, loaded,
   moved).
 
-The optimizer, :mod:`bridge.state_dict`, :mod:`bridge.master` and the group's step
-(:class:`bridge.plan.GroupPlan`) use this object; none of them reads its caches.
+The optimizer (``opt.param_states``) makes states and builds each group's step
+(:class:`bridge.plan.GroupPlan`, given the live records) with it; :mod:`bridge.state_dict` and
+:mod:`bridge.master` create and read states through it. None of them reads its caches.
 """
 from __future__ import annotations
 
