@@ -17,8 +17,6 @@ dict) or changed in place (its version counter moves) rebuilds the plan.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lowbit_tree.base import plan_of
