@@ -5,7 +5,7 @@ Host cost (one process, one thread): a stack of bias-free square linear layers w
 200 params of 64x64 (where the per-call cost shows) and 16 of 512x512 (where the kernels' work
 hides it), AdamW in fp32, 8-bit and 4-bit.
   step only        the steps on the same gradients: ``opt.step()`` against the loop the hooks
-                   run (each param's ``_step_param``, through its own cached plan)
+                   run (each param's ``step_param``, through its own cached plan)
   backward + step  a whole iteration: ``loss.backward(); opt.step()`` against the same with the
                    hooks on (the steps inside backward, the gradients freed there)
 Each mode has its own model copy and optimizer (switching one optimizer between the whole
@@ -81,7 +81,7 @@ def host_cost(fmt: str, n: int, d: int, reps: int) -> dict:
 
     def per_param():
         for p in pb:
-            opt_b._step_param(p)
+            opt_b.step_param(p)
 
     out = {}
     rounds = {"opt.step()": [], "per param": []}

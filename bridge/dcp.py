@@ -63,14 +63,14 @@ def _check_groups_first(optimizer, osd: dict, key: str, checkpoint_id: Any) -> N
 
     import torch.distributed.checkpoint as dcp
 
-    from .state_dict import VERSION_KEY, _check_groups
+    from .state_dict import VERSION_KEY, check_groups
 
     groups = copy.deepcopy(osd.get("param_groups", []))
     if not groups:
         return
     dcp.load({key: {"param_groups": groups}}, checkpoint_id=checkpoint_id)
     if any(VERSION_KEY in g for g in groups):  # ours (a torch.optim checkpoint migrates: nothing to compare)
-        _check_groups(optimizer, groups, False, {"state": {}, "param_groups": groups})
+        check_groups(optimizer, groups, False, {"state": {}, "param_groups": groups})
 
 
 def _keep_group_keys_the_checkpoint_lacks(osd: dict, saved: dict, key: str) -> None:

@@ -37,7 +37,7 @@ class StepInBackward:
         self.params = params
         self._stepped: set = set()  # ids of the params stepped since the last opt.step()
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
-        opt._in_backward = self
+        opt.steps_in_backward = self
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ class StepInBackward:
                 "the iteration), or handle.remove() to accumulate gradients and step with opt.step(). This "
                 "backward's gradients are left in .grad: opt.zero_grad() drops them"
             )
-        self.opt._step_param(p)
+        self.opt.step_param(p)
         self._stepped.add(id(p))
         p.grad = None
 
@@ -78,8 +78,8 @@ class StepInBackward:
             h.remove()
         self._handles = []
         self._stepped.clear()
-        if self.opt.__dict__.get("_in_backward") is self:
-            del self.opt._in_backward
+        if self.opt.steps_in_backward is self:
+            self.opt.steps_in_backward = None
 
     def __enter__(self) -> "StepInBackward":
         return self
@@ -159,7 +159,7 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
     """
     if not isinstance(opt, LowBitOptimizer):
         raise TypeError(f"step_in_backward takes a bridge.LowBitOptimizer, got {type(opt).__name__}")
-    if opt.__dict__.get("_in_backward") is not None:
+    if opt.steps_in_backward is not None:
         raise RuntimeError("step_in_backward: this optimizer already steps in backward; remove() that handle first")
     from .optimizers import _TorchOptimizer
 

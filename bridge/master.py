@@ -84,7 +84,7 @@ def load_master_params(opt, values: Iterable[torch.Tensor] | Mapping[torch.Tenso
         if group.get(NAME) and local.dtype in CORRECTED_DTYPES:
             st = opt.state[p]
             if len(st) == 0:
-                st.update(opt._init_state(p, group))
+                st.update(opt.param_states.create(p, group))
             new_p, new_c = split_master(x, local.dtype)
             to_local(st[NAME]).copy_(new_c)
         else:

@@ -25,19 +25,15 @@ from typing import Any, Callable, Iterable
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree import records
 from lowbit_tree.moments import check_state_format
-from lowbit_tree.update import apply_rest_
 from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
 
 from . import report
-from .distributed import is_dtensor, local_grad, mesh_axes, shard_block_size, to_local, wrap_like
+from .distributed import is_dtensor, local_grad, to_local
+from .param_states import ParamStates
 from .plan import GroupPlan
-from .qstate import QState
-from .rank1_shard import rank1_reduce
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
-from .state_tree import binding
 
 __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
@@ -45,28 +41,11 @@ __all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 # ----------------------------------------------------------------------------
 # the optimizer
 # ----------------------------------------------------------------------------
-_PURE_KWARGS_MODULES = ("bridge.optimizers",)
-
-
 def _mutable(values: tuple) -> tuple:
     """The positions of the group values that can change in place (a ``state_format`` mapping;
     not the params list): a remembered split holds only while they read the same."""
     return tuple(i for i, v in enumerate(values) if isinstance(v, (dict, set)) or (
         isinstance(v, list) and not (v and isinstance(v[0], torch.Tensor))))
-
-
-def _stored_layout(v) -> tuple:
-    """A live state's layout as :meth:`LowBitOptimizer._layout` writes it: ``(record kind, meta)``
-    or ``(None, dtype)``."""
-    v = to_local(v)
-    if isinstance(v, QState):
-        return v.kind, {k: x for k, x in v.meta.items() if k != "reduce"}
-    return None, v.dtype
-
-
-def _layout_label(layout: tuple) -> str:
-    kind, meta = layout
-    return str(meta) if kind is None else f"{kind.name} {meta}"
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -82,6 +61,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         everything else as static arguments.
       group_to_kwargs: maps a param group to the factory's keyword arguments
         (default: the group entries whose names the factory accepts).
+      group_to_kwargs_pure: whether ``group_to_kwargs`` reads the group alone (default
+        True): its result is then remembered while the group's values are the same objects
+        (a scheduler's new ``lr`` is a new one), so a step does not split the group again;
+        False calls it at every step (one that reads more than the group).
+
+    The per-param states (layouts, creation, live records) are :attr:`param_states`, a
+    :class:`bridge.param_states.ParamStates`.
 
     Extra group options understood by every LowBitOptimizer:
       skip_nonfinite (bool, default False): if any gradient of the step is
@@ -98,9 +84,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         defaults: dict,
         *,
         group_to_kwargs: Callable[[dict], dict] | None = None,
+        group_to_kwargs_pure: bool = True,
     ):
         self._factory = transform_factory
         self._group_to_kwargs = group_to_kwargs or self._default_group_to_kwargs
+        self._pure_kwargs = bool(group_to_kwargs_pure)
+        self.steps_in_backward = None  # the bridge.StepInBackward whose hooks step this optimizer, if any
         self._clear_caches()
         defaults = dict(defaults)
         if "learning_rate" in defaults and "lr" not in defaults and self._takes_learning_rate():
@@ -109,24 +98,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # -- copies and pickles ------------------------------------------------------
-    _PICKLED = ("_factory", "_group_to_kwargs")
+    _PICKLED = ("_factory", "_group_to_kwargs", "_pure_kwargs")
     """Attributes beyond torch.optim's (defaults, state, param_groups) that a copy or a pickle
     keeps; the caches are rebuilt on the first step."""
 
     def _clear_caches(self) -> None:
-        self._transforms: dict = {}
+        self._transforms: dict = {}  # the static key of _transform_of -> the transformation
         # id(group) -> (group, its values, the positions of its _mutable ones, their repr, _transform's result)
         self._split_cache: dict = {}
-        # the named classes' group_to_kwargs read the group alone (their _transform may be remembered)
-        self._pure_kwargs = getattr(self._group_to_kwargs, "__module__", None) in _PURE_KWARGS_MODULES
-        self._bindings: dict = {}
-        self._param_templates: dict = {}
-        self._reducers: dict = {}  # id(param) -> the wiring of its records (rank-1 maxima across shards)
-        self._records: dict = {}  # (id(param), name) -> (its QState, the core record over the same storage)
-        # (id(group), positions stepped) -> (the static key, GroupPlan): the whole group's plan of
-        # step() and, beside it, one per param stepped alone (_step_param)
+        self.param_states = ParamStates(self._transform, type(self).__name__)
+        # (the group's offset among all params, positions stepped) -> (static key, GroupPlan): the
+        # whole group's plan of step() and, beside it, one per param stepped alone (step_param);
+        # a plan checks that it still holds (GroupPlan.current) before it runs
         self._plans: dict = {}
         self._positions = None  # (the groups it was made from, {id(param): (group, offset, index)})
+
+    @property
+    def _reducers(self) -> dict:
+        """Read by tests/fsdp_workers.py (``opt._reducers.values()``); :meth:`ParamStates.reducers`
+        is the interface."""
+        return dict(enumerate(self.param_states.reducers()))
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
@@ -137,11 +128,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_pure_kwargs", True)
+        self.steps_in_backward = None
         self._clear_caches()
 
     # -- param groups ---------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        if self.__dict__.get("_in_backward") is not None:
+        if self.steps_in_backward is not None:
             raise RuntimeError(
                 f"{type(self).__name__}.add_param_group: the steps run in backward (bridge.step_in_backward) and the "
                 "new params would have no hook, so they would never step; handle.remove(), add the group, then "
@@ -169,11 +162,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
             raise ValueError(f"block_size must be a positive int or None, got {bs!r}")
 
-    def _state_formats(self, group: dict) -> dict | None:
+    def state_formats(self, group: dict) -> dict | None:
         """``{state name: format}`` of the states a param of ``group`` keeps, where the optimizer
-        knows its rule's states (the named classes); ``None`` here: a factory's states are its
-        own, so state dicts compare ``state_format`` values as they are."""
+        knows its rule's states (the named classes); ``None`` for a factory's own states (state
+        dicts then compare ``state_format`` values as they are)."""
+        return self._state_formats(group)
+
+    def _state_formats(self, group: dict) -> dict | None:
+        """:meth:`state_formats`, as a subclass says it (the named classes override this)."""
         return None
+
+    def factory_takes(self, name: str) -> bool:
+        """Whether the transformation factory takes the keyword argument ``name``."""
+        return name in inspect.signature(self._factory).parameters
 
     def _takes_learning_rate(self) -> bool:
         accepted = inspect.signature(self._factory).parameters
@@ -208,8 +209,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """(the group's transformation, its static key, its numeric kwargs). Remembered per group
         while the group's values are the same objects (a scheduler's new ``lr`` is a new one), so
         a step in backward, one call per param, does not split the group again each time; not for
-        a ``group_to_kwargs`` of the caller's, which may read more than the group."""
-        if self._group_to_kwargs is self._default_group_to_kwargs or self._pure_kwargs:
+        a ``group_to_kwargs`` declared impure (``group_to_kwargs_pure=False``)."""
+        if self._pure_kwargs:
             values = tuple(group.values())
             hit = self._split_cache.get(id(group))
             if (hit is not None and hit[0] is group and len(hit[1]) == len(values)
@@ -230,119 +231,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._transforms[key] = tx
         return tx, key, numeric
 
-    # -- per-param state ------------------------------------------------------
-    def _binding(self, group: dict, params: list, present: tuple):
-        """The state-tree binding of ``group`` for the params at positions ``present``
-        (``tx.init`` on meta tensors of their *global* shapes: formats, block sizes
-        and the quantize-or-not decision come from there)."""
-        tx, key, _ = self._transform(group)
-        cache_key = (key, tuple((id(p), p.dtype) for p in params), present)
-        b = self._bindings.get(cache_key)
-        if b is None:
-            on = set(present)
-            metas = [torch.empty(tuple(p.shape), dtype=p.dtype, device="meta") if i in on else None
-                     for i, p in enumerate(params)]
-            b = self._bindings[cache_key] = binding(tx.init(metas))
-        return b
-
-    def _layout(self, p, group) -> dict:
-        """The states ``group`` keeps for ``p`` as it is now (its global shape and dtype):
-        ``{name: (record kind, meta)}``, ``(None, dtype)`` for a plain tensor; the core's
-        ``tx.init`` of this one param, with tensor parallel's whole blocks on every shard."""
-        tx, key, _ = self._transform(group)
-        cache_key = (key, tuple(p.shape), p.dtype, tuple(to_local(p).shape))
-        layout = self._param_templates.get(cache_key)
-        if layout is None:
-            meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
-            layout = {}
-            for name, leaf in binding(tx.init([meta])).state_leaves(0).items():
-                kind = records.kind_of(leaf)
-                if kind is None:
-                    layout[name] = (None, leaf.dtype)
-                    continue
-                meta = kind.meta_of(leaf)
-                if "block_size" in meta:  # tensor parallel: whole blocks on every shard
-                    meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
-                layout[name] = (kind, meta)
-            self._param_templates[cache_key] = layout
-        return layout
-
-    def _init_state(self, p, group) -> dict:
-        """A new param's state, torch.optim's names, zeros in the formats the core chose: every
-        state a tensor (records as :class:`QState`), DTensor-wrapped like ``p``."""
-        local = to_local(p)
-        st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
-        for name, (kind, meta) in self._layout(p, group).items():
-            if kind is None:
-                st[name] = wrap_like(torch.zeros(local.shape, dtype=meta, device=local.device), p)
-                continue
-            if "reduce" in kind.wiring:
-                self._reducer(p)  # made now: raises at creation for a shard it cannot complete
-            record = kind.zeros(tuple(local.shape), dict(meta), local.device)
-            st[name] = wrap_like(QState(record, mesh_axes(p)), p)
-        return st
-
-    def _check_layout(self, p, group, st: dict) -> None:
-        """Refuses a state that is not what ``group`` keeps for ``p`` now: the param's dtype
-        (``param_correction`` keeps a correction only for bfloat16 / float16 params) or a
-        storage option of the group changed after the state was created."""
-        want = self._layout(p, group)
-        have = {k: _stored_layout(v) for k, v in st.items() if k != "step"}
-        if have == want:
-            return
-        if set(have) != set(want):
-            problem = f"holds {sorted(have)} where the group now keeps {sorted(want)}"
-        else:
-            name = next(n for n in want if have[n] != want[n])
-            problem = (f"stores {name!r} as {_layout_label(have[name])} where the group now keeps "
-                       f"{_layout_label(want[name])}")
-        raise ValueError(
-            f"{type(self).__name__}: the state of a param of shape {tuple(p.shape)} ({p.dtype}) {problem}: the "
-            "param's dtype or the group's storage options (state_format, block_size, min_quant_size, "
-            "rank1_normalization, amsgrad, param_correction, ...) changed after its state was created, and "
-            "states keep the layout they were made with; cast the model before building the optimizer and set "
-            "these options at construction (or load a state dict saved with them)")
-
-    def _live(self, p, st: dict) -> dict:
-        """A param's states as the core sees them: records sharing the live storage, wired to
-        their param's shards (a rank-1 record's ``reduce``)."""
-        out = {}
-        for name, v in st.items():
-            if name == "step":
-                continue
-            v = to_local(v)
-            if isinstance(v, QState):
-                hit = self._records.get((id(p), name))
-                if hit is None or hit[0] is not v:  # a new state object (created, loaded, moved)
-                    hit = self._records[(id(p), name)] = (v, self._wired(p, v))
-                v = hit[1]
-            out[name] = v
-        return out
-
-    def _wired(self, p, q: QState):
-        """The core record of state ``q`` of param ``p`` (sharing its storage), with the wiring
-        its kind takes (:attr:`lowbit_tree.records.RecordKind.wiring`)."""
-        kind = q.kind
-        if not kind.wiring:
-            return q.record
-        meta = q.meta
-        meta["reduce"] = self._reducer(p)
-        return kind.make(q.parts, tuple(q.shape), meta)
-
-    def _reducer(self, p):
-        """Param ``p``'s rank-1 ``reduce`` (maxima across its shards; ``None`` unsharded), made
-        once per param and rebuilt after a copy or a pickle."""
-        if id(p) not in self._reducers:
-            self._reducers[id(p)] = rank1_reduce(p, to_local(p))
-        return self._reducers[id(p)]
-
     # -- step -------------------------------------------------------------------
     def _all_finite(self) -> bool | None:
         """Whether every gradient of this step is finite (None if no group asks).
 
         Read on the host: free for CPU tensors, one device sync on CUDA (like
         GradScaler's). Under FSDP2 all ranks agree (an all-reduce of the flag)."""
-        if not any(g.get("skip_nonfinite") for g in self.param_groups):
+        for group in self.param_groups:  # (a loop, not any(...): no call on a step that does not ask)
+            if group.get("skip_nonfinite"):
+                break
+        else:
             return None
         flags = []
         device = None
@@ -369,9 +267,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
         While :func:`bridge.step_in_backward`'s hooks are on, the steps have run in backward and
         this steps nothing: it ends the iteration (:meth:`bridge.StepInBackward.end_iteration`)."""
-        in_backward = self.__dict__.get("_in_backward")
-        if in_backward is not None:  # the steps ran in backward: this only ends the iteration
-            return in_backward.end_iteration(closure)
+        if self.steps_in_backward is not None:  # the steps ran in backward: this only ends the iteration
+            return self.steps_in_backward.end_iteration(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -385,7 +282,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             offset += len(params)
         return loss
 
-    def _step_param(self, p) -> None:
+    def step_param(self, p: torch.Tensor) -> None:
         """The step of param ``p`` alone, with the bits ``step()`` gives it (its group's
         hyperparameters, its position among all the params as stochastic rounding's key),
         through a plan of its own: what :func:`bridge.step_in_backward` runs in each hook."""
@@ -415,52 +312,59 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list, offset: int, only: int | None = None) -> None:
         """One group: its params with gradients (or only the one at position ``only``), batched
         by step count (torch.optim keeps one per param), each batch one in-place core step
-        through its :class:`GroupPlan`, cached per group and positions stepped."""
+        through its :class:`GroupPlan`, cached per group and positions stepped. A cached plan
+        reads the gradients itself: the step goes optimizer -> plan -> core, once."""
         tx, key, numeric = self._transform(group)
-        grads: list = [None] * len(params)
         present = []
         for i in range(len(params)) if only is None else (only,):
-            p = params[i]
-            if p.grad is None:
+            g = params[i].grad
+            if g is None:
                 continue
-            if p.grad.is_sparse:
+            if g.is_sparse:
                 raise RuntimeError(
                     f"{type(self).__name__} does not support sparse gradients (param of shape "
-                    f"{tuple(p.shape)}); use a dense embedding (sparse=False)"
+                    f"{tuple(params[i].shape)}); use a dense embedding (sparse=False)"
                 )
-            grads[i] = local_grad(p)
             present.append(i)
         present = tuple(present)
         seed = int(group.get("seed", 0))
-        hit = self._plans.get((id(group), present))
-        if hit is not None and hit[0] == key and hit[1].current(self, params, present):
-            self._run(hit[1], params, grads, numeric, seed)
+        hit = self._plans.get((offset, present))
+        if hit is not None and hit[0] == key and hit[1].current(self.state, params, present):
+            hit[1].run(numeric, seed)
             return
+        self._build_and_run(group, params, present, offset, tx, key, numeric, seed)
+
+    def _build_and_run(self, group: dict, params: list, present: tuple, offset: int, tx, key, numeric: dict,
+                       seed: int) -> None:
+        """:meth:`_step_group` without a current plan: the states created (or checked), the
+        params batched by step count, one :class:`GroupPlan` per batch (remembered when there is
+        one batch), each run."""
+        states = self.param_states
+        grads: list = [None] * len(params)
         batches: dict = {}
         for i in present:
             p = params[i]
+            grads[i] = local_grad(p)
             if grads[i].shape != to_local(p).shape:
                 raise RuntimeError(f"gradient shape {tuple(grads[i].shape)} does not match param shape "
                                    f"{tuple(to_local(p).shape)}")
             st = self.state[p]
             if len(st) == 0:
-                st.update(self._init_state(p, group))
+                st.update(states.create(p, group))
             else:
-                self._check_layout(p, group, st)
+                states.check(p, group, st)
             batches.setdefault(float(st["step"]), []).append(i)
         what = f"{type(self).__name__}'s transformation ({getattr(self._factory, '__name__', 'factory')})"
         for batch in batches.values():
-            in_batch = set(batch)
-            plan = GroupPlan(self, tx, self._binding(group, params, tuple(batch)), params, tuple(batch), numeric,
+            batch = tuple(batch)
+            live: list = [None] * len(params)
+            for i in batch:
+                live[i] = states.live(params[i], self.state[params[i]])
+            plan = GroupPlan(self.state, tx, states.binding(group, params, batch), params, batch, live, numeric,
                              offset, what)
             if len(batches) == 1:
-                self._plans[(id(group), present)] = (key, plan)
-            self._run(plan, params, [g if i in in_batch else None for i, g in enumerate(grads)], numeric, seed)
-
-    def _run(self, plan: GroupPlan, params: list, grads: list, numeric: dict, seed: int) -> None:
-        rest = plan.run(grads, numeric, seed)
-        if any(rest[i] is not None for i in plan.present):  # what the plan left to add (a transformation that writes no params)
-            apply_rest_([to_local(p) for p in params], rest)
+                self._plans[(offset, present)] = (key, plan)
+            plan.run(numeric, seed, [g if i in batch else None for i, g in enumerate(grads)])
 
     # -- introspection ------------------------------------------------------------
     def state_report(self) -> list[StateReportRow]:

@@ -17,30 +17,41 @@ dict) or changed in place (its version counter moves) rebuilds the plan.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lowbit_tree.base import plan_of
+from lowbit_tree.update import apply_rest_
 
-from .distributed import to_local
+from .distributed import local_grad, to_local
 
 __all__ = ["GroupPlan"]
 
 
 class GroupPlan:
     """The in-place step of one param group over the params at positions ``present`` (those
-    with gradients), all at step count ``count``."""
+    with gradients), all at one step count.
 
-    def __init__(self, opt, tx, binding, params: list, present: tuple, numeric: dict, offset: int, what: str):
+    Args:
+      state: the optimizer's ``state`` (param -> its state dict) now.
+      tx: the group's transformation (its in-place form ``tx.plan`` is built here).
+      binding: the group's state-tree binding for ``present``
+        (:meth:`bridge.param_states.ParamStates.binding`).
+      params: the group's params (all of them: a leaf's index is its position).
+      present: the positions stepped.
+      live: per position, the param's live records (:meth:`bridge.param_states.ParamStates.live`),
+        ``None`` where not stepped.
+      numeric: the injected hyperparameters' names (and this step's values).
+      offset: the group's first param's position among all the optimizer's params.
+      what: the transformation's name, for error messages.
+    """
+
+    def __init__(self, state, tx, binding, params: list, present: tuple, live: list, numeric: dict, offset: int,
+                 what: str):
         self.present = present
         self.params = [params[i] for i in present]
-        self.locals = [to_local(p) for p in self.params]
+        self.locals = [to_local(p) for p in self.params]  # a plain param is its own local tensor
         self.dtypes = [p.dtype for p in self.params]  # a module cast in place keeps the param object
-        self.states = [opt.state[p] for p in self.params]
-        live: list = [None] * len(params)
-        for i, p, st in zip(present, self.params, self.states):
-            live[i] = opt._live(p, st)
+        self.states = [state[p] for p in self.params]
         self.held = [tuple(v for k, v in st.items() if k != "step") for st in self.states]
         self.hyper = {k: torch.zeros((), dtype=torch.float64, device="cpu") for k in numeric}
         tree, self.counts, self.seeds = binding.tree(live, self.hyper)
@@ -56,29 +67,42 @@ class GroupPlan:
             c.fill_(self.count)
         self.seed = None
         stepped = set(present)
-        local_params = [to_local(p) if i in stepped else None for i, p in enumerate(params)]
-        self.step = plan_of(tx, what)(tree, local_params, write=True, leaf_offset=offset)
+        self.all_locals = [to_local(p) if i in stepped else None for i, p in enumerate(params)]
+        self.step = plan_of(tx, what)(tree, self.all_locals, write=True, leaf_offset=offset)
         self.size = len(params)
 
-    def current(self, opt, params: list, present: tuple) -> bool:
-        """Whether this plan still holds: the same params with gradients (in the same dtypes),
-        the same state objects, step counts untouched since the last step."""
+    def current(self, state, params: list, present: tuple) -> bool:
+        """Whether this plan still holds over the optimizer's ``state`` (a loaded state dict
+        replaces it): the same params with gradients at the same positions (in the same dtypes),
+        the same state objects, step counts untouched since the last step. (Loops, not
+        generators: a step calls nothing here.)"""
         if present != self.present or len(params) != self.size or self.steps._version != self.version:
             return False
-        for p, local, st, held, view, dtype in zip(self.params, self.locals, self.states, self.held, self.views,
-                                                   self.dtypes):
-            if opt.state.get(p) is not st or st.get("step") is not view or to_local(p) is not local:
+        for i, p, local, st, held, view, dtype in zip(self.present, self.params, self.locals, self.states, self.held,
+                                                      self.views, self.dtypes):
+            if params[i] is not p or state.get(p) is not st or st.get("step") is not view or p.dtype != dtype:
                 return False
-            if p.dtype != dtype:
+            if local is not p and to_local(p) is not local:  # a DTensor's local shard replaced
                 return False
-            if len(st) != len(held) + 1 or any(a is not b for a, b in zip((v for k, v in st.items() if k != "step"), held)):
+            if len(st) != len(held) + 1:
                 return False
+            k = 0
+            for name, v in st.items():
+                if name != "step":
+                    if v is not held[k]:
+                        return False
+                    k += 1
         return True
 
-    def run(self, grads: list, numeric: dict, seed: int) -> list:
+    def run(self, numeric: dict, seed: int, grads: list | None = None) -> None:
         """One step: this step's hyperparameters (those that changed) into the state tree, then
-        the plan, which advances the tree's counts. Returns the updates the plan did not write
-        into the params."""
+        the plan, which advances the tree's counts; an update the plan did not write into the
+        params (a transformation that writes none) is added to them. ``grads``: the local
+        gradients by position (``None`` where not stepped), read from the params if not given."""
+        if grads is None:
+            grads = [None] * self.size
+            for i, p, local in zip(self.present, self.params, self.locals):
+                grads[i] = p.grad if local is p else local_grad(p)
         for k, v in numeric.items():
             if isinstance(v, torch.Tensor):
                 self.hyper[k].copy_(v.detach().reshape(()))
@@ -94,4 +118,7 @@ class GroupPlan:
         self.steps.add_(1)
         self.version = self.steps._version
         self.count += 1
-        return rest
+        for i in self.present:
+            if rest[i] is not None:  # what the plan left to add (a transformation that writes no params)
+                apply_rest_(self.all_locals, rest)
+                break

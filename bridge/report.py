@@ -140,7 +140,7 @@ def rank_totals(opt) -> Optional[RankTotals]:
 
 
 def _steps_in_backward(opt) -> bool:
-    return opt.__dict__.get("_in_backward") is not None  # set by bridge.step_in_backward's handle
+    return getattr(opt, "steps_in_backward", None) is not None  # set by bridge.step_in_backward's handle
 
 
 def _training_bytes(opt, states: int) -> TrainingBytes:

@@ -177,9 +177,10 @@ def _rows(t: torch.Tensor, p: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def _check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> dict:
+def check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dict) -> dict:
     """Checks the saved groups against this optimizer's; returns ``{group index: rank-1 choice}``
-    for the groups that take the saved one (:func:`_rank1_on_load`)."""
+    for the groups that take the saved one (:func:`_rank1_on_load`). :mod:`bridge.dcp` runs it
+    before a distributed load, so a mismatch is named before any tensor is read."""
     adopted: dict = {}
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
@@ -263,27 +264,27 @@ FORMAT_KEYS = ("state_format",) + tuple(FORMAT_ARGUMENTS.values())  # the group 
 
 def _check_formats(opt, gi: int, saved: dict, group: dict) -> None:
     """The saved group's state formats against this group's, state by state, as this optimizer
-    reads both (``opt._state_formats``), for the states the group keeps (:func:`_kept_states`): a
+    reads both (``opt.state_formats``), for the states the group keeps (``opt.param_states.kept_states``): a
     mapping that gives every kept state the format a name gives matches that name; a kept state in
     another format is refused, naming it. An optimizer that cannot say its states (a plain
     ``LowBitOptimizer``) compares the values as they are."""
     theirs_group = {k: v for k, v in group.items() if k not in FORMAT_KEYS}
     theirs_group.update({k: saved[k] for k in FORMAT_KEYS if k in saved})
     value, mine = saved.get("state_format"), group["state_format"]
-    mine_formats = opt._state_formats(group)
+    mine_formats = opt.state_formats(group)
     if mine_formats is None:
         if value != mine:
             raise ValueError(_static_mismatch(gi, "state_format", value, mine))
         return
     try:
-        theirs = opt._state_formats(theirs_group) if "state_format" in saved else None
+        theirs = opt.state_formats(theirs_group) if "state_format" in saved else None
     except ValueError as e:
         raise ValueError(_static_mismatch(gi, "state_format", value, mine, f" ({e})")) from None
     if theirs == mine_formats:
         return
     if theirs is None:
         raise ValueError(_static_mismatch(gi, "state_format", value, mine))
-    kept = _kept_states(opt, group)
+    kept = opt.param_states.kept_states(group)
     differ = [n for n in mine_formats if n in kept and theirs[n] != mine_formats[n]]
     if not differ:
         return
@@ -293,20 +294,8 @@ def _check_formats(opt, gi: int, saved: dict, group: dict) -> None:
     raise ValueError(_static_mismatch(gi, key, saved.get(key), group.get(key), detail))
 
 
-def _kept_states(opt, group: dict) -> set:
-    """The states ``group``'s params keep: its transformation's ``tx.init`` of meta tensors of
-    their shapes (no memory; cached for the group's step). A state the rule keeps only with a
-    setting (``max_exp_avg_sq``: ``amsgrad``) is not among them without it, so its format
-    cannot make two optimizers differ."""
-    params = group["params"]
-    b = opt._binding(group, params, tuple(range(len(params))))
-    return {s.name for s in b.slots if s.kind == "state"}
-
-
 def _takes_rank1(opt) -> bool:
-    import inspect
-
-    return RANK1_KEY in inspect.signature(opt._factory).parameters
+    return opt.factory_takes(RANK1_KEY)
 
 
 def _saved_rank1(saved: dict, state_dict: dict, version):
@@ -368,7 +357,7 @@ def load_into(opt, state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("not an optimizer state dict: expected a dict with 'state' and 'param_groups'")
     migrating = not _is_ours(state_dict)
-    adopted = _check_groups(opt, state_dict["param_groups"], migrating, state_dict)
+    adopted = check_groups(opt, state_dict["param_groups"], migrating, state_dict)
     # the groups as they will be: a group on its format's default takes the saved rank-1 choice
     as_loaded = [dict(g, **{RANK1_KEY: adopted[gi]}) if gi in adopted else g for gi, g in enumerate(opt.param_groups)]
 
@@ -415,12 +404,12 @@ def _restored_group(saved: dict, group: dict, migrating: bool) -> dict:
 
 
 def _loaded_state(opt, saved: dict, p, group: dict, migrating: bool, gi: int, sid) -> dict:
-    """Param ``p``'s new state from its saved one, in the layout ``group`` keeps (``opt._init_state``),
+    """Param ``p``'s new state from its saved one, in the layout ``group`` keeps (``opt.param_states.create``),
     every state validated. A correction the dict does not hold (written on float32 params, or by
     torch.optim) is left as it is (:func:`_live_correction`); a saved state this optimizer would
     not keep is refused, never dropped."""
     where = f"param {sid} (shape {tuple(p.shape)})"
-    fresh = opt._init_state(p, group)  # the expected layout, on the param's device
+    fresh = opt.param_states.create(p, group)  # the expected layout, on the param's device
     if saved.get(CORRECTION) is not None and CORRECTION not in fresh:
         raise ValueError(_dropped_correction(gi, sid, p, group))
     st: dict[str, Any] = {}
@@ -490,7 +479,7 @@ def _fresh_keeping_correction(opt, p, group: dict) -> dict | None:
     live = opt.state.get(p, {}).get(CORRECTION)
     if live is None:
         return None
-    st = opt._init_state(p, group)
+    st = opt.param_states.create(p, group)
     if CORRECTION not in st:
         return None
     st[CORRECTION] = live
@@ -628,7 +617,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
             raise ValueError(f"{where}: {name!r} is {_describe(value)}, expected a float tensor")
         if tuple(value.shape) != tuple(q.shape):
             raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(q.shape)}")
-        like = opt._wired(p, q)
+        like = opt.param_states.record(p, q)
         q.set_(kind.from_float(value.detach().to(q.device, torch.float32), like))
         return expected
     raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
