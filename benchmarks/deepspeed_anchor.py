@@ -58,6 +58,12 @@ def _built_library(builder) -> str:
     return os.path.join(_get_build_directory(builder.name, verbose=False), f"{builder.name}.so")
 
 
+def op_cached() -> bool:
+    """Whether an earlier process built the op into this process's extensions folder (loading it
+    then takes a second, not minutes)."""
+    return missing_reason() is None and os.path.exists(_built_library(_builder()))
+
+
 def build_op() -> OpBuild:
     """Builds (first use) or loads DeepSpeed's cpu_adam op; raises when deepspeed is missing or
     the build fails (a C++ compiler, ninja and the Python headers are needed)."""
