@@ -28,7 +28,8 @@ def step_floor_chart(result: dict, path: str) -> None:
         if "skipped" not in r:
             color = "tab:gray" if r["impl"].startswith(("deepspeed", "torch")) else "tab:blue"
             ax.barh(y, r["ns_per_param"], color=color, height=0.6)
-            ax.text(r["ns_per_param"], y, f" {r['ns_per_param']:.2f}", va="center", fontsize=8)
+            ax.text(max(r["ns_per_param"], r["floor_ns_per_param"]), y, f"  {r['ns_per_param']:.2f}", va="center",
+                    fontsize=8)
         else:
             ax.text(0, y, "  skipped: " + r["skipped"][:60], va="center", fontsize=7, color="tab:red")
         ax.plot([r["floor_ns_per_param"]], [y], marker="|", markersize=16, mew=2.5, color="k")
@@ -39,7 +40,8 @@ def step_floor_chart(result: dict, path: str) -> None:
     probe = statistics.median(result["probe_gbs"])
     ax.set_title(f"host step vs memory floor: {result['params'] / 1e6:.2f}M params, {result['threads']} threads, "
                  f"triad probe {probe:.1f} GB/s", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
+    ax.set_xlim(0, 1.12 * max([r.get("ns_per_param", 0) for r in rows] + [r["floor_ns_per_param"] for r in rows]))
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -59,7 +61,7 @@ def convergence_chart(conv: dict, reference_of, tolerance: dict, path: str) -> N
     plt = _pyplot()
     runs = conv["runs"]
     variants = [v for v in runs if reference_of(v) != v and reference_of(v) in runs]
-    refs = list(dict.fromkeys(v for v in runs if reference_of(v) == v))
+    refs = [v for v in runs if any(reference_of(u) == v for u in runs)]  # a reference of a variant here
     cols = min(4, len(variants) + 1)
     rows_n = math.ceil((len(variants) + 1) / cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(3.4 * cols, 2.7 * rows_n), squeeze=False)
