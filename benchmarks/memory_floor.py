@@ -175,24 +175,21 @@ def run(impls: list[str], shapes, steps: int, runs: int, triad_mib: int) -> dict
     build = None
     if any(i.startswith("deepspeed") for i in impls) and deepspeed_anchor.missing_reason() is None:
         build = deepspeed_anchor.build_op()._asdict()
-    states = []
-    for impl in impls:
-        st = step_time.setup(impl, shapes, device)
-        states.append(st)
+    states = [step_time.setup(impl, shapes, device) for impl in impls]
+    timed = [st for st in states if "skipped" not in st]
     triad = Triad(triad_mib)
     triad.step()
     probe, per_run = [], []
     for _ in range(runs):
         triad_times = []
-        for st in states:
-            st["times"] = [] if "skipped" not in st else None
+        for st in timed:
+            st["times"] = []
         for _ in range(steps):
             triad_times.append(triad.timed())
-            for st in states:
-                if "skipped" not in st:
-                    step_time.timed_step(st, device, last=False)
+            for st in timed:
+                step_time.timed_step(st, device, last=False)
         probe.append(triad.bytes_moved / statistics.median(triad_times) / 1e9)
-        per_run.append({st["impl"]: statistics.median(st["times"]) for st in states if "skipped" not in st})
+        per_run.append({st["impl"]: statistics.median(st["times"]) for st in timed})
     skipped = {st["impl"]: st["skipped"] for st in states if "skipped" in st}
     n = sum(math.prod(s) for s in shapes)
     return {"shapes": [list(s) for s in shapes], "params": n, "steps": steps, "runs": runs, "threads":
@@ -264,7 +261,7 @@ def describe(result: dict) -> str:
         ds = (f"deepspeed {result['deepspeed']}; its cpu_adam op " + ("loaded from an earlier build" if build["cached"]
               else "built") + f" in {build['seconds']:.1f} s before the first round")
     return (f"{len(result['shapes'])} params of shape {' + '.join('x'.join(map(str, s)) for s in result['shapes'])}"
-            f" ({result['params'] / 1e6:.2f}M), {torch.get_num_threads()} torch threads, {result['runs']} run(s) of"
+            f" ({result['params'] / 1e6:.2f}M), {result['threads']} torch threads, {result['runs']} run(s) of"
             f" {result['steps']} interleaved rounds. Probe: triad over 3 float32 arrays of {result['triad_mib']} MiB"
             f" (largest cache reported: {'unknown' if cache is None else f'{cache / 2**20:.0f} MiB'}),"
             f" {' / '.join(f'{g:.1f}' for g in result['probe_gbs'])} GB/s in the runs. {ds}.")

@@ -680,7 +680,8 @@ def main(argv=None) -> int:
     load = f"{load_start:.1f} / {os.getloadavg()[0]:.1f} (other processes share the cores)"
     if floor["deepspeed_build"] is not None and ds_build.startswith("not timed"):
         b = floor["deepspeed_build"]
-        ds_build += f"; in this run {'loaded from an earlier build' if b['cached'] else 'built'} in {b['seconds']:.1f} s"
+        how = "loaded from an earlier build" if b["cached"] else "built"
+        ds_build += f"; in this run {how} in {b['seconds']:.1f} s"
     env = environment(started, build, load, ds_build)
     head = [
         "# Results",

@@ -184,7 +184,8 @@ def test_floor_without_deepspeed_names_it_on_its_rows(monkeypatch):
     result = run_small_floor(mf, ["deepspeed-cpu-adam", "torch-fused", "bridge-8bit"])
     rows = {r["impl"]: r for r in result["rows"]}
     assert list(rows) == ["deepspeed-cpu-adam", "torch-fused", "bridge-8bit"]  # the row kept, not dropped
-    assert "deepspeed not installed" in rows["deepspeed-cpu-adam"]["skipped"] and "bench" in rows["deepspeed-cpu-adam"]["skipped"]
+    reason = rows["deepspeed-cpu-adam"]["skipped"]
+    assert "deepspeed not installed" in reason and "bench" in reason
     assert rows["bridge-8bit"]["x_deepspeed"] is None and rows["bridge-8bit"]["x_torch_fused"] > 0
     assert rows["torch-fused"]["x_torch_fused"] == 1.0
     for r in (rows["torch-fused"], rows["bridge-8bit"]):
