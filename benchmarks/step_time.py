@@ -384,9 +384,9 @@ def run_case(case, device, impls, steps, out):
 def print_row(r, rows):
     ref = next((x for x in rows if x["impl"] == "torch-fused" and "median_ms" in x), None)
     if len(rows) == 1:
-        print(f"  {'impl':<22}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
+        print(f"  {'impl':<25}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
     if "skipped" in r:
-        print(f"  {r['impl']:<22}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
+        print(f"  {r['impl']:<25}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
         return
     ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
     r["ratio_to_fused"] = ratio
@@ -398,7 +398,7 @@ def print_row(r, rows):
                 r[key] = r["median_ms"] / base["median_ms"]
                 r["note"] = (r["note"] + f" {r[key]:.2f}x {name}").strip()
     peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
-    print(f"  {r['impl']:<22}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
+    print(f"  {r['impl']:<25}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
           f"{r['state_bytes_per_param']:>9.3f}{peak:>9}  {r['note']}", flush=True)
 
 
