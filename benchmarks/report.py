@@ -11,7 +11,7 @@ of ``step_time.py``, whose timed steps interleave every implementation; each rat
 beside torch's fused AdamW's own ms/step in the same runs, since on a shared machine the ratio
 moves with the machine's state.
 
-    python benchmarks/report.py                         # full batteries, docs/results.md (~25 min, 2 cores;
+    python benchmarks/report.py                         # full batteries, docs/results.md (~30 min, 2 cores;
                                                         # needs the parity and bench extras)
     python benchmarks/report.py --quick --out /tmp/r.md # CI smoke: the same code at tiny sizes (~1-2 min)
 """
