@@ -2,14 +2,16 @@
 command that measured it, the machine, the versions and the date.
 
 It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
-``convergence.py``, ``digits_mlp.py``, ``second_moment_formats.py``, ``training_state_bytes.py``,
-``step_in_backward.py``, the demo and ``lowbit-tree roundtrip``) in this one process, and builds
-the page's summary ("choose a format") from their results. Step times are medians of three runs
+``memory_floor.py``, ``offload_bytes.py``, ``convergence.py``, ``digits_mlp.py``,
+``second_moment_formats.py``, ``training_state_bytes.py``, ``step_in_backward.py``, the demo and
+``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a format")
+from their results. Its pictures (``charts.py``) are PNGs beside the page, named after it
+(``docs/results-*.png``). Step times are medians of three runs
 of ``step_time.py``, whose timed steps interleave every implementation; each ratio is printed
 beside torch's fused AdamW's own ms/step in the same runs, since on a shared machine the ratio
 moves with the machine's state.
 
-    python benchmarks/report.py                         # full batteries, docs/results.md (~25 min, 2 cores;
+    python benchmarks/report.py                         # full batteries, docs/results.md (~30 min, 2 cores;
                                                         # needs the parity and bench extras)
     python benchmarks/report.py --quick --out /tmp/r.md # CI smoke: the same code at tiny sizes (~1-2 min)
 """
@@ -36,8 +38,12 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # the benchmark scripts, imported as modules
 sys.path.insert(0, ROOT)  # lowbit_tree and bridge of this checkout
 
+import charts  # noqa: E402
 import convergence  # noqa: E402
+import deepspeed_anchor  # noqa: E402
 import digits_mlp  # noqa: E402
+import memory_floor  # noqa: E402
+import offload_bytes  # noqa: E402
 import requantize_drift  # noqa: E402
 import second_moment_formats  # noqa: E402
 import step_in_backward  # noqa: E402
@@ -102,6 +108,10 @@ IN_BACKWARD_QUICK = ["--quick"]
 DEMO_FULL = ["demo", "--no-progress"]
 DEMO_QUICK = ["demo", "--tiny", "--no-progress"]
 SECOND_MOMENT_QUICK = ["--steps", "20"]
+FLOOR_FULL: list[str] = []  # case (a), every row of memory_floor.py, 10 rounds x 3 runs
+FLOOR_QUICK = ["--quick"]
+OFFLOAD_BYTES_FULL: list[str] = []  # d_model 512, 4 layers
+OFFLOAD_BYTES_QUICK = ["--d-model", "128", "--ffn", "384", "--heads", "2", "--layers", "2"]
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -154,7 +164,7 @@ def version(dist: str) -> str | None:
         return None
 
 
-ANCHORS = ("torchao", "bitsandbytes", "scikit-learn")
+ANCHORS = ("torchao", "bitsandbytes", "scikit-learn", "deepspeed")
 """What the full page compares with (the ``parity`` and ``bench`` extras): without one, its rows
 and tables would be missing from the page, so the full run refuses to start."""
 
@@ -175,6 +185,32 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def vector_isa(cpuinfo: str | None = None) -> str:
+    """The widest vector instruction set the CPU reports, from the flags (x86) or Features (Arm)
+    line of ``cpuinfo`` (default: /proc/cpuinfo's text): "AVX-512" (with "+BF16" when it has
+    avx512_bf16), "AVX2", "AVX", "SSE only", "SVE", "NEON"; "unknown" when no such line is found."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "unknown"
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags = set(value.split())
+            break
+    if not flags:
+        return "unknown"
+    if "avx512f" in flags:
+        return "AVX-512" + ("+BF16" if "avx512_bf16" in flags else "")
+    for flag, name in (("avx2", "AVX2"), ("avx", "AVX"), ("sse2", "SSE only"), ("sve", "SVE"), ("asimd", "NEON")):
+        if flag in flags:
+            return name
+    return "unknown"
 
 
 def memory_gib() -> str:
@@ -213,13 +249,14 @@ def kernel_build_seconds() -> str:
     return f"{out[1]} s (first use, empty cache; cached after)"
 
 
-def environment(started: datetime.datetime, build: str, load: str) -> list[list[str]]:
+def environment(started: datetime.datetime, build: str, load: str, ds_build: str) -> list[list[str]]:
     gpu = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
            else "none: no GPU figures yet; the CUDA path is tested only where a GPU is present")
     optional = ", ".join(f"{d} {version(d)}" for d in ANCHORS if version(d))
     return [
         ["date", started.strftime("%Y-%m-%d %H:%M UTC")],
-        ["machine", f"{platform.system()} {platform.machine()}, {cpu_model()}, {os.cpu_count()} cores, {memory_gib()}"],
+        ["machine", f"{platform.system()} {platform.machine()}, {cpu_model()} (vector ISA: {vector_isa()}),"
+                    f" {os.cpu_count()} cores, {memory_gib()}"],
         ["torch threads", str(torch.get_num_threads())],
         ["load average (1 min) at start / end", load],
         ["GPU", gpu],
@@ -228,6 +265,7 @@ def environment(started: datetime.datetime, build: str, load: str) -> list[list[
         ["lowbit-tree", f"{version('lowbit-tree') or '?'}, commit {git_commit()}"],
         ["compared with", optional or f"nothing installed ({', '.join(ANCHORS)})"],
         ["native CPU kernel build", build],
+        ["DeepSpeed cpu_adam op build", ds_build],
     ]
 
 
@@ -420,6 +458,69 @@ def captured(fn, argv) -> str:
     return buf.getvalue().rstrip()
 
 
+# ----------------------------------------------------------------------------- offloaded training
+
+
+def figure(out: str, name: str) -> str:
+    """The path of the page's picture ``name``: a PNG beside the page, named after it."""
+    stem = os.path.splitext(os.path.abspath(out))[0]
+    return f"{stem}-{name}.png"
+
+
+def deepspeed_build(quick: bool) -> str:
+    """The environment table's line on DeepSpeed's cpu_adam op: its first build timed in a fresh
+    process (the full page), or why not."""
+    reason = deepspeed_anchor.missing_reason()
+    if reason:
+        return reason
+    if quick:
+        return "not timed from scratch (--quick)"
+    log("timing DeepSpeed's cpu_adam op's first build (minutes)")
+    return f"{deepspeed_anchor.fresh_build_seconds():.0f} s (first use, empty extensions folder; cached after)"
+
+
+def offload_step_section(floor: dict, floor_args: list[str], picture: str) -> str:
+    return (
+        "## Offloaded training: the host step against DeepSpeed and the memory floor\n\n"
+        f"{cmd('benchmarks/memory_floor.py', floor_args)}: the step an offloaded run takes on the host."
+        " DeepSpeed's `DeepSpeedCPUAdam` (ZeRO-Offload's step: fp32 states, AdamW mode), torch's fused AdamW and"
+        " our classes (step_time.py's rows: `bridge-8bit` is `AdamW8bit`, `-bf16c` bfloat16 params with"
+        " `param_correction=True`, `lion`/`sgd` `Lion8bit`/`SGD8bit`), all on the same params and gradients,"
+        " stepped in the same interleaved rounds as a memory-bandwidth probe (a STREAM triad over float32 arrays"
+        " larger than the caches, by torch's threads). `bytes moved/param`: what the step must read and write"
+        " (param and state read and written, gradient read; states with their codes, block scales and rank-1"
+        " maxima; the int8 correction), counted once per read and once per write as STREAM counts; `GB/s` those"
+        " bytes over the step's time; `share of probe` that over the probe's GB/s in the same run (1.0:"
+        " memory-bound); `floor ns/param` the bytes at the probe's GB/s. Ratios to DeepSpeedCPUAdam are to its"
+        " row on params of the same dtype, taken within each run; every figure the median of the runs. "
+        + memory_floor.describe(floor) + "\n\n" + memory_floor.format_table(floor)
+        + f"\n\n![ns/param per implementation, the floor of its format marked]({picture})")
+
+
+def host_bytes_section(result: dict, ob_args: list[str]) -> str:
+    c = result["config"]
+    return (
+        "## Offloaded training: host bytes per param\n\n"
+        f"{cmd('benchmarks/offload_bytes.py', ob_args)}: what an offloaded run keeps in host memory (params,"
+        f" gradients, optimizer states) for a Llama-shaped stack of {c['layers']} decoder layers (d_model"
+        f" {c['d_model']}, SwiGLU {c['ffn']}, {c['heads']} query heads over {c['heads'] // 2} key-value heads,"
+        f" RMSNorm weights; no embeddings), {result['params']:,} params, trained 3 iterations on one"
+        f" {c['tokens']}-token sequence, one thread. Counted: `bridge.report.training_bytes` (params + gradients +"
+        " states). Tracked: the bytes of every tensor alive, between steps (params and states) and at the peak"
+        " (with the gradients, the batch's activations and the step's temporaries). Peak RSS growth: the"
+        " process's peak resident memory over its RSS before the model was built, each setup in a fresh"
+        " process (it adds allocator slack and torch's own buffers: a few MB that weigh more on a small"
+        " model). fp32 `torch.optim.AdamW` is torch's default (for-loop) implementation. Bytes per param:\n\n"
+        + offload_bytes.format_table(result["rows"]))
+
+
+def convergence_picture(conv: dict, out: str, name: str) -> str:
+    path = figure(out, name)
+    charts.convergence_chart(conv, convergence.reference_of, {**convergence.TOLERANCE, **convergence.MEAN_TOLERANCE},
+                             path)
+    return f"![held-out loss of each variant relative to its reference, per evaluation]({os.path.basename(path)})"
+
+
 # ----------------------------------------------------------------------------- the summary
 
 
@@ -502,6 +603,7 @@ def main(argv=None) -> int:
     if missing and not args.quick:
         ap.error(f"{', '.join(missing)} not installed: the page compares with them. Install them with "
                  '`pip install -e ".[parity,bench]"` (--quick, the CI smoke, runs without them)')
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # the pictures go beside the page
     started = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -511,6 +613,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         log("timing the native kernel's first build")
         build = kernel_build_seconds()
+        ds_build = deepspeed_build(args.quick)
 
         batteries = [QUICK_STEP] if args.quick else STEP_BATTERIES
         results = {}
@@ -523,6 +626,16 @@ def main(argv=None) -> int:
         if not args.quick:
             log(f"step time: {MUON_WHOLE[0]} (1 run)")
             whole = step_battery(MUON_WHOLE[1], 1, tmp)
+
+        floor_args = FLOOR_QUICK if args.quick else FLOOR_FULL
+        log(f"the host step against DeepSpeed and the memory floor ({' '.join(floor_args)})")
+        with isolated(torch.get_num_threads()):
+            floor = memory_floor.main(floor_args)
+        charts.step_floor_chart(floor, figure(args.out, "offload-step"))
+        log("offloaded training: host bytes per param")
+        ob_args = OFFLOAD_BYTES_QUICK if args.quick else OFFLOAD_BYTES_FULL
+        with isolated(1):
+            host_bytes = offload_bytes.main(ob_args)
 
         log("host overhead per param")
         overhead_args = OVERHEAD_QUICK if args.quick else OVERHEAD_FULL
@@ -565,7 +678,11 @@ def main(argv=None) -> int:
 
     elapsed = time.perf_counter() - t0
     load = f"{load_start:.1f} / {os.getloadavg()[0]:.1f} (other processes share the cores)"
-    env = environment(started, build, load)
+    if floor["deepspeed_build"] is not None and ds_build.startswith("not timed"):
+        b = floor["deepspeed_build"]
+        how = "loaded from an earlier build" if b["cached"] else "built"
+        ds_build += f"; in this run {how} in {b['seconds']:.1f} s"
+    env = environment(started, build, load, ds_build)
     head = [
         "# Results",
         "",
@@ -598,6 +715,8 @@ def main(argv=None) -> int:
         sections.append(f"## Step time: {MUON_WHOLE[0]}\n\nOne run of {cmd('benchmarks/step_time.py', MUON_WHOLE[1])}"
                         " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"
                         " same bfloat16 matrix products in every Muon row).\n\n" + step_table(whole, muon=True))
+    sections.append(offload_step_section(floor, floor_args, os.path.basename(figure(args.out, "offload-step"))))
+    sections.append(host_bytes_section(host_bytes, ob_args))
     rows = [[r["shapes"], r["variant"], r["params"], f"{r['ours_ms']:.2f}", f"{r['torch_fused_ms']:.2f}",
              f"{r['overhead_us_per_param']:.1f}", f"{r['first_step_s']:.1f}",
              f"{r['compiler_warmup_s']:.1f}" if r["variant"].startswith("compiled") else "-", r["graphs"]]
@@ -650,7 +769,8 @@ def main(argv=None) -> int:
         f" {conv['params']:,} params; per seed every variant starts from the same weights and sees the same"
         " batches. Final held-out loss relative to the fp32 run of the same rule and seed (fp32 AdamW, fp32"
         " AdEMAMix, fp32 Muon). The AdamW groups of the Muon variants (embeddings, head, norms, biases) take the"
-        f" class's formats. Run time {conv['wall_s'] / 60:.1f} min.\n\n" + conv_table(conv))
+        f" class's formats. Run time {conv['wall_s'] / 60:.1f} min.\n\n" + conv_table(conv)
+        + "\n\n" + convergence_picture(conv, args.out, "convergence"))
     if digits is None:
         sections.append("## Convergence: MLP on digits\n\nSkipped: scikit-learn is not installed"
                         " (`pip install -e \".[bench]\"`).")
@@ -667,7 +787,7 @@ def main(argv=None) -> int:
         " is left is the master weight's precision) and against fp32 AdamW. The GPT's target: with the int8"
         " correction, the mean over seeds within 0.2% of float32 params. A difference between two variants moves by"
         " about 0.4% from seed to seed, so a mean over 3 seeds has a standard error of about 0.25%: hence 12 seeds.\n\n"
-        + bf16_table(conv, conv_bf16, digits))
+        + bf16_table(conv, conv_bf16, digits) + "\n\n" + convergence_picture(conv_bf16, args.out, "convergence-bf16"))
     sections.append(f"## Second-moment robustness\n\n{cmd('benchmarks/second_moment_formats.py', sm_args)}:"
                     " Adam on rows whose gradients span 1e-8..1 inside a block, half the rows absent (zero"
                     " gradient) at each step; the largest weight step against fp32 Adam's largest.\n\n```\n"
@@ -679,7 +799,6 @@ def main(argv=None) -> int:
     sections.append(f"## Round-trip error of each format\n\n`lowbit-tree roundtrip`: a heavy-tailed 256x1024 tensor"
                     " through each format's default block size.\n\n```\n" + rt + "\n```")
     text = "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
     log(f"wrote {args.out} in {elapsed / 60:.1f} min")

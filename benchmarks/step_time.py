@@ -11,6 +11,9 @@ the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochas
 -bf16c with param_correction=True: an int8 correction per param, lowbit_tree.correction):
   torch-fused, torch-foreach        torch.optim.AdamW (fp32 states)
   torch-fused-bf16                  torch.optim.AdamW(fused=True) on bfloat16 params
+  deepspeed-cpu-adam, ...-bf16      DeepSpeedCPUAdam (fp32 states; ZeRO-Offload's host step) on float32 /
+                                    bfloat16 params (the bench extra; its C++ op is built or loaded
+                                    before the first step: benchmarks/deepspeed_anchor.py)
   bridge-fp32/8bit/4bit/fp8         bridge.AdamW / AdamW8bit / AdamW4bit / AdamWFp8
   bridge-8bit-bf16, ...-bf16sr      the same classes on bfloat16 params
   bridge-8bit-bf16c, ...            the same with param_correction=True
@@ -63,9 +66,12 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree import kernels
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it was loaded
+import deepspeed_anchor  # noqa: E402
+
 LOW = ("8bit", "4bit", "fp8")
 IMPLS = (
-    ["torch-fused", "torch-foreach", "torch-fused-bf16", "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8"]
+    ["torch-fused", "torch-foreach", "torch-fused-bf16", "deepspeed-cpu-adam", "deepspeed-cpu-adam-bf16", "bridge-fp32", "bridge-8bit", "bridge-4bit", "bridge-fp8"]
     + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW]
     + [f"bridge-{f}-bf16c" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
     + [f"bridge-lion-{f}" for f in LOW] + [f"bridge-sgd-{f}" for f in LOW]
@@ -150,6 +156,13 @@ def make_optimizer(impl, params):
         return None, "Muon takes 2-D params only (case a)"
     if impl == "torch-muon":
         return torch.optim.Muon(params, **MUON_HP), ""
+    if fam == "deepspeed":
+        if params[0].device.type != "cpu":
+            return None, "DeepSpeedCPUAdam steps host params only"
+        reason = deepspeed_anchor.missing_reason()
+        if reason:
+            return None, reason
+        return deepspeed_anchor.make_optimizer(params, lr, betas, eps, wd), ""
     if fam == "torch":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=wd, **{parts[1]: True}), ""
     if fam == "functional":
@@ -371,9 +384,9 @@ def run_case(case, device, impls, steps, out):
 def print_row(r, rows):
     ref = next((x for x in rows if x["impl"] == "torch-fused" and "median_ms" in x), None)
     if len(rows) == 1:
-        print(f"  {'impl':<22}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
+        print(f"  {'impl':<25}{'ms/step':>10}{'x fused':>9}{'first s':>9}{'B/param':>9}{'peak MB':>9}  note")
     if "skipped" in r:
-        print(f"  {r['impl']:<22}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
+        print(f"  {r['impl']:<25}{'-':>10}{'':>9}{'':>9}{'':>9}{'':>9}  skipped: {r['skipped']}")
         return
     ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
     r["ratio_to_fused"] = ratio
@@ -385,7 +398,7 @@ def print_row(r, rows):
                 r[key] = r["median_ms"] / base["median_ms"]
                 r["note"] = (r["note"] + f" {r[key]:.2f}x {name}").strip()
     peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.1f}"
-    print(f"  {r['impl']:<22}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
+    print(f"  {r['impl']:<25}{r['median_ms']:>10.2f}{ratio:>9.2f}{r['first_step_s']:>9.2f}"
           f"{r['state_bytes_per_param']:>9.3f}{peak:>9}  {r['note']}", flush=True)
 
 

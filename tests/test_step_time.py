@@ -73,3 +73,127 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
         assert rc == 0
         (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("8bit 16x256 wide")]
         assert line.count("!") == 1 and line.rstrip().endswith("!"), (extra, line)  # only the altered build
+
+
+# ----------------------------------------------------------------------------- memory_floor.py
+
+
+def load_floor():
+    """benchmarks/memory_floor.py as its siblings see it (one step_time and deepspeed_anchor module)."""
+    import sys
+
+    folder = str(SCRIPT.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import memory_floor
+
+    return memory_floor
+
+
+# DeepSpeedCPUAdam needs the bench extra; its C++ op builds at first use (about 2 minutes here).
+needs_deepspeed = [pytest.mark.bench, pytest.mark.slow,
+                   pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")]
+
+ODD_SHAPES = [(37, 300), (5, 1001)]  # partial blocks at every block size; each over min_quant_size
+
+
+def touched_bytes(opt) -> int:
+    """What a step touches, counted from the live tensors: each param read and written, its gradient
+    read, every state tensor (a record's codes, scales, maxima; a correction) read and written."""
+    import torch
+
+    from bridge.qstate import QState
+    from lowbit_tree import records
+
+    total = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            total += 2 * p.numel() * p.element_size() + p.grad.numel() * p.grad.element_size()
+            for name, v in opt.state[p].items():
+                if name == "step":
+                    continue
+                parts = records.parts_of(v.record).values() if isinstance(v, QState) else [v]
+                assert all(isinstance(t, torch.Tensor) for t in parts), name
+                total += 2 * sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
+def check_bytes_moved(impl):
+    mf = load_floor()
+    st = mf.step_time.setup(impl, ODD_SHAPES, __import__("torch").device("cpu"))
+    assert "skipped" not in st, st
+    assert mf.TRAFFIC[impl].bytes_moved(ODD_SHAPES) == touched_bytes(st["opt"])
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+@pytest.mark.parametrize("impl", ["torch-fused", "bridge-8bit", "bridge-4bit", "bridge-fp8", "bridge-lion-8bit",
+                                  "bridge-sgd-8bit", "bridge-8bit-bf16c"])
+def test_bytes_moved_counts_match_the_live_tensors(impl):
+    check_bytes_moved(impl)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=needs_deepspeed)
+                                  for i in ("deepspeed-cpu-adam", "deepspeed-cpu-adam-bf16")])
+def test_bytes_moved_counts_match_deepspeeds_tensors(impl):
+    check_bytes_moved(impl)
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_bytes_moved_definitions_cover_every_row_and_refuse_1d():
+    mf = load_floor()
+    assert set(mf.IMPLS) == set(mf.TRAFFIC) and set(mf.REFERENCES.values()) <= set(mf.TRAFFIC)
+    # the definitions at case (a): 28 bytes/param for fp32 Adam, 16 + scales for 8-bit, 22 for bf16 params
+    n = 2048 * 2048
+    assert mf.TRAFFIC["torch-fused"].bytes_moved([(2048, 2048)]) == 28 * n
+    assert mf.TRAFFIC["deepspeed-cpu-adam-bf16"].bytes_moved([(2048, 2048)]) == 22 * n
+    assert mf.TRAFFIC["bridge-8bit"].bytes_moved([(2048, 2048)]) == 16 * n + 2 * 2 * 4 * 2048 * 8
+    with pytest.raises(ValueError, match="2-D"):
+        mf.TRAFFIC["bridge-8bit"].bytes_moved([(2048,)])
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_triad_probe_gives_a_positive_finite_rate():
+    import math
+
+    mf = load_floor()
+    gbs = mf.probe_gbs(mib=4, repeats=3)
+    assert math.isfinite(gbs) and gbs > 0
+    with pytest.raises(ValueError, match="1 MiB"):
+        mf.Triad(0)
+
+
+def run_small_floor(mf, impls):
+    return mf.run(impls, [(64, 512), (64, 512)], steps=2, runs=2, triad_mib=2)
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_floor_without_deepspeed_names_it_on_its_rows(monkeypatch):
+    mf = load_floor()
+    monkeypatch.setattr(mf.deepspeed_anchor, "version", lambda: None)
+    result = run_small_floor(mf, ["deepspeed-cpu-adam", "torch-fused", "bridge-8bit"])
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert list(rows) == ["deepspeed-cpu-adam", "torch-fused", "bridge-8bit"]  # the row kept, not dropped
+    reason = rows["deepspeed-cpu-adam"]["skipped"]
+    assert "deepspeed not installed" in reason and "bench" in reason
+    assert rows["bridge-8bit"]["x_deepspeed"] is None and rows["bridge-8bit"]["x_torch_fused"] > 0
+    assert rows["torch-fused"]["x_torch_fused"] == 1.0
+    for r in (rows["torch-fused"], rows["bridge-8bit"]):
+        assert r["gbs"] > 0 and r["share_of_probe"] > 0 and r["floor_ns_per_param"] > 0
+        assert r["gbs"] == pytest.approx(r["bytes_per_param"] / r["ns_per_param"])
+    assert len(result["probe_gbs"]) == 2 and result["deepspeed_build"] is None
+    table = mf.format_table(result)
+    assert "skipped: deepspeed not installed" in table and "| bridge-8bit | float32 |" in table
+    with pytest.raises(ValueError, match="no byte count"):
+        mf.run(["bridge-8bit-amsgrad"], [(64, 512)], 1, 1, 2)
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_floor_with_deepspeed_compares_each_row_with_its_dtypes_row():
+    mf = load_floor()
+    result = run_small_floor(mf, ["deepspeed-cpu-adam", "deepspeed-cpu-adam-bf16", "bridge-8bit-bf16c"])
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert rows["deepspeed-cpu-adam"]["x_deepspeed"] == 1.0 and rows["deepspeed-cpu-adam-bf16"]["x_deepspeed"] == 1.0
+    assert rows["bridge-8bit-bf16c"]["reference"] == "deepspeed-cpu-adam-bf16"
+    assert rows["bridge-8bit-bf16c"]["x_deepspeed"] > 0 and result["deepspeed_build"]["seconds"] > 0
