@@ -60,7 +60,7 @@ class QTensor(Record):
     format: str
 
     def __init__(self, codes, scale, shape: Sequence[int], block_size: int, format: str):
-        super().__init__(codes, scale, tuple(int(s) for s in shape), int(block_size), str(format))
+        Record.__init__(self, codes, scale, tuple(int(s) for s in shape), int(block_size), str(format))
 
     @classmethod
     def _trusted(cls, *values) -> "QTensor":

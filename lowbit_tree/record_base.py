@@ -17,9 +17,13 @@ cannot import ``records``: it imports ``lowrank``, whose fast paths import the k
 Defining a subclass registers it with optree (in the global namespace, so that a plain
 ``optree.tree_map`` reaches its tensors as it does a tuple's), with torch's pytree (as
 ``lowbit_tree.<class name>``) and as a safe global of ``torch.load(weights_only=True)``.
-Unflattening calls the class's constructor, so its checks run on what a ``tree_map`` returns.
+Unflattening takes the children as they come (:meth:`Record.unchecked`: the static fields in the
+tree structure came from a record, so they are normalized already; a ``tree_map`` may put
+anything in the children, e.g. shapes, as it may in a tuple).
 """
 from __future__ import annotations
+
+import operator
 
 import optree
 import optree.registry
@@ -40,6 +44,13 @@ by the record's ``reduce`` in between: a step in two passes, which a
 :class:`~lowbit_tree.kernels.plan.KernelPlan` does not hold fixed and the compiled backend runs
 eagerly."""
 
+
+def _getter(names: tuple):
+    """``r -> tuple(getattr(r, k) for k in names)``, at attrgetter's speed."""
+    get = operator.attrgetter(*names)
+    return get if len(names) > 1 else (lambda r: (get(r),))
+
+
 # optree exposes no public name for its global namespace (where tuples' handlers live)
 _GLOBAL_NAMESPACE = getattr(optree.registry, "__GLOBAL_NAMESPACE")
 
@@ -56,36 +67,39 @@ class Record:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         fields = cls.CHILDREN + cls.STATIC
-        if not cls.CHILDREN or cls.STATIC[len(cls.STATIC) - len(cls.WIRING):] != cls.WIRING or \
-                tuple(cls.__slots__) != fields:
-            raise TypeError(f"{cls.__name__}: a record class declares CHILDREN (its tensors), then STATIC ending "
-                            f"with WIRING, and __slots__ = CHILDREN + STATIC")
-        n = len(cls.CHILDREN)
+        if (not cls.CHILDREN or "shape" not in cls.STATIC or tuple(cls.__slots__) != fields
+                or cls.STATIC[len(cls.STATIC) - len(cls.WIRING):] != cls.WIRING):
+            raise TypeError(f"{cls.__name__}: a record class declares CHILDREN (its tensors), then STATIC (with "
+                            f"'shape') ending with WIRING, and __slots__ = CHILDREN + STATIC")
+        children, static = _getter(cls.CHILDREN), _getter(cls.STATIC)  # (attrgetter: flattening is per step)
+        names = cls.CHILDREN
         optree.register_pytree_node(
             cls,
-            lambda r: (tuple(getattr(r, k) for k in cls.CHILDREN), tuple(getattr(r, k) for k in cls.STATIC),
-                       cls.CHILDREN),
-            lambda static, children: cls(*children, *static),
+            lambda r: (children(r), static(r), names),
+            lambda meta, kids: cls.unchecked(*kids, *meta),
             path_entry_type=optree.GetAttrEntry,
             namespace=_GLOBAL_NAMESPACE,
         )
         torch_pytree.register_pytree_node(
             cls,
-            lambda r: ([getattr(r, k) for k in cls.CHILDREN], tuple(getattr(r, k) for k in cls.STATIC)),
-            lambda children, static: cls(*children, *static),
+            lambda r: (list(children(r)), static(r)),
+            lambda kids, meta: cls.unchecked(*kids, *meta),
             serialized_type_name=f"lowbit_tree.{cls.__name__}",
         )
         torch.serialization.add_safe_globals([cls])
-        cls._pickled = fields[: n + len(cls.STATIC) - len(cls.WIRING)]
+        cls._fields = fields
+        cls._pickled = fields[: len(fields) - len(cls.WIRING)]
+        cls._ready = tuple((k, k != "codes") for k in cls.CHILDREN)  # (part, must be float32) for kernel_ready
 
     def __init__(self, *values):
         """Sets the fields to ``values`` as given, in ``CHILDREN + STATIC`` order (``WIRING`` left
         out: ``None``). Subclasses normalize their arguments and call this."""
-        fields = self.CHILDREN + self.STATIC
-        if not len(fields) - len(self.WIRING) <= len(values) <= len(fields):
-            raise TypeError(f"{type(self).__name__} takes {fields}, got {len(values)} values")
-        values = values + (None,) * (len(fields) - len(values))
-        for name, value in zip(fields, values):
+        fields = self._fields
+        if len(values) != len(fields):
+            if not len(fields) - len(self.WIRING) <= len(values) < len(fields):
+                raise TypeError(f"{type(self).__name__} takes {fields}, got {len(values)} values")
+            values = values + (None,) * (len(fields) - len(values))
+        for name, value in zip(fields, values):  # (object.__setattr__: torch.compile traces it)
             object.__setattr__(self, name, value)
 
     @classmethod
@@ -101,7 +115,12 @@ class Record:
     def with_parts(self, parts: dict):
         """A record of this class with this one's metadata and wiring and the tensors ``parts``
         (``{child name: tensor}``, each of the shape and dtype of this one's: not checked)."""
-        return self.unchecked(*[parts[k] for k in self.CHILDREN], *[getattr(self, k) for k in self.STATIC])
+        r = object.__new__(type(self))
+        for k in self.CHILDREN:
+            object.__setattr__(r, k, parts[k])
+        for k in self.STATIC:
+            object.__setattr__(r, k, getattr(self, k))
+        return r
 
     def clone(self):
         """A record of new tensors holding this one's values."""
@@ -121,9 +140,9 @@ class Record:
         it takes (``KERNEL``), every tensor contiguous, every tensor but the codes float32."""
         if self.KERNEL is None:
             return False
-        for k in self.CHILDREN:
+        for k, f32 in self._ready:
             t = getattr(self, k)
-            if not t.is_contiguous() or (k != "codes" and t.dtype is not torch.float32):
+            if not t.is_contiguous() or (f32 and t.dtype is not torch.float32):
                 return False
         return True
 
