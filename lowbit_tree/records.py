@@ -12,8 +12,17 @@ float32 state of a param's shape. Each kind says here, and nowhere else:
 - how a zero record is made, how it dequantizes and how a float32 value is stored into one.
 
 Everything that handles records generically (the bridge's tensor subclass and its shard ops,
-state dicts, DCP, reports, ``inspect``) reads a :class:`RecordKind`. Adding a kind is a change
-here plus its kernel.
+state dicts, DCP, reports, ``inspect``) reads a :class:`RecordKind`. The record classes name
+their fields once (:class:`~lowbit_tree.record_base.Record`: ``CHILDREN``, ``STATIC``,
+``WIRING``, and ``KERNEL``, how the step kernels take them), which gives each its pytree
+registration, freezing and pickling; a kind's part names, metadata and wiring here are read off
+its class. The kernels read the class's declaration through that base (they cannot import this
+module: it imports :mod:`~lowbit_tree.lowrank`, whose fast paths import the kernels).
+
+Adding a kind: its class (a :class:`~lowbit_tree.record_base.Record`) with its quantize and
+dequantize, and its :class:`RecordKind` here. If the kernels step it as an existing ``KERNEL``
+does, nothing in the kernels changes; a new way to step it is a new ``KERNEL`` value, its branch
+in :mod:`lowbit_tree.kernels` and its C and torch code.
 """
 from __future__ import annotations
 
