@@ -362,3 +362,23 @@ def test_a_record_class_must_declare_its_fields_in_order():
             STATIC = ("reduce", "shape")
             WIRING = ("reduce",)
             __slots__ = ("a", "reduce", "shape")
+
+
+def test_one_report_row_for_a_pytree_and_inspect():
+    """lowbit_tree.state_report and ``lowbit-tree inspect`` of the same core pytree give the same
+    rows (one row type, one leaf_row): paths, record formats, shapes, bytes, block sizes and
+    parts; only a plain tensor's format is named apart (the dtype there, the state-format name in
+    inspect)."""
+    import lowbit_tree as lt
+    from bridge.inspect_state import inspect_core_state
+
+    recs = _one_of_each_kind()
+    tree = {"r": [recs["block"], recs["rank1"], recs["lowrank"]], "t": [torch.zeros(3, 5), torch.zeros(7).bfloat16()]}
+    core, seen = lt.state_report(tree), inspect_core_state(tree).rows
+    assert core[-1].path == "total" and len(core) - 1 == len(seen) == 5
+    assert [r.format for r in core[:3]] == ["e4m3", "rank1_linear4_unsigned", "normal4+rank2"]
+    assert [r.block for r in core[:3]] == ["16", "-", "16"] and core[0].detail == "codes float8_e4m3fn[6, 40], scale float32[6, 3]"
+    for a, b in zip(core, seen):
+        assert (a.path, a.shape, a.nbytes, a.block, a.detail) == (b.path, b.shape, b.nbytes, b.block, b.detail)
+    assert [(a.format, b.format) for a, b in zip(core[3:], seen[3:])] == [("float32", "fp32"), ("bfloat16", "bf16")]
+    assert [r.format for r in core[:3]] == [r.format for r in seen[:3]]
