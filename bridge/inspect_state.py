@@ -33,29 +33,19 @@ import lowbit_tree.update  # noqa: F401
 import lowbit_tree.wrappers  # noqa: F401
 from lowbit_tree.formats import STATE_FORMATS, get_format
 from lowbit_tree import records
-from lowbit_tree.moments import FORMAT_ARGUMENTS
+from lowbit_tree.moments import FORMAT_ARGUMENTS, ReportRow, leaf_row
 
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
                  "exp_avg_slow": True}
 GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
 MAPPING_GROUP_KEYS = ("state_format",)  # group keys whose value may be a mapping (DCP saves one key per entry)
-RECORD_PARTS = ("codes", "scale", "row_max", "col_max", "row_factor", "col_factor")  # the tensors of a quantized
-# state (versions 2 and 3 nest them): a QTensor's, a rank-1 record's, a low-rank record's (Muon's momentum_rank)
+RECORD_PARTS = tuple(dict.fromkeys(p.name for kind in records.KINDS for p in kind.parts))  # the tensors of a
+# quantized state (versions 2 and 3 nest them), of every record kind: codes, scale, row_max, col_max, ...
 
 
 class InspectError(Exception):
     """A one-line, user-facing reason the path cannot be inspected."""
-
-
-@dataclass
-class Row:
-    path: str
-    format: str
-    block: str
-    shape: tuple
-    nbytes: int
-    detail: str = ""
 
 
 @dataclass
@@ -91,27 +81,27 @@ def _plain_format(dtype) -> str:
 # ----------------------------------------------------------------------------
 # quantized states described by (group options, codes/scale shapes)
 # ----------------------------------------------------------------------------
-def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -> Row:
+def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -> ReportRow:
     """``parts``: suffix -> (shape, dtype, nbytes) of one state's ``name::suffix`` tensors."""
     nbytes = sum(p[2] for p in parts.values())
     detail = ", ".join(f"{k} {_dtype_name(p[1])}{list(p[0])}" for k, p in parts.items())
     if "row_max" in parts:  # rank-1 normalized 4-bit record
-        return Row(path, records.label(records.RANK1.zeros((0, 0), {}, "meta")), "-", _rank1_shape(parts), nbytes,
-                   detail)
+        return ReportRow(path, records.label(records.RANK1.zeros((0, 0), {}, "meta")), _rank1_shape(parts), nbytes,
+                         "-", detail)
     if "row_factor" in parts and "col_factor" in parts:  # low rank: the residual's row, named with the rank
         rest = {k: v for k, v in parts.items() if k not in ("row_factor", "col_factor")}
         row = _quantized_row(path, name, group, rest)
         rank = parts["row_factor"][0][-1] if len(parts["row_factor"][0]) == 2 else "?"
-        return Row(path, f"{row.format}+rank{rank}", row.block, row.shape, nbytes, detail)
+        return ReportRow(path, f"{row.format}+rank{rank}", row.shape, nbytes, row.block, detail)
     codes, scale = parts.get("codes"), parts.get("scale")
     state_format = _state_format_of(group, name)
     signed = SIGNED_STATES.get(name)
     if state_format not in STATE_FORMATS or signed is None or codes is None or scale is None:
-        return Row(path, f"?({state_format})", "?", codes[0] if codes else (), nbytes, detail)
+        return ReportRow(path, f"?({state_format})", codes[0] if codes else (), nbytes, "?", detail)
     fmt = get_format(STATE_FORMATS[state_format][0 if signed else 1])
     block = group.get("block_size") or fmt.default_block_size
     if len(codes[0]) != 2 or len(scale[0]) != 2:
-        return Row(path, fmt.name, "?", tuple(codes[0]), nbytes, detail + "  [not a (rows, cols) layout]")
+        return ReportRow(path, fmt.name, tuple(codes[0]), nbytes, "?", detail + "  [not a (rows, cols) layout]")
     rows, cols = codes[0]
     packed = fmt.bits == 4
     candidates = (2 * cols - 1, 2 * cols) if packed else (cols,)
@@ -122,7 +112,7 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
         detail += f"  [scale has {nblocks} blocks a row: not block size {block}]"
     if packed:  # two codes a byte: the row length is 2*cols or 2*cols - 1
         detail += "  [row view; 4-bit rows may be one shorter]"
-    return Row(path, fmt.name, block_text, (rows, 2 * cols if packed else cols), nbytes, detail)
+    return ReportRow(path, fmt.name, (rows, 2 * cols if packed else cols), nbytes, block_text, detail)
 
 
 def _state_format_of(group: dict, name: str):
@@ -147,7 +137,7 @@ def _group_of(groups: list[dict], pid) -> dict:
     return groups[0] if len(groups) == 1 else {}
 
 
-def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
+def _state_rows(entries: dict, groups: list[dict]) -> list[ReportRow]:
     """``entries``: (param id, state key) -> (shape, dtype, nbytes), in saved order."""
     rows = []
     pending: dict[tuple, dict] = {}
@@ -170,7 +160,7 @@ def _state_rows(entries: dict, groups: list[dict]) -> list[Row]:
         path = f"{pid}/{name}"
         if "" in parts:
             shape, dtype, nbytes = parts[""]
-            rows.append(Row(path, _plain_format(dtype), "-", tuple(shape), nbytes, _dtype_name(dtype)))
+            rows.append(ReportRow(path, _plain_format(dtype), tuple(shape), nbytes, "-", _dtype_name(dtype)))
         else:
             rows.append(_quantized_row(path, name, _group_of(groups, pid), parts))
     return rows
@@ -380,18 +370,8 @@ def inspect_core_state(tree) -> Report:
     from lowbit_tree.tree_utils import path_string
 
     accessors, leaves, _ = optree.tree_flatten_with_accessor(tree, is_leaf=_is_record)
-    rows = []
-    for acc, leaf in zip(accessors, leaves):
-        path = path_string(acc) or "."
-        kind = records.kind_of(leaf)
-        if kind is not None:
-            parts, meta = kind.parts_of(leaf), kind.meta_of(leaf)
-            detail = ", ".join(f"{k} {_dtype_name(t.dtype)}{list(t.shape)}" for k, t in parts.items())
-            rows.append(Row(path, kind.label(leaf), str(meta.get("block_size", "-")), leaf.shape,
-                            records.nbytes_of(parts), detail))
-        elif isinstance(leaf, torch.Tensor):
-            rows.append(Row(path, _plain_format(leaf.dtype), "-", tuple(leaf.shape), leaf.numel() * leaf.element_size(),
-                            _dtype_name(leaf.dtype)))
+    rows = [row for row in (leaf_row(path_string(acc) or ".", leaf, _plain_format) for acc, leaf in zip(accessors, leaves))
+            if row is not None]
     return Report("torch.save'd lowbit_tree core state pytree",
                   f"none stored (a pickled pytree of records; read by lowbit_tree {lt.__version__})", rows)
 
@@ -410,11 +390,12 @@ def inspect_flat_core_dict(d: dict) -> Report:
         parts = {k: v for k, v in d.items() if k.startswith(rec + "/") and not k.endswith("__")}
         used.update(k for k in d if k.startswith(rec + "/"))
         detail = ", ".join(f"{k[len(rec) + 1:]} {_dtype_name(v.dtype)}{list(v.shape)}" for k, v in parts.items())
-        rows.append(Row(rec, fmt, str(int(block)) if block is not None else "-", shape,
-                        sum(v.numel() * v.element_size() for v in parts.values()), detail))
+        rows.append(ReportRow(rec, fmt, shape, sum(v.numel() * v.element_size() for v in parts.values()),
+                              str(int(block)) if block is not None else "-", detail))
     for k, v in d.items():
         if k not in used and isinstance(v, torch.Tensor):
-            rows.append(Row(k, _plain_format(v.dtype), "-", tuple(v.shape), v.numel() * v.element_size(), _dtype_name(v.dtype)))
+            rows.append(ReportRow(k, _plain_format(v.dtype), tuple(v.shape), v.numel() * v.element_size(), "-",
+                                  _dtype_name(v.dtype)))
     return Report("torch.save'd flat lowbit_tree state dict (lowbit_tree.checkpoint.state_to_dict)",
                   f"{version} (this lowbit_tree reads {lowbit_tree.checkpoint.STATE_DICT_VERSION})", rows)
 

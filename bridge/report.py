@@ -27,7 +27,12 @@ __all__ = ["StateReportRow", "RankTotals", "TrainingBytes", "state_report", "sta
 
 
 class StateReportRow(tuple):
-    """(param_index, state_name, format, shape, nbytes); shape and bytes of the local tensor."""
+    """(param_index, state_name, format, shape, nbytes); shape and bytes of the local tensor.
+
+    The optimizer's view of a state: addressed as torch.optim addresses it (param index, state
+    name: callers index ``row[0]``, ``row[1]``), its plain formats named as ``state_format``
+    names them (``"fp32"``, ``"bf16"``). :class:`lowbit_tree.ReportRow` is a pytree leaf's (a
+    path, plain formats by dtype) and a saved file's (``lowbit-tree inspect``)."""
 
     __slots__ = ()
 

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import optree
-import optree.registry
 import torch
-import torch.utils._pytree as torch_pytree
 
 from .qtensor import QTensor
+from .record_base import Record
 from .qtensor import zeros as qzeros
 
 __all__ = ["FACTOR_DTYPE", "LowRankQTensor", "lowrank_rank", "lowrank_zeros", "lowrank_expand",
@@ -32,7 +30,7 @@ FACTOR_DTYPE = torch.bfloat16
 """The factors' storage: 2 bytes a value, and products exact in float32."""
 
 
-class LowRankQTensor:
+class LowRankQTensor(Record):
     """An immutable low-rank-plus-residual record of a 2-D tensor (module docstring).
 
     Children: ``codes`` and ``scale`` (the residual, as in a QTensor of ``shape``, ``block_size``
@@ -40,7 +38,9 @@ class LowRankQTensor:
     Static metadata: ``shape``, ``block_size``, ``format``.
     """
 
-    __slots__ = ("codes", "scale", "row_factor", "col_factor", "shape", "block_size", "format")
+    CHILDREN = ("codes", "scale", "row_factor", "col_factor")
+    STATIC = ("shape", "block_size", "format")
+    __slots__ = CHILDREN + STATIC
 
     def __init__(self, codes, scale, row_factor, col_factor, shape: Sequence[int], block_size: int, format: str):
         shape = tuple(int(s) for s in shape)
@@ -49,16 +49,7 @@ class LowRankQTensor:
         if row_factor.ndim != 2 or col_factor.ndim != 2 or row_factor.shape[1] != col_factor.shape[1]:
             raise ValueError(f"LowRankQTensor factors must be (m, K) and (n, K), got {tuple(row_factor.shape)} and "
                              f"{tuple(col_factor.shape)}")
-        for name, value in (("codes", codes), ("scale", scale), ("row_factor", row_factor), ("col_factor", col_factor),
-                            ("shape", shape), ("block_size", int(block_size)), ("format", str(format))):
-            object.__setattr__(self, name, value)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("LowRankQTensor is immutable")
-
-    def __reduce__(self):
-        return (LowRankQTensor, (self.codes, self.scale, self.row_factor, self.col_factor, self.shape,
-                                 self.block_size, self.format))
+        super().__init__(codes, scale, row_factor, col_factor, shape, int(block_size), str(format))
 
     @property
     def rank(self) -> int:
@@ -66,38 +57,13 @@ class LowRankQTensor:
 
     @property
     def residual(self) -> QTensor:
-        return QTensor._trusted(self.codes, self.scale, self.shape, self.block_size, self.format)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.row_factor, self.col_factor))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
+        return QTensor.unchecked(self.codes, self.scale, self.shape, self.block_size, self.format)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return lowrank_dequantize(self).to(dtype)
 
     def __repr__(self) -> str:
         return f"LowRankQTensor(format={self.format!r}, shape={self.shape}, block_size={self.block_size}, rank={self.rank})"
-
-
-optree.register_pytree_node(
-    LowRankQTensor,
-    lambda q: ((q.codes, q.scale, q.row_factor, q.col_factor), (q.shape, q.block_size, q.format),
-               ("codes", "scale", "row_factor", "col_factor")),
-    lambda meta, children: LowRankQTensor(*children, *meta),
-    path_entry_type=optree.GetAttrEntry,
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
-)
-torch_pytree.register_pytree_node(
-    LowRankQTensor,
-    lambda q: ([q.codes, q.scale, q.row_factor, q.col_factor], (q.shape, q.block_size, q.format)),
-    lambda children, meta: LowRankQTensor(*children, *meta),
-    serialized_type_name="lowbit_tree.LowRankQTensor",
-)
-torch.serialization.add_safe_globals([LowRankQTensor])
 
 
 def lowrank_rank(shape: Sequence[int], rank: int) -> int:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Sequence, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import optree
 import torch
 
-from .qtensor import zeros as qzeros
-from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
+from . import records
+from .formats import get_format
+from .qtensor import resolve_block_size
+from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize
 from .records import is_record, label, load, store
 from .tree_utils import path_string
 
@@ -43,6 +45,7 @@ __all__ = [
     "rank1_quantize",
     "rank1_dequantize",
     "ReportRow",
+    "leaf_row",
     "state_report",
     "format_state_report",
 ]
@@ -180,37 +183,59 @@ def init_moment(
     if state_format == "fp32" or not should_quantize(shape, min_quant_size):
         return torch.zeros(shape, dtype=torch.float32, device=device)
     if rank1 and not signed:
-        return rank1_zeros(shape, device)
-    return qzeros(shape, state_format, block_size, device, signed=signed)
+        return records.RANK1.zeros(shape, {}, device)
+    fmt = get_format(state_format, signed)
+    return records.BLOCK.zeros(shape, {"format": fmt.name, "block_size": resolve_block_size(fmt, block_size)}, device)
 
 
 # ----------------------------------------------------------------------------
 # What a state costs
 # ----------------------------------------------------------------------------
 class ReportRow(NamedTuple):
+    """One stored state: where it is (``path``), its ``format``, its ``shape`` and ``nbytes``; its
+    ``block`` size (``"-"``: none) and how it is ``detail``ed in tensors. The rows of
+    :func:`state_report` and of ``lowbit-tree inspect`` (which reads saved files, where a path is
+    ``param/state`` and a shape may be a record's row view)."""
+
     path: str
     format: str
-    shape: tuple[int, ...]
+    shape: tuple
     nbytes: int
+    block: str = "-"
+    detail: str = ""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def leaf_row(path: str, leaf: Any, plain_format: Callable[[torch.dtype], str] = _dtype_name) -> ReportRow | None:
+    """The row of a state leaf: a record's kind label (:func:`~lowbit_tree.records.label`),
+    logical shape, bytes, block size and parts; a tensor's ``plain_format(dtype)`` (default: the
+    dtype's name); ``None`` for anything else (a leaf that holds no tensor)."""
+    kind = records.kind_of(leaf)
+    if kind is not None:
+        parts, meta = kind.parts_of(leaf), kind.meta_of(leaf)
+        detail = ", ".join(f"{k} {_dtype_name(t.dtype)}{list(t.shape)}" for k, t in parts.items())
+        return ReportRow(path, kind.label(leaf), leaf.shape, records.nbytes_of(parts),
+                         str(meta.get("block_size", "-")), detail)
+    if isinstance(leaf, torch.Tensor):
+        return ReportRow(path, plain_format(leaf.dtype), tuple(leaf.shape), leaf.numel() * leaf.element_size(), "-",
+                         _dtype_name(leaf.dtype))
+    return None
 
 
 def state_report(state: Any) -> list[ReportRow]:
-    """One row per state leaf (``path, format, shape, nbytes``), then a ``"total"`` row.
+    """One row per state leaf (:func:`leaf_row`), then a ``"total"`` row.
 
     ``format`` is the QTensor format name (``"dynamic8"``, ...), ``"rank1_linear4_unsigned"``,
-    ``"normal4+rank8"`` (a low-rank record: its residual's format and its factors' rank), or the dtype (``"float32"``, ``"bfloat16"``, ``"int32"``) of a plain tensor;
-    ``shape`` is the logical shape.
+    ``"normal4+rank8"`` (a low-rank record: its residual's format and its factors' rank), or the
+    dtype (``"float32"``, ``"bfloat16"``, ``"int32"``) of a plain tensor; ``shape`` is the
+    logical shape.
     """
     accessors, leaves, _ = optree.tree_flatten_with_accessor(state, is_leaf=is_record)
-    rows = []
-    for acc, leaf in zip(accessors, leaves):
-        if is_record(leaf):
-            nbytes, shape = leaf.nbytes, leaf.shape
-        elif isinstance(leaf, torch.Tensor):
-            nbytes, shape = leaf.numel() * leaf.element_size(), tuple(leaf.shape)
-        else:
-            continue
-        rows.append(ReportRow(path_string(acc), label(leaf), shape, nbytes))
+    rows = [row for row in (leaf_row(path_string(acc), leaf) for acc, leaf in zip(accessors, leaves))
+            if row is not None]
     rows.append(ReportRow("total", "", (), sum(r.nbytes for r in rows)))
     return rows
 

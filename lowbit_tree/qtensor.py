@@ -22,11 +22,10 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import optree
 import torch
-import torch.utils._pytree as torch_pytree
 
 from .formats import Format, get_format
+from .record_base import KERNEL_BLOCKS, Record
 
 __all__ = [
     "QTensor",
@@ -39,16 +38,20 @@ __all__ = [
 ]
 
 
-class QTensor:
+class QTensor(Record):
     """An immutable block-quantized tensor record.
 
     Children (pytree leaves): ``codes`` (uint8, or float8_e4m3fn for fp8 formats)
     and ``scale`` (float32, one per block). Static metadata (part of the tree
     structure, never leaves): the logical ``shape``, ``block_size`` and
-    ``format`` name.
+    ``format`` name. :meth:`~lowbit_tree.record_base.Record.unchecked` builds one
+    from fields already normalized (another record's) without the conversions.
     """
 
-    __slots__ = ("codes", "scale", "shape", "block_size", "format")
+    CHILDREN = ("codes", "scale")
+    STATIC = ("shape", "block_size", "format")
+    KERNEL = KERNEL_BLOCKS
+    __slots__ = CHILDREN + STATIC
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -57,32 +60,12 @@ class QTensor:
     format: str
 
     def __init__(self, codes, scale, shape: Sequence[int], block_size: int, format: str):
-        object.__setattr__(self, "codes", codes)
-        object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
-        object.__setattr__(self, "block_size", int(block_size))
-        object.__setattr__(self, "format", str(format))
+        Record.__init__(self, codes, scale, tuple(int(s) for s in shape), int(block_size), str(format))
 
     @classmethod
-    def _trusted(cls, codes, scale, shape: tuple, block_size: int, format: str) -> "QTensor":
-        """A record from fields already normalized (``shape`` a tuple of ints, ``block_size``
-        an int, ``format`` a str, e.g. another record's): the per-step paths build one per
-        state and parameter, where the conversions of ``__init__`` cost a few microseconds each."""
-        q = object.__new__(cls)
-        for name, value in (("codes", codes), ("scale", scale), ("shape", shape), ("block_size", block_size),
-                            ("format", format)):
-            object.__setattr__(q, name, value)
-        return q
-
-    def __setattr__(self, name, value):
-        raise AttributeError("QTensor is immutable; use QTensor.replace(...)")
-
-    def __delattr__(self, name):
-        raise AttributeError("QTensor is immutable")
-
-    # pickling (torch.save / weights_only torch.load)
-    def __reduce__(self):
-        return (QTensor, (self.codes, self.scale, self.shape, self.block_size, self.format))
+    def _trusted(cls, *values) -> "QTensor":
+        """The old name of :meth:`unchecked`, kept for the callers outside this change until they move."""
+        return cls.unchecked(*values)
 
     def replace(self, **changes) -> "QTensor":
         fields = {k: getattr(self, k) for k in self.__slots__}
@@ -90,17 +73,8 @@ class QTensor:
         return QTensor(**fields)
 
     @property
-    def nbytes(self) -> int:
-        """Bytes held by codes and scale."""
-        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * self.scale.element_size()
-
-    @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -115,44 +89,6 @@ class QTensor:
             f"QTensor(format={self.format!r}, shape={self.shape}, block_size={self.block_size}, "
             f"codes={leaf(self.codes)}, scale={leaf(self.scale)})"
         )
-
-
-def _flatten(q: QTensor):
-    return (q.codes, q.scale), (q.shape, q.block_size, q.format), ("codes", "scale")
-
-
-def _unflatten(meta, children):
-    shape, block_size, fmt = meta
-    codes, scale = children
-    return QTensor(codes, scale, shape, block_size, fmt)
-
-
-def _register_optree() -> None:
-    # Registered in optree's global namespace so that plain optree.tree_map
-    # (no namespace argument) reaches codes and scale, like it does for tuples.
-    # optree exposes no public global registration; fall back to a namespace.
-    import optree.registry as registry
-
-    namespace = getattr(registry, "__GLOBAL_NAMESPACE", None)
-    try:
-        optree.register_pytree_node(
-            QTensor, _flatten, _unflatten, path_entry_type=optree.GetAttrEntry, namespace=namespace
-        )
-    except (TypeError, ValueError):  # pragma: no cover - depends on optree internals
-        optree.register_pytree_node(
-            QTensor, _flatten, _unflatten, path_entry_type=optree.GetAttrEntry, namespace="lowbit_tree"
-        )
-
-
-_register_optree()
-# torch's own pytree (used by torch.compile / dynamo) learns it too.
-torch_pytree.register_pytree_node(
-    QTensor,
-    lambda q: ([q.codes, q.scale], (q.shape, q.block_size, q.format)),
-    lambda children, meta: _unflatten(meta, children),
-    serialized_type_name="lowbit_tree.QTensor",
-)
-torch.serialization.add_safe_globals([QTensor])
 
 
 def row_layout(shape: Sequence[int]) -> tuple[int, int]:

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-import optree
-import optree.registry
 import torch
-import torch.utils._pytree as torch_pytree
 
 from .formats import get_format
 from .qtensor import row_layout
+from .record_base import KERNEL_VALUES, Record
 
 __all__ = ["RANK1_FORMAT", "Rank1QTensor", "rank1_quantize", "rank1_dequantize", "rank1_zeros"]
 
 RANK1_FORMAT = "linear4_unsigned"
 
 
-class Rank1QTensor:
+class Rank1QTensor(Record):
     """An immutable rank-1 normalized 4-bit record of a non-negative tensor.
 
     Children: ``codes`` (uint8, ``(rows, ceil(R/2))``, two codes a byte as in
@@ -38,52 +36,21 @@ class Rank1QTensor:
     maxima completed over all shards (module docstring); not pickled (it is wiring, not data).
     """
 
-    __slots__ = ("codes", "row_max", "col_max", "shape", "format", "reduce")
+    CHILDREN = ("codes", "row_max", "col_max")
+    STATIC = ("shape", "format", "reduce")
+    WIRING = ("reduce",)
+    KERNEL = KERNEL_VALUES
+    __slots__ = CHILDREN + STATIC
 
     def __init__(self, codes, row_max, col_max, shape: Sequence[int], format: str = RANK1_FORMAT,
                  reduce: Optional[Callable] = None):
-        object.__setattr__(self, "codes", codes)
-        object.__setattr__(self, "row_max", row_max)
-        object.__setattr__(self, "col_max", col_max)
-        object.__setattr__(self, "shape", tuple(int(s) for s in shape))
-        object.__setattr__(self, "format", str(format))
-        object.__setattr__(self, "reduce", reduce)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("Rank1QTensor is immutable")
-
-    def __reduce__(self):
-        return (Rank1QTensor, (self.codes, self.row_max, self.col_max, self.shape, self.format))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.row_max, self.col_max))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
+        super().__init__(codes, row_max, col_max, tuple(int(s) for s in shape), str(format), reduce)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return rank1_dequantize(self, dtype)
 
     def __repr__(self) -> str:
         return f"Rank1QTensor(format={self.format!r}, shape={self.shape})"
-
-
-optree.register_pytree_node(
-    Rank1QTensor,
-    lambda q: ((q.codes, q.row_max, q.col_max), (q.shape, q.format, q.reduce), ("codes", "row_max", "col_max")),
-    lambda meta, children: Rank1QTensor(*children, *meta),
-    path_entry_type=optree.GetAttrEntry,
-    namespace=getattr(optree.registry, "__GLOBAL_NAMESPACE"),
-)
-torch_pytree.register_pytree_node(
-    Rank1QTensor,
-    lambda q: ([q.codes, q.row_max, q.col_max], (q.shape, q.format, q.reduce)),
-    lambda children, meta: Rank1QTensor(*children, *meta),
-    serialized_type_name="lowbit_tree.Rank1QTensor",
-)
-torch.serialization.add_safe_globals([Rank1QTensor])
 
 
 def rank1_quantize(x: torch.Tensor, reduce: Optional[Callable] = None) -> Rank1QTensor:

@@ -12,8 +12,17 @@ float32 state of a param's shape. Each kind says here, and nowhere else:
 - how a zero record is made, how it dequantizes and how a float32 value is stored into one.
 
 Everything that handles records generically (the bridge's tensor subclass and its shard ops,
-state dicts, DCP, reports, ``inspect``) reads a :class:`RecordKind`. Adding a kind is a change
-here plus its kernel.
+state dicts, DCP, reports, ``inspect``) reads a :class:`RecordKind`. The record classes name
+their fields once (:class:`~lowbit_tree.record_base.Record`: ``CHILDREN``, ``STATIC``,
+``WIRING``, and ``KERNEL``, how the step kernels take them), which gives each its pytree
+registration, freezing and pickling; a kind's part names, metadata and wiring here are read off
+its class. The kernels read the class's declaration through that base (they cannot import this
+module: it imports :mod:`~lowbit_tree.lowrank`, whose fast paths import the kernels).
+
+Adding a kind: its class (a :class:`~lowbit_tree.record_base.Record`) with its quantize and
+dequantize, and its :class:`RecordKind` here. If the kernels step it as an existing ``KERNEL``
+does, nothing in the kernels changes; a new way to step it is a new ``KERNEL`` value, its branch
+in :mod:`lowbit_tree.kernels` and its C and torch code.
 """
 from __future__ import annotations
 
@@ -26,8 +35,9 @@ from .lowrank import LowRankQTensor, lowrank_dequantize, lowrank_zeros
 from .qtensor import QTensor, dequantize, quantize, row_layout
 from .qtensor import zeros as qzeros
 from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
+from .record_base import KERNEL_BLOCKS, KERNEL_VALUES
 
-__all__ = ["Part", "RecordKind", "KINDS", "kind_of", "kind_named", "is_record", "parts_of", "label",
+__all__ = ["Part", "RecordKind", "KERNEL_BLOCKS", "KERNEL_VALUES", "KINDS", "kind_of", "kind_named", "is_record", "parts_of", "label",
            "describe", "nbytes_of", "load", "store", "whole_nbytes"]
 
 
@@ -49,6 +59,11 @@ def _code_unit(meta: dict) -> int:
 
 def _block_unit(meta: dict) -> int:
     return int(meta["block_size"])
+
+
+def _meta_names(cls) -> tuple:
+    """A record class's static metadata besides ``shape`` and its wiring."""
+    return tuple(k for k in cls.STATIC if k != "shape" and k not in cls.WIRING)
 
 
 class RecordKind(NamedTuple):
@@ -74,6 +89,12 @@ class RecordKind(NamedTuple):
 
     def meta_of(self, record) -> dict:
         return {**{k: getattr(record, k) for k in self.meta}, **self.derived(record)}
+
+    @property
+    def kernel(self) -> Optional[str]:
+        """How the step kernels take a record of this kind (the class's ``KERNEL``:
+        :data:`KERNEL_BLOCKS`, :data:`KERNEL_VALUES`, or ``None``)."""
+        return self.cls.KERNEL
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
@@ -106,9 +127,9 @@ BLOCK = RecordKind(
     cls=QTensor,
     parts=(Part("codes", "param", _code_unit), Part("scale", "param", _block_unit, is_scale=True)),
     regrid=True,
-    meta=("block_size", "format"),
-    make=lambda parts, shape, meta: QTensor._trusted(parts["codes"], parts["scale"], tuple(shape),
-                                                     meta["block_size"], meta["format"]),
+    meta=_meta_names(QTensor),
+    make=lambda parts, shape, meta: QTensor.unchecked(parts["codes"], parts["scale"], tuple(shape),
+                                                      meta["block_size"], meta["format"]),
     zeros=lambda shape, meta, device: qzeros(tuple(shape), meta["format"], meta["block_size"], device),
     dequantize=dequantize,
     store=lambda x, like: quantize(x, like.format, like.block_size),
@@ -121,7 +142,7 @@ RANK1 = RecordKind(
     cls=Rank1QTensor,
     parts=(Part("codes", "param", lambda meta: 2), Part("row_max", "rows"), Part("col_max", "cols")),
     regrid=False,
-    meta=("format",),
+    meta=_meta_names(Rank1QTensor),
     make=lambda parts, shape, meta: Rank1QTensor(parts["codes"], parts["row_max"], parts["col_max"], shape,
                                                  meta["format"], meta.get("reduce")),
     zeros=lambda shape, meta, device: rank1_zeros(tuple(shape), device),
@@ -129,7 +150,7 @@ RANK1 = RecordKind(
     store=lambda x, like: rank1_quantize(x, like.reduce),
     from_float=lambda x, like: rank1_quantize(x, like.reduce),
     label=lambda r: "rank1_" + RANK1_FORMAT,
-    wiring=("reduce",),
+    wiring=Rank1QTensor.WIRING,
     flat_prefix="rank1:",
 )
 
@@ -139,7 +160,7 @@ LOWRANK = RecordKind(
     parts=(Part("codes", "param", _code_unit), Part("scale", "param", _block_unit, is_scale=True),
            Part("row_factor", "rows", optional=True), Part("col_factor", "cols", optional=True)),
     regrid=False,
-    meta=("block_size", "format"),
+    meta=_meta_names(LowRankQTensor),
     make=lambda parts, shape, meta: LowRankQTensor(parts["codes"], parts["scale"], parts["row_factor"],
                                                    parts["col_factor"], shape, meta["block_size"], meta["format"]),
     zeros=lambda shape, meta, device: lowrank_zeros(tuple(shape), meta["rank"], meta["format"], meta["block_size"],

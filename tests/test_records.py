@@ -257,3 +257,128 @@ def test_the_move_to_device_idiom_moves_every_state_to_cuda_and_back(name):
                 st[k] = v.cpu()
     for p in params:
         assert _state_equal(opt.state[p], before[id(p)])
+
+
+# ----------------------------------------------------------------------------------------------
+# The record classes' shared base (lowbit_tree/record_base.py) and what the kernels read off it
+# ----------------------------------------------------------------------------------------------
+def _one_of_each_kind():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(6, 40, generator=gen)
+    return {"block": records.BLOCK.from_float(x, records.BLOCK.zeros((6, 40), {"format": "e4m3",
+                                                                            "block_size": 16}, "cpu")),
+            "rank1": records.RANK1.from_float(x, records.RANK1.zeros((6, 40), {}, "cpu")),
+            "lowrank": records.LOWRANK.make({"codes": torch.randint(0, 255, (6, 20), dtype=torch.uint8, generator=gen),
+                                             "scale": torch.rand(6, 3, generator=gen),
+                                             "row_factor": torch.randn(6, 2, generator=gen).bfloat16(),
+                                             "col_factor": torch.randn(40, 2, generator=gen).bfloat16()},
+                                            (6, 40), {"format": "normal4", "block_size": 16})}
+
+
+def _same_bits(a, b) -> bool:
+    """Same class, metadata and wiring, and tensors equal as bytes (NaN scales included)."""
+    if type(a) is not type(b) or any(getattr(a, k) != getattr(b, k) for k in a.STATIC):
+        return False
+    return all(torch.equal(getattr(a, k).view(torch.uint8), getattr(b, k).view(torch.uint8)) for k in a.CHILDREN)
+
+
+def test_each_kind_declares_its_parts_once():
+    """The kind's parts are its class's tensors in constructor order, its metadata the class's
+    static fields but shape and wiring: records.py reads the class's names, nothing repeats them."""
+    for kind in records.KINDS:
+        assert tuple(p.name for p in kind.parts) == kind.cls.CHILDREN, kind.name
+        assert set(kind.meta) | {"shape"} | set(kind.wiring) == set(kind.cls.STATIC), kind.name
+        assert kind.wiring == kind.cls.WIRING and kind.kernel == kind.cls.KERNEL
+    assert [k.kernel for k in records.KINDS] == [records.KERNEL_BLOCKS, records.KERNEL_VALUES, None]
+
+
+@pytest.mark.parametrize("name", ["block", "rank1", "lowrank"])
+def test_record_base_pytree_pickle_clone_copy(name):
+    import optree
+    import torch.utils._pytree as torch_pytree
+
+    rec = _one_of_each_kind()[name]
+    kind = records.kind_of(rec)
+    # pytree: optree's global namespace and torch's, children named as the parts
+    leaves, spec = optree.tree_flatten(rec)
+    assert len(leaves) == len(kind.parts) and all(a is b for a, b in zip(leaves, kind.parts_of(rec).values()))
+    assert _same_bits(optree.tree_unflatten(spec, leaves), rec)
+    assert [path for path, _ in zip(optree.tree_paths(rec), leaves)] == [(k,) for k in kind.cls.CHILDREN]
+    tleaves, tspec = torch_pytree.tree_flatten(rec)
+    assert _same_bits(torch_pytree.tree_unflatten(tleaves, tspec), rec)
+    # pickling, the weights_only way torch.load reads it
+    buf = io.BytesIO()
+    torch.save(rec, buf)
+    buf.seek(0)
+    assert _same_bits(torch.load(buf, weights_only=True), rec) and _same_bits(copy.deepcopy(rec), rec)
+    # frozen
+    with pytest.raises(AttributeError, match="immutable"):
+        rec.codes = rec.codes
+    with pytest.raises(AttributeError, match="immutable"):
+        del rec.codes
+    # clone: new tensors, the same bits; copy_: into the same tensors, bit for bit (fp8 as bytes)
+    twin = rec.clone()
+    assert _same_bits(twin, rec) and all(getattr(twin, k).data_ptr() != getattr(rec, k).data_ptr()
+                                          for k in rec.CHILDREN)
+    other = _one_of_each_kind()[name].with_parts({k: torch.zeros_like(getattr(rec, k)) for k in rec.CHILDREN})
+    ptrs = [getattr(other, k).data_ptr() for k in rec.CHILDREN]
+    other.copy_(rec)
+    assert _same_bits(other, rec) and ptrs == [getattr(other, k).data_ptr() for k in rec.CHILDREN]
+    assert rec.nbytes == records.nbytes_of(kind.parts_of(rec))
+
+
+def test_with_parts_keeps_the_wiring_that_pickling_drops():
+    reduce = lambda r, c: (r, c)  # noqa: E731
+    rec = records.RANK1.zeros((4, 6), {}, "cpu").with_parts(
+        {"codes": torch.zeros(4, 3, dtype=torch.uint8), "row_max": torch.ones(4), "col_max": torch.ones(6)})
+    wired = type(rec)(rec.codes, rec.row_max, rec.col_max, rec.shape, rec.format, reduce)
+    assert wired.with_parts(records.parts_of(wired)).reduce is reduce and wired.clone().reduce is reduce
+    assert pickle.loads(pickle.dumps(wired)).reduce is None  # wiring, not data
+
+
+def test_kernel_ready_needs_contiguous_float32_parts():
+    rec = _one_of_each_kind()
+    assert rec["block"].kernel_ready() and rec["rank1"].kernel_ready()
+    assert not rec["lowrank"].kernel_ready()  # no kernel steps a low-rank record (its optimizer does)
+    b = rec["block"]
+    assert not b.with_parts({"codes": b.codes, "scale": b.scale.double()}).kernel_ready()
+    wide = torch.zeros(b.scale.shape[0], 2 * b.scale.shape[1])
+    assert not b.with_parts({"codes": b.codes, "scale": wide[:, ::2]}).kernel_ready()
+    r = rec["rank1"]
+    assert not r.with_parts({"codes": r.codes, "row_max": r.row_max, "col_max": r.col_max.bfloat16()}).kernel_ready()
+
+
+def test_a_record_class_must_declare_its_fields_in_order():
+    from lowbit_tree.record_base import Record
+
+    with pytest.raises(TypeError, match="CHILDREN"):
+        class Bad(Record):  # noqa: F841  (slots not the declared fields)
+            CHILDREN = ("a",)
+            STATIC = ("shape",)
+            __slots__ = ("shape", "a")
+    with pytest.raises(TypeError, match="WIRING"):
+        class Bad2(Record):  # noqa: F841  (wiring not last)
+            CHILDREN = ("a",)
+            STATIC = ("reduce", "shape")
+            WIRING = ("reduce",)
+            __slots__ = ("a", "reduce", "shape")
+
+
+def test_one_report_row_for_a_pytree_and_inspect():
+    """lowbit_tree.state_report and ``lowbit-tree inspect`` of the same core pytree give the same
+    rows (one row type, one leaf_row): paths, record formats, shapes, bytes, block sizes and
+    parts; only a plain tensor's format is named apart (the dtype there, the state-format name in
+    inspect)."""
+    import lowbit_tree as lt
+    from bridge.inspect_state import inspect_core_state
+
+    recs = _one_of_each_kind()
+    tree = {"r": [recs["block"], recs["rank1"], recs["lowrank"]], "t": [torch.zeros(3, 5), torch.zeros(7).bfloat16()]}
+    core, seen = lt.state_report(tree), inspect_core_state(tree).rows
+    assert core[-1].path == "total" and len(core) - 1 == len(seen) == 5
+    assert [r.format for r in core[:3]] == ["e4m3", "rank1_linear4_unsigned", "normal4+rank2"]
+    assert [r.block for r in core[:3]] == ["16", "-", "16"] and core[0].detail == "codes float8_e4m3fn[6, 40], scale float32[6, 3]"
+    for a, b in zip(core, seen):
+        assert (a.path, a.shape, a.nbytes, a.block, a.detail) == (b.path, b.shape, b.nbytes, b.block, b.detail)
+    assert [(a.format, b.format) for a, b in zip(core[3:], seen[3:])] == [("float32", "fp32"), ("bfloat16", "bf16")]
+    assert [r.format for r in core[:3]] == [r.format for r in seen[:3]]

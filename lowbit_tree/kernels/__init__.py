@@ -31,8 +31,9 @@ import torch
 
 from ..correction import CORRECTED_DTYPES
 from ..formats import Format, get_format
-from ..qtensor import QTensor, row_layout
-from ..rank1 import Rank1QTensor, rank1_dequantize, rank1_quantize
+from ..qtensor import row_layout
+from ..rank1 import rank1_quantize
+from ..record_base import KERNEL_BLOCKS, KERNEL_VALUES, Record, kernel_of
 from ..rounding import rounding_hash
 from . import buffers, native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
@@ -46,6 +47,8 @@ __all__ = [
     "NHYPER",
     "step_hyperparams",
     "StepLeaf",
+    "native_ok",
+    "native_state",
     "run_step",
     "CodeTable",
     "code_table",
@@ -162,19 +165,12 @@ class StepLeaf(NamedTuple):
     correction: Optional[torch.Tensor] = None  # int8 rounding error of a param written in place (lowbit_tree.correction)
 
 
-def _is_q(s) -> bool:
-    return type(s) is QTensor
-
-
-def _is_rank1(s) -> bool:
-    return type(s) is Rank1QTensor
-
-
-def _native_ok(leaf: StepLeaf, write: bool) -> bool:
+def native_ok(leaf: StepLeaf, write: bool) -> bool:
     """Whether the C kernel takes this leaf (else the torch backend runs it). Plain states
-    (a rank-1 record counts as one: the kernel steps its float32 values) go beside quantized
-    ones only after a quantized first state, and a record (rank-1 too) only after a record
-    (``native.job_row``): a plain ``exp_avg`` beside a rank-1 ``exp_avg_sq`` runs in torch."""
+    (a :data:`~lowbit_tree.record_base.KERNEL_VALUES` record, rank-1, counts as one: the kernel steps
+    its float32 values) go beside block records only after a block record first, and a record
+    (rank-1 too) only after a record (``native.job_row``): a plain ``exp_avg`` beside a rank-1
+    ``exp_avg_sq`` runs in torch."""
     p, g, c = leaf.param, leaf.grad, leaf.correction
     if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
                               and c.is_contiguous() and c.numel() == g.numel()):
@@ -183,49 +179,52 @@ def _native_ok(leaf: StepLeaf, write: bool) -> bool:
         return False
     if write and not p.is_contiguous():
         return False
-    quantized = plain = 0
+    quantized = plain = values = 0
     for s in leaf.states:
-        if type(s) is QTensor:
-            if s.scale.dtype is not torch.float32 or not s.codes.is_contiguous() or not s.scale.is_contiguous():
+        if isinstance(s, Record):
+            if not s.kernel_ready():
                 return False
-            quantized += 1
-        elif _is_rank1(s):
-            if not all(t.is_contiguous() for t in (s.codes, s.row_max, s.col_max)) or s.row_max.dtype is not torch.float32:
-                return False
-            plain += 1
+            if s.KERNEL == KERNEL_BLOCKS:
+                quantized += 1
+            else:
+                plain += 1
+                values += 1
         elif isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous():
             plain += 1
         else:
             return False
-    if leaf.states and isinstance(leaf.states[0], torch.Tensor) and any(_is_rank1(s) for s in leaf.states):
+    if values and isinstance(leaf.states[0], torch.Tensor):
         return False
-    return not (quantized and plain) or _is_q(leaf.states[0])
+    return not (quantized and plain) or kernel_of(leaf.states[0]) == KERNEL_BLOCKS
+
+
+_native_ok = native_ok  # the old name, for the tests that import it
 
 
 class _Rank1Wait(NamedTuple):
-    """A rank-1 state waiting for the maxima of its new values: they are completed across
-    shards (the record's ``reduce``, a collective) in leaf order on every rank. From the torch
-    backend: its new float32 ``values`` ``(rows, R)``, encoded once complete. From the native
-    kernel: the ``maxima`` its maxima job wrote, completed in place for its step job, which
-    writes the new ``codes``."""
+    """A rank-1 state (:data:`~lowbit_tree.record_base.KERNEL_VALUES`) waiting for the maxima of
+    its new values: they are completed across shards (the record's ``reduce``, a collective) in
+    leaf order on every rank. From the torch backend: its new float32 ``values`` ``(rows, R)``,
+    encoded once complete. From the native kernel: the ``maxima`` its maxima job wrote,
+    completed in place for its step job, which writes the new ``codes``."""
 
     leaf: int
     slot: int
     values: Optional[torch.Tensor]
-    old: Rank1QTensor
+    old: object  # the record
     maxima: Optional[tuple] = None  # native: (row_max, col_max) of the new values
     codes: Optional[torch.Tensor] = None  # native: where the step job writes the new codes
 
 
-def _rank1_complete(w: _Rank1Wait, inplace: bool) -> Optional[Rank1QTensor]:
+def _rank1_complete(w: _Rank1Wait, inplace: bool):
     """Completes ``w``'s maxima across shards. The torch backend's values: returns their new
     record (written into ``w.old`` with ``inplace``). Native: the maxima in place, for the
     step job; returns None."""
     old = w.old
     if w.maxima is None:
-        new = rank1_quantize(w.values.reshape(old.shape), old.reduce)
+        new = rank1_quantize(w.values.reshape(old.shape), old.reduce)  # KERNEL_VALUES: a rank-1 record
         if inplace:
-            _copy_leaf_(old, new)
+            old.copy_(new)
             return old
         return new
     if old.reduce is not None:
@@ -235,7 +234,7 @@ def _rank1_complete(w: _Rank1Wait, inplace: bool) -> Optional[Rank1QTensor]:
     return None
 
 
-def _rank1_native_record(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
+def _rank1_native_record(w: _Rank1Wait, inplace: bool):
     """The new record of a native rank-1 state once its step job has written ``w.codes``."""
     old = w.old
     row_max, col_max = w.maxima
@@ -243,17 +242,21 @@ def _rank1_native_record(w: _Rank1Wait, inplace: bool) -> Rank1QTensor:
         old.row_max.copy_(row_max)
         old.col_max.copy_(col_max)
         return old
-    return Rank1QTensor(w.codes, row_max, col_max, old.shape, old.format, old.reduce)
+    return old.with_parts({"codes": w.codes, "row_max": row_max, "col_max": col_max})
 
 
-def _native_state(s, inplace: bool):
-    """(NativeState, the new leaf) for state ``s``: written in place, or into new tensors."""
-    if type(s) is QTensor:
+def native_state(s, inplace: bool):
+    """(NativeState, the new leaf) for state ``s`` (a plain tensor or a
+    :data:`~lowbit_tree.record_base.KERNEL_BLOCKS` record): written in place, or into new tensors."""
+    if isinstance(s, Record):
+        if s.KERNEL != KERNEL_BLOCKS:
+            raise TypeError(f"native_state takes plain tensors and block records, got a {type(s).__name__} "
+                            f"(native_ok says which leaves the C kernel takes)")
         codes = s.codes if s.codes.dtype is torch.uint8 else s.codes.view(torch.uint8)  # fp8: a byte view
         if inplace:
             return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
         new_codes, new_scale = buffers.empty_like(codes), buffers.empty_like(s.scale)
-        leaf = QTensor._trusted(new_codes.view(s.codes.dtype), new_scale, s.shape, s.block_size, s.format)
+        leaf = s.with_parts({"codes": new_codes.view(s.codes.dtype), "scale": new_scale})
         return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
     dst = s if inplace else buffers.empty_like(s)
     return native.NativeState(s, dst, None, None, None, 0), dst
@@ -263,9 +266,9 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
     """A leaf on the torch backend. Rank-1 records step as their float32 values (eagerly);
     their new values join ``waits`` and their slots hold the old record until then."""
     states = list(leaf.states)
-    rank1 = [_is_rank1(s) for s in states]
+    rank1 = [kernel_of(s) == KERNEL_VALUES for s in states]
     if any(rank1):
-        plain = [rank1_dequantize(s) if k else s for s, k in zip(states, rank1)]
+        plain = [s.dequantize() if k else s for s, k in zip(states, rank1)]
         out, new, corr = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
                                                  sr=sr_key is not None, key=sr_key, leaf_index=leaf.index,
                                                  compile=False, correction=leaf.correction)
@@ -296,13 +299,8 @@ def _copy_leaf_(dst, src) -> None:
     """Overwrite a state leaf's tensors with another's of the same kind."""
     if isinstance(dst, torch.Tensor):
         dst.copy_(src)
-        return
-    names = ("codes", "row_max", "col_max") if hasattr(dst, "row_max") else ("codes", "scale")
-    for name in names:
-        d, s = getattr(dst, name), getattr(src, name)
-        if d.dtype == torch.float8_e4m3fn:
-            d, s = d.view(torch.uint8), s.view(torch.uint8)
-        d.copy_(s)
+    else:
+        dst.copy_(src)
 
 
 def run_step(
@@ -358,19 +356,19 @@ def run_step(
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             news[i] = [s if inplace else _clone_leaf(s) for s in leaf.states]
             for k, s in enumerate(leaf.states):
-                if _is_rank1(s) and s.reduce is not None:
+                if kernel_of(s) == KERNEL_VALUES and s.reduce is not None:
                     # an empty shard's record is requantized all the same: its reduce is a
                     # collective the other shards' steps join, and leaves the global maxima in it
-                    waits.append(_Rank1Wait(i, k, rank1_dequantize(s).reshape(row_layout(s.shape)), s))
+                    waits.append(_Rank1Wait(i, k, s.dequantize().reshape(row_layout(s.shape)), s))
             continue
         which = backends.get(g.device)
         if which is None:
             which = backends[g.device] = backend_for(g.device, backend)
-        if which == "native" and _native_ok(leaf, write):
+        if which == "native" and native_ok(leaf, write):
             rows, r = row_layout(g.shape)
             pairs, has_rank1 = [], False
             for k, s in enumerate(leaf.states):
-                if _is_rank1(s):  # a maxima job, the completed maxima, then the step encodes with them
+                if kernel_of(s) == KERNEL_VALUES:  # a maxima job, the completed maxima, then the step encodes with them
                     maxima = (torch.empty(rows, dtype=torch.float32, device=g.device),
                               torch.empty(r, dtype=torch.float32, device=g.device))
                     codes = s.codes if inplace else buffers.empty_like(s.codes)
@@ -379,7 +377,7 @@ def run_step(
                                                      native.RANK1_BLOCK, *maxima), s))
                     has_rank1 = True
                 else:
-                    pairs.append(_native_state(s, inplace))
+                    pairs.append(native_state(s, inplace))
             out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
             sr_hash = 0
             if sr is not None:
@@ -396,7 +394,7 @@ def run_step(
                 rank1_jobs.append(job)
             else:
                 jobs.append(job)
-        elif which == "compiled" and not any(_is_rank1(s) for s in leaf.states):
+        elif which == "compiled" and not any(kernel_of(s) == KERNEL_VALUES for s in leaf.states):
             batched.append(i)  # stepped below, with the others of its static combination
         else:
             if which == "native":
@@ -452,6 +450,5 @@ def _hyper_jobs(jobs: list, hyper: torch.Tensor) -> list:
 
 
 def _clone_leaf(s):
-    if isinstance(s, torch.Tensor):
-        return s.clone()
-    return type(s)(*[c.clone() for c in (s.codes, s.scale)], s.shape, s.block_size, s.format) if _is_q(s) else s
+    """A state leaf of new tensors holding ``s``'s values."""
+    return s.clone() if isinstance(s, (torch.Tensor, Record)) else s

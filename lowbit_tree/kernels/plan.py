@@ -24,8 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import backend_for, buffers, native, run_step, StepLeaf, _native_ok, torch_backend
-from ..rank1 import Rank1QTensor
+from . import backend_for, buffers, native, native_ok, native_state, run_step, StepLeaf, torch_backend
+from ..record_base import KERNEL_VALUES, kernel_of
 from ..rounding import rounding_hash
 from .spec import NHYPER, StepSpec, job_row_index
 
@@ -61,12 +61,12 @@ class KernelPlan:
         """The backend that holds leaf ``k`` fixed ("native": a row; "compiled": a place in a
         prepared call), or ``None``."""
         p, states = self.params[k], self.states[k]
-        if g.numel() == 0 or any(type(s) is Rank1QTensor for s in states):
+        if g.numel() == 0 or any(kernel_of(s) == KERNEL_VALUES for s in states):
             return None
         which = backend_for(g.device, self.backend)
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
             return which if torch_backend.compiles(g.shape, torch_backend.state_kinds(states)) else None
-        if which == "native" and _native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
+        if which == "native" and native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
             return which
         return None
 
@@ -106,13 +106,12 @@ class KernelPlan:
         self._pattern = tuple(g is not None for g in grads)
 
     def _job(self, k: int, g: torch.Tensor) -> native.NativeJob:
-        from . import _native_state  # (same module family: the in-place native state of a record)
         from ..qtensor import row_layout
 
         p = self.params[k]
         rows, r = row_layout(g.shape)
         out = p if self.write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
-        sts = tuple(_native_state(s, True)[0] for s in self.states[k])
+        sts = tuple(native_state(s, True)[0] for s in self.states[k])
         p_in = p if (self.write or self.spec.needs_param) else None
         corr = self.corrections[k]  # a state: its address stays in the row
         stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
