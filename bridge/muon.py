@@ -222,7 +222,7 @@ class ShardedNS:
                 xf = LowRankQTensor(*whole[:4], lay.shape, x.block_size, x.format)
                 low = lowrank_expand(xf.row_factor, xf.col_factor)  # the input's and the buffer's (same factors)
             elif isinstance(x, QTensor):
-                xf = QTensor._trusted(whole[0], whole[1], lay.shape, x.block_size, x.format)
+                xf = QTensor.unchecked(whole[0], whole[1], lay.shape, x.block_size, x.format)
             else:
                 xf = whole[0]
             o = ns(ns_matrix(xf, low))

@@ -165,7 +165,7 @@ def _ns_input(u: torch.Tensor, buf: Any, nesterov: bool) -> Any:
         if not nesterov:
             return buf  # u is the new buffer, whose stored form this is
         codes, scale = kernels.quantize_rows_fast(u.reshape(row_layout(u.shape)), buf.format, buf.block_size)
-        return QTensor._trusted(codes, scale, buf.shape, buf.block_size, buf.format)
+        return QTensor.unchecked(codes, scale, buf.shape, buf.block_size, buf.format)
     return u.to(torch.bfloat16)
 
 

@@ -62,11 +62,6 @@ class QTensor(Record):
     def __init__(self, codes, scale, shape: Sequence[int], block_size: int, format: str):
         Record.__init__(self, codes, scale, tuple(int(s) for s in shape), int(block_size), str(format))
 
-    @classmethod
-    def _trusted(cls, *values) -> "QTensor":
-        """The old name of :meth:`unchecked`, kept for the callers outside this change until they move."""
-        return cls.unchecked(*values)
-
     def replace(self, **changes) -> "QTensor":
         fields = {k: getattr(self, k) for k in self.__slots__}
         fields.update(changes)

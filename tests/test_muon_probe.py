@@ -44,7 +44,7 @@ def test_probe_nf4_is_the_kernels_stored_momentum(shape):
     x = torch.randn(*shape, generator=g) * torch.logspace(-4, 2, shape[1])
     x[0, : min(5, shape[1])] = 0  # a zero run; a whole-zero block when the row is short
     codes, scale = kernels.quantize_rows_fast(x, "normal4", 32)
-    stored = kernels.dequantize_fast(QTensor._trusted(codes, scale, x.shape, 32, "normal4"))
+    stored = kernels.dequantize_fast(QTensor.unchecked(codes, scale, x.shape, 32, "normal4"))
     probe = mod.round_blocks(x)
     assert torch.equal(probe, stored)
     ref = brute_force_blocks(x)

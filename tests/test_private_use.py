@@ -134,10 +134,6 @@ ALLOWED = {
     ("bridge/muon.py", "_TorchOptimizer._PICKLED"): "optimizers.py / optimizer.py: the attributes a pickle keeps",
     ("bridge/in_backward.py", "from bridge.optimizers import _TorchOptimizer"): "optimizers.py: the named classes' base",
     ("bridge/optimizers.py", "LowBitOptimizer._PICKLED"): "optimizers.py (not this change's file)",
-    # QTensor._trusted: the old name of QTensor.unchecked (a constructor without checks), kept
-    # for these callers, whose files belong to other helpers' changes.
-    ("bridge/muon.py", "QTensor._trusted"): "bridge/muon.py: call QTensor.unchecked",
-    ("lowbit_tree/muon_transform.py", "QTensor._trusted"): "lowbit_tree/muon_transform.py: call QTensor.unchecked",
     ("lowbit_tree/muon_transform.py", "from lowbit_tree.transform import _run_rule"):
         "lowbit_tree/transform.py (owner: the helper building one declaration per rule)",
     ("lowbit_tree/kernels/torch_backend.py", "from lowbit_tree.kernels.tables import _CPU_TABLES"):
