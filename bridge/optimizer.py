@@ -113,12 +113,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._plans: dict = {}
         self._positions = None  # (the groups it was made from, {id(param): (group, offset, index)})
 
-    @property
-    def _reducers(self) -> dict:
-        """Read by tests/fsdp_workers.py (``opt._reducers.values()``); :meth:`ParamStates.reducers`
-        is the interface."""
-        return dict(enumerate(self.param_states.reducers()))
-
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         for k in self._PICKLED:

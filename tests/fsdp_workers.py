@@ -462,7 +462,7 @@ def rank1_exact_worker(rank, world, steps=4):
     assert kinds == {("exp_avg", "dynamic8"), ("exp_avg_sq", "rank1_linear4_unsigned")}, kinds
     opt = _exact_run(rank, world, "4bit", steps)
     assert any(getattr(to_local(v), "kind_name", None) == "rank1" for st in opt.state.values() for v in st.values())
-    reducers = [r for r in opt._reducers.values() if r is not None]
+    reducers = [r for r in opt.param_states.reducers() if r is not None]
     return sum(r.sent for r in reducers) // steps
 
 
