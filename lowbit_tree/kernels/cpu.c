@@ -1188,8 +1188,11 @@ static inline float rank1_norm(float rm, float cm) { return (rm != rm || cm != c
 static void rank1_decode_run(const uint8_t *restrict c, int64_t n, float rm, const float *restrict cm,
                              const float *restrict dec, float *restrict o) {
     int64_t q = 0, np = n >> 1;
+#ifdef LBT_AVX512
+    q = decode4_avx512(c, np, dec, 1.0f, o); /* the values times 1: exact */
+#endif
 #ifdef __AVX2__
-    q = decode4_avx2(c, np, dec, 1.0f, o); /* the values times 1: exact */
+    q += decode4_avx2(c + q, np - q, dec, 1.0f, o + 2 * q);
 #endif
     for (; q < np; q++) o[2 * q] = dec[c[q] & 0x0F], o[2 * q + 1] = dec[c[q] >> 4];
     if (n & 1) o[n - 1] = dec[c[np] & 0x0F];
@@ -1200,6 +1203,33 @@ static void rank1_decode_run(const uint8_t *restrict c, int64_t n, float rm, con
  * the column maxima of its elements; buf and idx: scratch of n */
 static void rank1_encode_run(const float *restrict xi, int64_t n, float rm, const float *restrict cm,
                              const lbt_format *f, uint8_t *codes, float *restrict buf, int32_t *restrict idx) {
+#ifdef LBT_AVX512
+    if (f->lin) { /* the loop below on 16 lanes, 32 values (16 code bytes) at a time, packed as it goes */
+        const __m512 va = _mm512_set1_ps(f->lin_a), vb = _mm512_set1_ps(f->lin_b), vl = _mm512_set1_ps((float)f->last);
+        const __m512 rmv = _mm512_set1_ps(rm), one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+        const __m512 nan = _mm512_set1_ps(NAN);
+        int64_t j = 0;
+        for (; j + 32 <= n; j += 32) {
+            __m512i k[2];
+            for (int h = 0; h < 2; h++) {
+                const __m512 cmv = _mm512_loadu_ps(cm + j + 16 * h), x = _mm512_loadu_ps(xi + j + 16 * h);
+                __m512 nm = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(cmv, rmv, _CMP_LT_OQ), rmv, cmv);
+                nm = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(rmv, cmv, _CMP_UNORD_Q), nm, nan); /* rank1_norm */
+                const __m512 safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(nm, zero, _CMP_GT_OQ), one, nm);
+                __m512 q = _mm512_div_ps(x, safe);
+                q = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero, _CMP_LT_OQ), q, nan); /* negative: NaN */
+                __m512 y = _mm512_min_ps(_mm512_sub_ps(_mm512_mul_ps(q, va), vb), vl); /* y < last ? y : last */
+                y = _mm512_max_ps(y, zero);                                              /* y > 0 ? y : 0 */
+                k[h] = _mm512_cvttps_epi32(y);
+            }
+            __m128i lo = _mm512_cvtepi64_epi8(_mm512_or_si512(k[0], _mm512_srli_epi64(k[0], 28)));
+            __m128i hi = _mm512_cvtepi64_epi8(_mm512_or_si512(k[1], _mm512_srli_epi64(k[1], 28)));
+            _mm_storeu_si128((__m128i *)(codes + j / 2), _mm_unpacklo_epi64(lo, hi));
+        }
+        if (j == n) return;
+        xi += j, cm += j, codes += j / 2, n -= j; /* the rest (from an even element) below */
+    }
+#endif
     if (f->lin) { /* lin_pass's index of q = x / safe, in the same loop (one division) */
         const float a = f->lin_a, b = f->lin_b, last = (float)f->last;
         for (int64_t j = 0; j < n; j++) {
