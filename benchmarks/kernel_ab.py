@@ -18,14 +18,15 @@ Sizes: ``128x256`` fits in L2 (compute cost), ``2048x2048`` streams from memory.
 Data ``wide``: normal gradients (moments spread over many octaves of each block's
 absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 
-Usage: python benchmarks/kernel_ab.py [SOURCE.c ...] [--formats 8bit,fp8]
+Usage: python benchmarks/kernel_ab.py [SOURCE.c[+FLAG...] ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
        [--rule adamw|amsgrad|lion|momentum|ademamix] [--dtype float32|bfloat16] [--functional]
        [--correct]
 ``--correct`` (with ``--dtype bfloat16``, not with ``--functional``): the param is written with its
 int8 correction (``param_correction``), the correction compared like the other outputs.
 ``--formats`` takes ``fp32`` too (plain float32 states).
-With no source, the library's own source (one build: absolute figures only).
+With no source, the library's own source (one build: absolute figures only). ``SOURCE.c+FLAG``
+builds that source with extra compiler flags (``cpu.c+-mno-avx512f``: its AVX2 paths).
 """
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ RULES = {
 }
 
 
-def build(source: Path, outdir: Path):
-    """Compile ``source`` like the library does (its flags, its generated header) and load it."""
-    so = outdir / f"ab_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}.so"
+def build(source: Path, outdir: Path, extra: tuple = ()):
+    """Compile ``source`` like the library does (its flags, its generated header, plus ``extra``
+    flags) and load it."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(extra).encode()).hexdigest()[:12]
+    so = outdir / f"ab_{key}.so"
     try:  # without the AMD option if the compiler rejects it (GCC-only)
-        KC._build(KC._compiler(), KC._FLAGS + (KC._AMD_FLAGS if KC._is_amd() else []), so, source)
+        KC._build(KC._compiler(), KC._FLAGS + (KC._AMD_FLAGS if KC._is_amd() else []) + list(extra), so, source)
     except KC.BuildError as e:
         raise RuntimeError(f"could not build {source}: {e}") from e
     lib = ctypes.CDLL(str(so))
@@ -128,10 +131,12 @@ def main(argv=None) -> int:
     if not KC.available():
         print("native CPU kernels unavailable (no working C compiler)")
         return 1
-    sources = args.sources or [KC._SOURCE]
+    # SOURCE.c+FLAG+FLAG: that source built with extra flags (e.g. cpu.c+-mno-avx512f)
+    builds = [(Path(str(s).split("+")[0]), tuple(str(s).split("+")[1:])) for s in (args.sources or [KC._SOURCE])]
+    sources = [Path(str(s)) for s in (args.sources or [KC._SOURCE])]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(s, Path(tmp)) for s in sources]
+        libs = [build(s, Path(tmp), extra) for s, extra in builds]
         cfgs = []
         for sf in args.formats.split(","):
             for size in args.sizes.split(","):

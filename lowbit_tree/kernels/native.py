@@ -56,8 +56,13 @@ _SOURCE = Path(__file__).with_name("cpu.c")
 # are read anywhere); it changes no result.
 # -Werror=implicit-function-declaration: an undeclared function returns int in C99,
 # so a pointer it returns would be cut to 32 bits; refuse to build instead.
+# -mprefer-vector-width=512: on CPUs with AVX-512, GCC vectorizes the plain loops (the rules,
+# bfloat16 loads and stores, the corrected write) with 512-bit vectors instead of its default
+# 256 (kernel_ab, 128x256, 1 thread: the 8-bit AdamW step on bfloat16 params with param_correction
+# 2.45 -> 2.06 ns/element, Lion8bit 0.83 -> 0.70); elementwise and integer-max work, so the bits
+# do not depend on the width. Ignored without AVX-512 (and with -mno-avx512f).
 _FLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC",
     "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99",
     "-Werror=implicit-function-declaration",
 ]
