@@ -21,10 +21,13 @@ absmax); ``narrow``: |g| in [0.5, 1] (a few octaves, few table lines touched).
 Usage: python benchmarks/kernel_ab.py [SOURCE.c[+FLAG...] ...] [--formats 8bit,fp8]
        [--sizes 128x256,2048x2048] [--data wide] [--threads 1] [--rounds 12] [--show] [--inplace]
        [--rule adamw|amsgrad|lion|momentum|ademamix] [--dtype float32|bfloat16] [--functional]
-       [--correct]
+       [--correct] [--bridge]
 ``--correct`` (with ``--dtype bfloat16``, not with ``--functional``): the param is written with its
 int8 correction (``param_correction``), the correction compared like the other outputs.
 ``--formats`` takes ``fp32`` too (plain float32 states).
+``--bridge``: the bridge classes (``BRIDGE_CASES``) against ``torch.optim.AdamW(fused=True)`` on
+the same params in one process (``bridge_ratios``), with the library built from the one SOURCE
+given (default: this checkout's): compare builds by their ratios.
 With no source, the library's own source (one build: absolute figures only). ``SOURCE.c+FLAG``
 builds that source with extra compiler flags (``cpu.c+-mno-avx512f``: its AVX2 paths).
 """
@@ -109,6 +112,59 @@ def make_case(spec: StepSpec, state_format: str, rows: int, cols: int, data: str
     return p, g, states, hyper
 
 
+BRIDGE_CASES = ("AdamW8bit", "AdamW4bit", "AdamWFp8", "Lion8bit", "SGD8bit", "AdamW8bit+correction bf16")
+
+
+def bridge_ratios(source, threads: int, rounds: int, n: int = 2048) -> int:
+    """The bridge's step against ``torch.optim.AdamW(fused=True)`` (fp32 states; about
+    DeepSpeedCPUAdam's time on the same params), both on two ``n x n`` params in one process,
+    timed in interleaved rounds of 5 steps: per class its median ms and its ratio to the fused
+    step's median (bfloat16 rows: to the fused step on the same bfloat16 params). ``source``:
+    the C source the bridge's library is built from (default: this checkout's), so that builds
+    compare by their ratios, each from its own run."""
+    import bridge
+
+    if source is not None:
+        KC._SOURCE = Path(source)  # before the library's first use: built from this source
+    if not KC.available():
+        print("native CPU kernels unavailable")
+        return 1
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+
+    def params(dtype):
+        ps = [torch.nn.Parameter(torch.randn(n, n, generator=gen).to(dtype)) for _ in range(2)]
+        for p in ps:
+            p.grad = (torch.randn(n, n, generator=gen) * 1e-2).to(dtype)
+        return ps
+
+    opts = {"torch fused": torch.optim.AdamW(params(torch.float32), lr=1e-3, fused=True),
+            "torch fused bf16": torch.optim.AdamW(params(torch.bfloat16), lr=1e-3, fused=True)}
+    for name in BRIDGE_CASES:
+        if name == "AdamW8bit+correction bf16":
+            opts[name] = bridge.AdamW8bit(params(torch.bfloat16), lr=1e-3, param_correction=True)
+        elif name == "SGD8bit":
+            opts[name] = bridge.SGD8bit(params(torch.float32), lr=1e-3, momentum=0.9)
+        else:
+            opts[name] = getattr(bridge, name)(params(torch.float32), lr=1e-3)
+    for opt in opts.values():
+        for _ in range(3):
+            opt.step()
+    ms: dict = {k: [] for k in opts}
+    for _ in range(rounds):
+        for k, opt in opts.items():
+            t0 = time.perf_counter()
+            for _ in range(5):
+                opt.step()
+            ms[k].append((time.perf_counter() - t0) / 5 * 1e3)
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    print(f"{KC._SOURCE}, {threads} thread(s), two {n}x{n} params, median of {rounds} rounds of 5 steps")
+    for k, m in med.items():
+        ref = med["torch fused bf16" if k.endswith("bf16") else "torch fused"]
+        print(f"{k:28s} {m:8.2f} ms {m / ref:6.2f}x {m * 1e6 / (2 * n * n):6.2f} ns/param")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="*", type=Path)
@@ -125,7 +181,13 @@ def main(argv=None) -> int:
                     help="write the update and leave the param (tx.update's mode) instead of writing the param")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--correct", action="store_true", help="write the param with its int8 correction")
+    ap.add_argument("--bridge", action="store_true",
+                    help="time the bridge classes against torch.optim.AdamW(fused=True) instead (see bridge_ratios)")
     args = ap.parse_args(argv)
+    if args.bridge:
+        if len(args.sources) > 1:
+            ap.error("--bridge runs one build (the library's own source, or the one SOURCE given)")
+        return bridge_ratios(args.sources[0] if args.sources else None, args.threads, args.rounds)
     if args.correct and (args.dtype != "bfloat16" or args.functional):
         ap.error("--correct writes a bfloat16 param: give --dtype bfloat16, without --functional")
     if not KC.available():

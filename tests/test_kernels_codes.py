@@ -97,6 +97,23 @@ def test_native_quantize_on_random_bit_patterns(name):
 
 
 @pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_native_vector_paths_follow_the_build_target():
+    """The library's AVX-512 and AVX2 paths are chosen at build time (-march=native): on a CPU with
+    AVX-512F/BW/DQ/VL the default build has the AVX-512 ones, and LOWBIT_TREE_CFLAGS=-mno-avx512f
+    builds (and so tests) the AVX2 ones instead."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    paths = kernels_cpu.vector_paths()
+    cflags = os.environ.get("LOWBIT_TREE_CFLAGS", "").split()
+    if "-mno-avx512f" in cflags or "-mno-avx2" in cflags:
+        assert "avx512" not in paths and "avx512vbmi" not in paths, paths
+    elif {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        assert "avx512" in paths, paths
+    if "-mno-avx2" not in cflags and "avx2" in flags:
+        assert "avx2" in paths, paths
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if lt.FORMATS[n].bits == 8])
 def test_native_decode_planes_are_the_decode_table(name):
     """The AVX-512 VBMI decode reads byte planes lbt_prepare derives from the format's decode
@@ -106,9 +123,9 @@ def test_native_decode_planes_are_the_decode_table(name):
 
     st = kernels_cpu._format_struct(name)
     if not st.planes:
-        with open("/proc/cpuinfo") as f:
-            vbmi = " avx512vbmi " in f.read().replace("\n", " ")
-        assert st.e4m3_arith or not vbmi, "a VBMI CPU without the planes: the kernel checks rejected them"
+        # a build for VBMI (not merely a VBMI CPU: LOWBIT_TREE_CFLAGS=-mno-avx512f builds the AVX2 paths)
+        vbmi = "avx512vbmi" in kernels_cpu.vector_paths()
+        assert st.e4m3_arith or not vbmi, "a VBMI build without the planes: the kernel checks rejected them"
         return
     assert not st.e4m3_arith
     planes = torch.tensor(list(ctypes.cast(st.planes, ctypes.POINTER(ctypes.c_uint8))[:1024]), dtype=torch.uint8)

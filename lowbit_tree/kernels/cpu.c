@@ -576,6 +576,23 @@ static int encode4_matches(const lbt_format *f) {
 /* The checks lbt_prepare runs, for tests: 1 if f's range table (8-bit) and
  * arithmetic 4-bit index (when on) and the AVX-512 4-bit encoder (where built) give the
  * reference codes. */
+/* The vector paths this build has (native.vector_paths): 1 AVX2, 2 AVX-512 (LBT_AVX512), 4 the
+ * AVX-512 VBMI decode planes; chosen at build time by the compiler's target (-march=native,
+ * LOWBIT_TREE_CFLAGS), not by the CPU running it. */
+int lbt_vector_paths(void) {
+    int paths = 0;
+#ifdef __AVX2__
+    paths |= 1;
+#endif
+#ifdef LBT_AVX512
+    paths |= 2;
+#endif
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    paths |= 4;
+#endif
+    return paths;
+}
+
 int lbt_check_tables(const lbt_format *f) {
     return (f->bits != 8 || (f->packed && range_table_matches(f))) && (!f->lin || lin_matches(f)) &&
            encode4_matches(f);

@@ -311,6 +311,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.lbt_prepare.restype = ctypes.c_int
     lib.lbt_check_tables.argtypes = [fptr]
     lib.lbt_check_tables.restype = ctypes.c_int
+    lib.lbt_vector_paths.argtypes = []
+    lib.lbt_vector_paths.restype = ctypes.c_int
     lib.lbt_abi_layout.argtypes = [ctypes.POINTER(i64), i64]
     lib.lbt_abi_layout.restype = i64
     built, want = abi_layout(lib), expected_abi_layout()
@@ -339,6 +341,17 @@ def abi_layout(lib) -> list[int]:
 
 def available() -> bool:
     return library() is not None
+
+
+_VECTOR_PATHS = ("avx2", "avx512", "avx512vbmi")
+
+
+def vector_paths() -> tuple[str, ...]:
+    """The vector paths the loaded library was built with, of ``("avx2", "avx512", "avx512vbmi")``
+    (the last: the 8-bit table decode's byte planes): what the build targets (``-march=native``,
+    ``LOWBIT_TREE_CFLAGS`` such as ``-mno-avx512f``), not what the CPU has. Empty: plain C."""
+    bits = library().lbt_vector_paths()
+    return tuple(name for i, name in enumerate(_VECTOR_PATHS) if bits & (1 << i))
 
 
 @functools.lru_cache(maxsize=None)
