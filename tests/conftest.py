@@ -88,8 +88,18 @@ def missing_distributions(extra: str) -> list[str]:
     return missing
 
 
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="run the tests marked exhaustive (every float32 input through a kernel: minutes of CPU "
+                          "each); CI runs them, the README's test command leaves them out")
+
+
 def pytest_collection_modifyitems(config, items):
+    exhaustive = config.getoption("--exhaustive")
     for item in items:
+        if item.get_closest_marker("exhaustive") is not None and not exhaustive:
+            item.add_marker(pytest.mark.skip(reason="every-float check, minutes of CPU: run with --exhaustive "
+                                                    "(CI does)"))
         for extra in EXTRA_MARKERS:
             if item.get_closest_marker(extra) is None:
                 continue

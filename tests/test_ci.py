@@ -38,10 +38,12 @@ def test_ci_runs_the_readme_test_command_before_installing_an_extra():
     demo_at = code.index('bash -c "$DEMO_COMMAND"')
     installs = [i for i, line in enumerate(code) if "pip install" in line]
     assert installs and test_at < demo_at < min(installs), "an extra is installed before the README's commands"
-    # No second copy of the README's test command to drift from it: the only other pytest run is
-    # the one over the tests marked with an extra's name.
+    # No second copy of the README's test command to drift from it: the other pytest runs are the
+    # one over the tests marked with an extra's name and the exhaustive kernel checks.
     pytest_runs = [line for line in code if "-m pytest" in line]
-    assert len(pytest_runs) == 1 and '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
+    assert len(pytest_runs) == 3
+    assert '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
+    assert all("--exhaustive -m exhaustive" in run for run in pytest_runs[1:])
 
 
 def test_every_extra_but_test_has_a_registered_marker_that_ci_runs():

@@ -285,7 +285,7 @@ int main(int argc, char **argv) {
 """
 
 
-@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_native_encoder_on_every_float(name, tmp_path):
