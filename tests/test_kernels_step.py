@@ -570,15 +570,16 @@ def test_native_step_runs_on_torch_threads(threads, monkeypatch):
     try:
         spec = StepSpec("adam", decay=True, lr=True)
         hyper = step_hyperparams(spec, count=0, lr=1e-3, weight_decay=0.1)
+        g = torch.Generator().manual_seed(threads)
         for numel, want in ((native._PARALLEL_MIN_NUMEL, threads), (native._PARALLEL_MIN_NUMEL - 2, 1)):
-            p = torch.randn(2, numel // 2)
+            p = torch.randn(2, numel // 2, generator=g)
             states = tuple(lt.zeros(p.shape, "8bit", signed=s) for s in spec.signed)
             calls.clear()
-            run_step(spec, hyper, [StepLeaf(p, torch.randn(p.shape), states)], write=True, inplace=True,
-                     backend="native")
+            run_step(spec, hyper, [StepLeaf(p, torch.randn(p.shape, generator=g), states)], write=True,
+                     inplace=True, backend="native")
             assert calls == [want], (numel, calls)
-        p = torch.nn.Parameter(torch.randn(512, 512))
-        p.grad = torch.randn(512, 512)
+        p = torch.nn.Parameter(torch.randn(512, 512, generator=g))
+        p.grad = torch.randn(512, 512, generator=g)
         opt = bridge.AdamW8bit([p], lr=1e-3)
         calls.clear()
         opt.step()

@@ -68,6 +68,7 @@ def test_vector_isa_from_cpuinfo(text, isa):
     assert load_report().vector_isa(text) == isa
 
 
+@pytest.mark.bench  # the pictures: matplotlib
 @pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
 def test_offload_sections_render_with_their_pictures(tmp_path, monkeypatch):
     """The two offload sections and the pictures, from small runs of their benchmarks (the report's

@@ -60,10 +60,10 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
     # names a build by its source's hash, so identical sources load one library anyway).
     builds, build = {}, mod.build
 
-    def build_once(source, outdir):
-        key = source.read_bytes()
+    def build_once(source, outdir, extra=()):
+        key = (source.read_bytes(), tuple(extra))
         if key not in builds:
-            builds[key] = build(source, outdir)
+            builds[key] = build(source, outdir, extra)
         return builds[key]
 
     mod.build = build_once
