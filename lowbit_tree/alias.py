@@ -195,6 +195,7 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float | torch.Tensor = 0.0,
     *,
+    has_momentum: bool | None = None,
     maximize: bool = False,
     state_format: StateFormat = "8bit",
     block_size: int | None = None,
@@ -205,13 +206,15 @@ def sgd(
 ) -> GradientTransformation:
     """SGD as torch.optim.SGD (dampening 0): L2 ``weight_decay`` is added to the
     gradient before momentum; the momentum buffer exists (and is quantized, as a
-    first moment) unless ``momentum`` is the number 0."""
-    if nesterov and _is_zero(momentum):
+    first moment) unless ``momentum`` is the number 0, or ``has_momentum`` says whether it does
+    (a ``torch.optim`` wrapper decides it once per param group, where the momentum is a tensor)."""
+    keep = not _is_zero(momentum) if has_momentum is None else has_momentum
+    if nesterov and not keep:
         raise ValueError("nesterov momentum needs momentum > 0")
     check_state_format(state_format, state_names(TraceState))  # checked even when no buffer is kept
     return _finish(
         identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
-        identity() if _is_zero(momentum) else trace(
+        identity() if not keep else trace(
             momentum, nesterov, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size
         ),
         scale_by_learning_rate(learning_rate),

@@ -168,6 +168,7 @@ ARGS = {
            "a number >= 0", "nonneg", "eps"),
         _a("weight_decay", "Weight decay.", "a number >= 0", "nonneg", "weight_decay"),
         _a("momentum", "Momentum factor.", "a number in [0, 1)", "unit", "momentum"),
+        _a("betas", "Decay rates of the running averages.", "numbers in [0, 1)", "betas", "betas"),
         _a("alpha", "Smoothing constant of the running average of squared gradients (``square_avg``).",
            "a number in [0, 1]", "closed_unit", "alpha"),
         _a("centered", "Normalize by the estimated variance of the gradient: keeps ``grad_avg``, the running average "
@@ -209,8 +210,8 @@ ARGS = {
            "Refused with ``bf16_stochastic_round=True``.", "True or False", None, "param_correction", static=True),
         _a("rank1_normalization", "Store a 4-bit second moment normalized by its row and column maxima (arXiv "
            "2309.01507) instead of per block. ``None``: the format's choice (on for ``\"4bit\"`` and ``\"nf4\"``); "
-           "``True`` needs a 4-bit second moment.", "True, False or None", None, "rank1_normalization",
-           static=True),
+           "``True`` needs a 4-bit second moment.", "True, False or None", "flag_or_none",
+           "rank1_normalization", static=True),
     )
 }
 """Every argument of the classes declared with :data:`ARGS` (``bridge/optimizers.py``'s ``_Spec``)."""
