@@ -176,9 +176,11 @@ ARGS = {
            "centered", static=True),
         _a("lr_decay", "Learning-rate decay: step ``t`` (from 1) takes ``lr / (1 + (t - 1) * lr_decay)``.",
            "a number >= 0", "nonneg", "lr_decay"),
-        _a("initial_accumulator_value", "The value ``sum`` starts from (torch.optim.Adagrad's): the first step "
-           "takes ``max(sum, initial_accumulator_value)`` as the running sum, so a fresh (zero) state and a loaded "
-           "torch.optim one give torch's values.", "a number >= 0", "nonneg", "initial_accumulator_value"),
+        _a("initial_accumulator_value", "The value ``sum`` starts from (torch.optim.Adagrad's). Each step takes "
+           "``max(sum, initial_accumulator_value)`` as the running sum: a fresh (zero) state starts from it at "
+           "the first step and a stepped one never falls below it (``sum`` only grows), so a fresh state and a "
+           "loaded torch.optim one give torch's values; raising it later lifts the sums below it (torch reads it "
+           "only when it makes the state).", "a number >= 0", "nonneg", "initial_accumulator_value"),
         _a("amsgrad", "Keep the running maximum of ``exp_avg_sq`` (state ``max_exp_avg_sq``, in the second "
            "moment's format) and normalize by it.", "True or False", "flag", "amsgrad", static=True),
         _a("maximize", "Maximize the objective: the gradient is negated before anything else (L2 decay included), as "

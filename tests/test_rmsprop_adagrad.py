@@ -326,3 +326,18 @@ def test_low_bit_formats_converge_on_the_digits_mlp(name, lr):
     for fmt in ("8bit", "4bit", "fp8"):
         rel = [100 * (run(fmt, s) / b - 1) for s, b in zip(seeds, base)]
         assert sum(rel) / len(rel) <= MARGIN[fmt], (name, fmt, rel)
+
+
+@pytest.mark.parametrize("saved,ours,match", [
+    ({"momentum": 0.9}, {}, "momentum=0.9"),  # a buffer ours would not keep
+    ({"centered": True}, {}, "grad_avg"),  # a state ours would drop
+    ({}, {"centered": True}, "grad_avg"),  # a state the dict lacks
+])
+def test_a_torch_dict_of_other_states_is_refused_naming_the_setting(saved, ours, match):
+    p = torch.nn.Parameter(torch.randn(4, 5))
+    t = torch.optim.RMSprop([p], **saved)
+    p.grad = torch.randn_like(p)
+    t.step()
+    opt = bridge.RMSprop([torch.nn.Parameter(p.detach().clone())], **ours)
+    with pytest.raises((ValueError, KeyError), match=match):
+        opt.load_state_dict(copy.deepcopy(t.state_dict()))
