@@ -341,3 +341,18 @@ def test_a_torch_dict_of_other_states_is_refused_naming_the_setting(saved, ours,
     opt = bridge.RMSprop([torch.nn.Parameter(p.detach().clone())], **ours)
     with pytest.raises((ValueError, KeyError), match=match):
         opt.load_state_dict(copy.deepcopy(t.state_dict()))
+
+
+@pytest.mark.parametrize("name", [n for n in bridge.__all__ if isinstance(getattr(bridge, n), type)
+                                  and "_spec" in vars(getattr(bridge, n))])
+def test_each_declared_argument_reaches_its_alias(name):
+    """Every group key a class's declaration maps reaches an argument of the alias it runs (the
+    alias signature and the declaration cannot drift apart), and every argument is declared."""
+    spec = getattr(bridge, name)._spec
+    accepted = inspect.signature(spec.alias).parameters
+    pairs = bridge.optimizers._GroupKwargs(spec).pairs
+    for key, core in pairs:
+        targets = ("b1", "b2", "b3")[:len(dict(spec.args)["betas"])] if key == "betas" else (core,)
+        assert all(t in accepted for t in targets), (name, key, core)
+    for arg, _ in spec.args:
+        assert spec.arg(arg).doc, (name, arg)
