@@ -13,7 +13,7 @@ else derives from the tables here:
   ``wrappers.STATIC_HYPERPARAMS``);
 - the bridge (``bridge/optimizers.py``): each named class's constructor arguments, defaults,
   param-group keys, the alias arguments they become, their checks and the Args section of the
-  class's docstring (:data:`ARGS`, :func:`args_section`), so the API reference says what every
+  class's docstring (:data:`ARGS`, ``args_section``), so the API reference says what every
   argument does and cannot drift from the code.
 
 Pure data: no torch, no kernels, no bridge (each of those reads this module).
@@ -39,7 +39,8 @@ class StateDef:
     name: str
     """torch.optim's name for it: the key in ``optimizer.state[p]`` and state dicts (its role)."""
     signed: bool
-    """A first moment (signed formats) or a second moment (non-negative: the zero-free sqrt formats)."""
+    """Whether it is a first moment, stored in signed formats, or a second moment, non-negative and
+    stored in the zero-free sqrt formats."""
     when: Optional[str] = None
     """The variant (a ``StepSpec`` flag) that keeps it; ``None``: always kept."""
 
@@ -122,10 +123,10 @@ RULE_DEFS = {
                 slots=(("initial_accumulator_value", "b1"), ("eps", "eps")), torch_name="Adagrad"),
     )
 }
-"""Every rule, in kernel id order (a rule's id is its position: append new ones)."""
+"""Every rule by name, in kernel id order; a rule's id is its position, so new ones are appended."""
 
 VARIANT_FLAGS = tuple(dict.fromkeys(v for d in RULE_DEFS.values() for v in d.variants))
-"""The flags that choose a rule's variant, each once: ``("amsgrad", "nesterov", ...)``."""
+"""The flags that choose a rule's variant, each once, ``("amsgrad", "nesterov", ...)``."""
 
 
 def rule(name: str) -> RuleDef:
@@ -224,7 +225,7 @@ STATIC_ARGS = frozenset(
        "ns_steps", "momentum_rank", "ns_coefficients", "adjust_lr_fn", "orthogonalize"]
     + list(VARIANT_FLAGS)
 )
-"""Core arguments that shape the state or the code: the static arguments of
+"""The core arguments that shape the state or the code, never injected as tensors by
 ``inject_hyperparams`` (``wrappers.STATIC_HYPERPARAMS``)."""
 
 
