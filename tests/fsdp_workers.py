@@ -503,7 +503,7 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bitlr")  # names of OPTIMIZERS: AdamW in three
+FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bitlr", "rmsprop8bit", "adagrad8bit")  # names of OPTIMIZERS: AdamW in three
 # formats and with rank-1 4-bit second moments, AdEMAMix, Muon8bit and Muon4bit (low-rank momentum)
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84

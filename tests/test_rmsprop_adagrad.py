@@ -434,3 +434,59 @@ def test_every_backend_equals_the_numpy_reference_bit_for_bit(rule, variant, fmt
                     where = (backend, rule, variant, fmt, dtype, links, shape, write, inplace)
                     assert K.same(pp if write else outs[0], want_out), where
                     assert all(K.same(a, b) for a, b in zip(news[0], want_states)), where
+
+
+# ---------------------------------------------------------------------------- the bridge's other paths
+@pytest.mark.parametrize("name,options", [("RMSprop8bit", {"momentum": 0.9, "centered": True}),
+                                          ("Adagrad4bit", {"lr_decay": 0.05, "initial_accumulator_value": 0.1})])
+def test_step_in_backward_equals_step(name, options):
+    """bridge.step_in_backward (one param's step in each gradient hook) gives the bits of
+    opt.step() after backward, params and every state part."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 80), torch.nn.Tanh(), torch.nn.Linear(80, 5))
+    ref = copy.deepcopy(model)
+    opt = getattr(bridge, name)(model.parameters(), lr=1e-2, min_quant_size=1, block_size=64, **options)
+    ref_opt = getattr(bridge, name)(ref.parameters(), lr=1e-2, min_quant_size=1, block_size=64, **options)
+    handle = bridge.step_in_backward(model, opt)
+    for step in range(4):
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    handle.remove()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+        for k, v in opt.state[p].items():
+            w = ref_opt.state[q][k]
+            if hasattr(v, "parts"):
+                assert all(torch.equal(v.parts[n].view(torch.uint8) if v.parts[n].dtype == torch.float8_e4m3fn
+                                       else v.parts[n], w.parts[n].view(torch.uint8) if w.parts[n].dtype ==
+                                       torch.float8_e4m3fn else w.parts[n]) for n in v.parts), (k,)
+            else:
+                assert torch.equal(v, w), k
+
+
+@pytest.mark.parametrize("name", ["RMSprop8bit", "Adagrad8bit"])
+def test_bf16_params_with_a_correction_equal_the_core(name):
+    """param_correction on bfloat16 params: the bridge's params, corrections and states are the
+    functional core's (the alias with param_correction=True) bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    ps = [torch.nn.Parameter(torch.randn(40, 70, generator=g).to(torch.bfloat16))]
+    core = [ps[0].detach().clone()]
+    options = {"momentum": 0.9} if name.startswith("RMSprop") else {"initial_accumulator_value": 0.1}
+    opt = getattr(bridge, name)(ps, lr=1e-2, min_quant_size=1, param_correction=True, **options)
+    alias = lt.rmsprop if name.startswith("RMSprop") else lt.adagrad
+    tx = alias(1e-2, min_quant_size=1, param_correction=True, **options)
+    state = tx.init(core)
+    for step in range(4):
+        grad = torch.randn(40, 70, generator=g).to(torch.bfloat16)
+        ps[0].grad = grad.clone()
+        opt.step()
+        updates, state = tx.update([grad], state, core)
+        core = lt.apply_updates(core, updates)
+    assert torch.equal(ps[0].detach(), core[0])
+    masters = bridge.master_params(opt)
+    correction = next(s for s in state if isinstance(s, lt.ParamCorrectionState))
+    assert torch.equal(masters[0], lt.master_weights(core, correction)[0])
