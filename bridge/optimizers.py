@@ -31,6 +31,11 @@ the param groups as torch does:
 Every group (the constructor's defaults and each ``param_groups`` entry, also ones
 added later) is checked before anything changes: hyperparameters must be numbers or
 1-element tensors in torch's ranges, flags booleans; the errors name the argument.
+
+Each class is one declaration (:class:`_Spec`: the alias it runs, torch.optim's arguments in
+its order with its defaults, the meanings :data:`lowbit_tree.rules.ARGS` does not give for it);
+its constructor, its param group -> alias mapping, its group checks and its docstring's Args
+section are derived from it, so the API reference says what every argument does.
 """
 from __future__ import annotations
 
@@ -346,8 +351,8 @@ def _constructor(spec: _Spec):
 
 
 class _Declared(_TorchOptimizer):
-    """A named class built from its :class:`_Spec` (``_spec``): subclasses (``RMSprop8bit``)
-    change only ``_default_format`` (and the defaults their namesake's docstring names)."""
+    """A named class built from its :class:`_Spec` (``_spec``): its low-bit subclasses
+    (``RMSprop8bit``) set only ``_default_format`` and a one-line ``_summary``."""
 
     _spec: _Spec
 
@@ -428,7 +433,6 @@ def _docstring(cls) -> str:
     states = ", ".join(f"``{s.name}``" + (f" (with {_WHEN[s.when]})" if s.when else "")
                        for s in rules.rule(spec.rule).states)
     return f"{own}\n\nStates (``optimizer.state[p]``): ``step``, {states}.\n\n" + rules.args_section(names, docs, defaults)
-
 
 
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
