@@ -416,6 +416,17 @@ RULE_VARIANTS = [("rmsprop", {}), ("rmsprop", {"has_momentum": True}), ("rmsprop
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"])
 @pytest.mark.parametrize("rule,variant", RULE_VARIANTS, ids=["rmsprop", "momentum", "centered", "both", "adagrad"])
 def test_every_backend_equals_the_numpy_reference_bit_for_bit(rule, variant, fmt, dtype, backend):
+    _check_against_reference(rule, variant, fmt, dtype, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule,variant", RULE_VARIANTS, ids=["rmsprop", "momentum", "centered", "both", "adagrad"])
+def test_compiled_cpu_step_equals_the_numpy_reference(rule, variant):
+    """The compiled torch backend (CUDA's code, here on CPU through inductor) on 8-bit states."""
+    _check_against_reference(rule, variant, "8bit", torch.bfloat16, "compiled")
+
+
+def _check_against_reference(rule, variant, fmt, dtype, backend):
     import test_kernels_step as K
     from lowbit_tree.kernels import StepLeaf, run_step, step_hyperparams
 
