@@ -21,7 +21,7 @@ Pure data: no torch, no kernels, no bridge (each of those reads this module).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Optional
 
 __all__ = ["StateDef", "RuleDef", "RULE_DEFS", "rule", "Arg", "ARGS", "STATIC_ARGS", "args_section",
            "VARIANT_FLAGS"]
