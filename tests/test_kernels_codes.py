@@ -97,6 +97,23 @@ def test_native_quantize_on_random_bit_patterns(name):
 
 
 @pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+def test_native_vector_paths_follow_the_build_target():
+    """The library's AVX-512 and AVX2 paths are chosen at build time (-march=native): on a CPU with
+    AVX-512F/BW/DQ/VL the default build has the AVX-512 ones, and LOWBIT_TREE_CFLAGS=-mno-avx512f
+    builds (and so tests) the AVX2 ones instead."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    paths = kernels_cpu.vector_paths()
+    cflags = os.environ.get("LOWBIT_TREE_CFLAGS", "").split()
+    if "-mno-avx512f" in cflags or "-mno-avx2" in cflags:
+        assert "avx512" not in paths and "avx512vbmi" not in paths, paths
+    elif {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        assert "avx512" in paths, paths
+    if "-mno-avx2" not in cflags and "avx2" in flags:
+        assert "avx2" in paths, paths
+
+
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if lt.FORMATS[n].bits == 8])
 def test_native_decode_planes_are_the_decode_table(name):
     """The AVX-512 VBMI decode reads byte planes lbt_prepare derives from the format's decode
@@ -106,9 +123,9 @@ def test_native_decode_planes_are_the_decode_table(name):
 
     st = kernels_cpu._format_struct(name)
     if not st.planes:
-        with open("/proc/cpuinfo") as f:
-            vbmi = " avx512vbmi " in f.read().replace("\n", " ")
-        assert st.e4m3_arith or not vbmi, "a VBMI CPU without the planes: the kernel checks rejected them"
+        # a build for VBMI (not merely a VBMI CPU: LOWBIT_TREE_CFLAGS=-mno-avx512f builds the AVX2 paths)
+        vbmi = "avx512vbmi" in kernels_cpu.vector_paths()
+        assert st.e4m3_arith or not vbmi, "a VBMI build without the planes: the kernel checks rejected them"
         return
     assert not st.e4m3_arith
     planes = torch.tensor(list(ctypes.cast(st.planes, ctypes.POINTER(ctypes.c_uint8))[:1024]), dtype=torch.uint8)
@@ -216,3 +233,82 @@ def test_cuda_bit_identical(name, compile):
         d0 = dequantize(QTensor(c0, s0, shape, bs, name))
         d1 = K.dequantize_rows_fast(c0.cuda(), s0.cuda(), fmt, bs, shape[1], backend="compiled" if compile else "eager")
         assert same_bits(d0, d1.cpu())
+
+
+_EXHAUSTIVE_C = r"""
+/* every float32 bit pattern through encode_block at scale 1 against a binary-search count of the
+ * thresholds <= x (NaN -> last); prints the mismatches' count */
+#include <stdio.h>
+static int32_t count_le(const float *t, int32_t n, float x) {
+    if (x != x) return n;
+    int32_t lo = 0, hi = n;
+    while (lo < hi) { int32_t mid = (lo + hi) / 2; if (t[mid] <= x) lo = mid + 1; else hi = mid; }
+    return lo;
+}
+int main(int argc, char **argv) {
+    FILE *fh = fopen(argv[1], "rb");
+    int32_t hdr[6];
+    lbt_format f;
+    float dec[256], thr[256];
+    uint8_t enc[256];
+    memset(&f, 0, sizeof f);
+    if (fread(hdr, 4, 6, fh) != 6) return 2;
+    f.bits = hdr[0], f.is_signed = hdr[1], f.sqrt_ = hdr[2], f.float8 = hdr[3], f.last = hdr[5];
+    memcpy(&f.divisor, &hdr[4], 4);
+    if (fread(dec, 4, 256, fh) != 256 || fread(enc, 1, f.last + 1, fh) != (size_t)f.last + 1
+        || fread(thr, 4, f.last, fh) != (size_t)f.last) return 2;
+    fclose(fh);
+    f.decode = dec, f.encode = enc, f.sorted = thr;
+    if (lbt_prepare(&f) != 0) return 3;
+    static float x[4096];
+    static uint8_t codes[4096];
+    static int32_t s1[4096], s2[4096];
+    unsigned long long bad = 0;
+    for (uint64_t base = 0; base < (1ull << 32); base += 4096) {
+        int64_t n = 0;
+        for (int64_t i = 0; i < 4096; i++) {
+            uint32_t b = (uint32_t)(base + i);
+            float v;
+            memcpy(&v, &b, 4);
+            if (f.is_signed || !(v < 0.0f)) x[n++] = v; /* an unsigned encoder never sees a negative value */
+        }
+        encode_block(x, n, 1.0f, &f, codes, s1, s2);
+        for (int64_t i = 0; i < n; i++) {
+            int32_t want = count_le(thr, f.last, x[i]);
+            int32_t got = f.bits == 4 ? (codes[i / 2] >> (4 * (i & 1))) & 15 : codes[i];
+            bad += got != (f.bits == 4 ? want : enc[want]);
+        }
+    }
+    printf("%llu\n", bad);
+    return 0;
+}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels_cpu.available(), reason="no C compiler")
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_native_encoder_on_every_float(name, tmp_path):
+    """The block encoder the library's build uses (AVX-512, AVX2 or plain C, as LOWBIT_TREE_CFLAGS
+    chooses), at scale 1, on all 2**32 float32 bit patterns (the non-negative ones for unsigned
+    formats), against a count of the thresholds <= x by binary search: the same code for every
+    input (about 45 s a format on one core)."""
+    import struct
+
+    fmt, tab = lt.FORMATS[name], K.tables.cpu_code_table(name)
+    data = tmp_path / "format.bin"
+    data.write_bytes(struct.pack("iiiifi", fmt.bits, int(fmt.signed), int(fmt.sqrt), int(fmt.float8),
+                                 float(fmt.scale_divisor), tab.last)
+                     + tab.decode.contiguous().numpy().tobytes()
+                     + tab.encode.contiguous().numpy().tobytes()[: tab.last + 1]
+                     + tab.thresholds.contiguous().numpy().tobytes()[: 4 * tab.last])
+    harness, header, exe = tmp_path / "harness.c", tmp_path / "abi.h", tmp_path / "harness"
+    header.write_text(kernels_cpu.abi_header())
+    harness.write_text(f'#include "{kernels_cpu._SOURCE}"\n' + _EXHAUSTIVE_C)
+    flags = [f for f in kernels_cpu._FLAGS if f not in ("-shared", "-fPIC")]
+    flags += os.environ.get("LOWBIT_TREE_CFLAGS", "").split()
+    subprocess.run([kernels_cpu._compiler(), *flags, "-include", str(header), str(harness), "-o", str(exe), "-lm"],
+                   check=True, capture_output=True)
+    done = subprocess.run([str(exe), str(data)], capture_output=True, text=True)
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.strip() == "0", f"{done.stdout.strip()} float32 inputs get another code than the count"

@@ -542,3 +542,47 @@ def test_compiled_kernel_plan_matches_eager():
                 assert all(same(a, b) for a, b in zip(ss[k], ss2[k])), where
                 assert (outs[k] is None) == write and (write or same(outs[k], want[k])), where
         assert len(plan._compiled) == (4 if write else 1)
+
+
+@NATIVE
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_step_runs_on_torch_threads(threads, monkeypatch):
+    """The C kernel's parallel region has ``torch.get_num_threads()`` threads (one rank of several
+    on a host, each given its share of the cores with ``torch.set_num_threads`` or
+    ``OMP_NUM_THREADS``, uses that share), whether the step comes through ``run_step`` or a
+    bridge optimizer's plan; a step below ``native._PARALLEL_MIN_NUMEL`` elements runs on one."""
+    import bridge
+
+    calls = []
+    real = native.library()
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def lbt_step_jobs(self, njobs, rows, nthreads):
+            calls.append(nthreads)
+            return real.lbt_step_jobs(njobs, rows, nthreads)
+
+    monkeypatch.setattr(native, "library", lambda: Recording())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        spec = StepSpec("adam", decay=True, lr=True)
+        hyper = step_hyperparams(spec, count=0, lr=1e-3, weight_decay=0.1)
+        for numel, want in ((native._PARALLEL_MIN_NUMEL, threads), (native._PARALLEL_MIN_NUMEL - 2, 1)):
+            p = torch.randn(2, numel // 2)
+            states = tuple(lt.zeros(p.shape, "8bit", signed=s) for s in spec.signed)
+            calls.clear()
+            run_step(spec, hyper, [StepLeaf(p, torch.randn(p.shape), states)], write=True, inplace=True,
+                     backend="native")
+            assert calls == [want], (numel, calls)
+        p = torch.nn.Parameter(torch.randn(512, 512))
+        p.grad = torch.randn(512, 512)
+        opt = bridge.AdamW8bit([p], lr=1e-3)
+        calls.clear()
+        opt.step()
+        opt.step()
+        assert calls and set(calls) == {threads}, calls
+    finally:
+        torch.set_num_threads(before)

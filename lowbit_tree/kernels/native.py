@@ -56,8 +56,13 @@ _SOURCE = Path(__file__).with_name("cpu.c")
 # are read anywhere); it changes no result.
 # -Werror=implicit-function-declaration: an undeclared function returns int in C99,
 # so a pointer it returns would be cut to 32 bits; refuse to build instead.
+# -mprefer-vector-width=512: on CPUs with AVX-512, GCC vectorizes the plain loops (the rules,
+# bfloat16 loads and stores, the corrected write) with 512-bit vectors instead of its default
+# 256 (kernel_ab, 128x256, 1 thread: the 8-bit AdamW step on bfloat16 params with param_correction
+# 2.45 -> 2.06 ns/element, Lion8bit 0.83 -> 0.70); elementwise and integer-max work, so the bits
+# do not depend on the width. Ignored without AVX-512 (and with -mno-avx512f).
 _FLAGS = [
-    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC",
     "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=gnu99",
     "-Werror=implicit-function-declaration",
 ]
@@ -306,6 +311,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.lbt_prepare.restype = ctypes.c_int
     lib.lbt_check_tables.argtypes = [fptr]
     lib.lbt_check_tables.restype = ctypes.c_int
+    lib.lbt_vector_paths.argtypes = []
+    lib.lbt_vector_paths.restype = ctypes.c_int
     lib.lbt_abi_layout.argtypes = [ctypes.POINTER(i64), i64]
     lib.lbt_abi_layout.restype = i64
     built, want = abi_layout(lib), expected_abi_layout()
@@ -334,6 +341,17 @@ def abi_layout(lib) -> list[int]:
 
 def available() -> bool:
     return library() is not None
+
+
+_VECTOR_PATHS = ("avx2", "avx512", "avx512vbmi")
+
+
+def vector_paths() -> tuple[str, ...]:
+    """The vector paths the loaded library was built with, of ``("avx2", "avx512", "avx512vbmi")``
+    (the last: the 8-bit table decode's byte planes): what the build targets (``-march=native``,
+    ``LOWBIT_TREE_CFLAGS`` such as ``-mno-avx512f``), not what the CPU has. Empty: plain C."""
+    bits = library().lbt_vector_paths()
+    return tuple(name for i, name in enumerate(_VECTOR_PATHS) if bits & (1 << i))
 
 
 @functools.lru_cache(maxsize=None)
