@@ -13,10 +13,18 @@ from .optimizers import (
     AdamW4bit,
     AdamW8bit,
     AdamWFp8,
+    Adagrad,
+    Adagrad4bit,
+    Adagrad8bit,
+    AdagradFp8,
     Lion,
     Lion4bit,
     Lion8bit,
     SGD8bit,
+    RMSprop,
+    RMSprop4bit,
+    RMSprop8bit,
+    RMSpropFp8,
 )
 from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
 from . import dcp  # bridge.dcp.load_optimizer after a plain `import bridge`
@@ -29,6 +37,7 @@ __all__ = [
     "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow", "TrainingBytes",
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
-    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
+    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8",
+    "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
     "step_in_backward", "StepInBackward", "master_params", "load_master_params",
 ]

@@ -31,19 +31,28 @@ the param groups as torch does:
 Every group (the constructor's defaults and each ``param_groups`` entry, also ones
 added later) is checked before anything changes: hyperparameters must be numbers or
 1-element tensors in torch's ranges, flags booleans; the errors name the argument.
+
+Each class is one declaration (:class:`_Spec`: the alias it runs, torch.optim's arguments in
+its order with its defaults, the meanings :data:`lowbit_tree.rules.ARGS` does not give for it);
+its constructor, its param group -> alias mapping, its group checks and its docstring's Args
+section are derived from it, so the API reference says what every argument does.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import numbers
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from lowbit_tree import alias
+from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
-from lowbit_tree.transform import ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, TraceState
+from lowbit_tree.transform import (ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, ScaleByRmsState,
+                                  ScaleByRssState, TraceState)
 
 from .optimizer import LowBitOptimizer
 
@@ -51,6 +60,7 @@ __all__ = [
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
+    "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
 ]
 
 
@@ -139,13 +149,6 @@ def _check_storage_args(owner: str, group: dict, names: tuple) -> None:
     mqs = group["min_quant_size"]
     if isinstance(mqs, bool) or not isinstance(mqs, numbers.Integral) or mqs < 0:
         raise ValueError(f"{owner}: min_quant_size must be an int >= 0, got {mqs!r}")
-
-
-def _with_correction(defaults: dict, param_correction) -> None:
-    """``param_correction`` as a group option, only when asked for: a group key older checkpoints
-    lack would make DCP's load of them fail (as ``rank1_normalization``)."""
-    if param_correction is not False:
-        defaults["param_correction"] = param_correction
 
 
 def _group_params(param_group: dict) -> list:
@@ -257,83 +260,220 @@ class _TorchOptimizer(LowBitOptimizer):
         )
 
 
-def adam_l2(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-            block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None,
-            param_correction=False):
-    """torch.optim.Adam: L2 ``weight_decay`` added to the gradient before the moments."""
-    return alias.adam(learning_rate, b1, b2, eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                      state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                      stochastic_round=stochastic_round, rank1_normalization=rank1_normalization,
-                      param_correction=param_correction)
+# ----------------------------------------------------------------------------
+# the named classes: one declaration each (_Spec), everything else derived
+# ----------------------------------------------------------------------------
+def _warmup_steps(owner: str, name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}: {name} must be a positive number of steps (int) or None, got {value!r}")
 
 
-def adamw_decoupled(learning_rate, b1, b2, eps, weight_decay, *, amsgrad=False, maximize=False, state_format="8bit",
-                    block_size=None, min_quant_size=4096, stochastic_round=False, rank1_normalization=None,
-                    param_correction=False):
-    """torch.optim.AdamW: decoupled decay, ``p - lr * (adam + wd * p)``."""
-    return alias.adamw(learning_rate, b1, b2, eps, weight_decay, amsgrad=amsgrad, maximize=maximize,
-                       state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                       stochastic_round=stochastic_round, rank1_normalization=rank1_normalization,
-                       param_correction=param_correction)
+_CHECKS = {
+    "nonneg": lambda owner, name, v: _in_range(owner, name, v, 0.0),
+    "unit": lambda owner, name, v: _in_range(owner, name, v, 0.0, 1.0),
+    "closed_unit": lambda owner, name, v: _in_range(owner, name, v, 0.0, 1.0, hi_open=False),
+    "flag": _flag,
+    "flag_or_none": lambda owner, name, v: _flag(owner, name, v, allow_none=True),
+    "betas": lambda owner, name, v: _betas(owner, v),
+    "betas3": lambda owner, name, v: _betas(owner, v, 3),
+    "steps": lambda owner, name, v: _warmup_steps(owner, name, v),
+}
+"""How a group value is checked, by the name an argument's declaration gives (``Arg.check``)."""
+
+_OPTIONAL = {"rank1_normalization": None, "param_correction": False, "slow_state_format": None}
+"""Group keys kept only when given another value than this: a group key that older checkpoints
+lack would make DCP's load of them fail ("Missing key ..."); absent, the rule's default holds."""
 
 
-def lion_decoupled(learning_rate, b1, b2, weight_decay, *, maximize=False, state_format="8bit", block_size=None,
-                   min_quant_size=4096, stochastic_round=False, param_correction=False):
-    return alias.lion(learning_rate, b1, b2, weight_decay, maximize=maximize, state_format=state_format,
-                      block_size=block_size, min_quant_size=min_quant_size, stochastic_round=stochastic_round,
-                      param_correction=param_correction)
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """A named class's declaration: the core alias it runs, its arguments after ``params`` in
+    its torch.optim namesake's order (``(name, default)``; those from ``keyword`` on are
+    keyword-only), and what its arguments mean where :data:`lowbit_tree.rules.ARGS` does not
+    say it for this class. From it: the constructor (signature, defaults, param-group keys),
+    the group's checks, the group -> alias keyword mapping and the docstring's Args section."""
+
+    rule: str
+    alias: Any
+    args: tuple
+    keyword: str
+    summary: str
+    docs: tuple = ()
+    """``((name, Arg), ...)``: this class's meaning of an argument."""
+    core: tuple = ()
+    """``((group key, alias argument), ...)`` beyond the declared ``Arg.core`` names."""
+
+    def arg(self, name: str) -> rules.Arg:
+        return dict(self.docs).get(name) or rules.ARGS[name]
 
 
-def sgd_momentum(learning_rate, momentum, weight_decay, *, has_momentum=False, nesterov=False, maximize=False,
-                 state_format="8bit", block_size=None, min_quant_size=4096, stochastic_round=False,
-                 param_correction=False):
-    """torch.optim.SGD (dampening 0). ``has_momentum`` (static) decides whether a buffer exists."""
-    return alias.sgd(learning_rate, momentum if has_momentum else 0.0, nesterov, weight_decay, maximize=maximize,
-                     state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                     stochastic_round=stochastic_round, param_correction=param_correction)
+class _GroupKwargs:
+    """A param group -> its alias's keyword arguments, as a class's :class:`_Spec` maps them (one
+    object per class: its module makes the optimizer remember a group's split)."""
+
+    def __init__(self, spec: _Spec):
+        self.pairs = tuple((name, spec.arg(name).core) for name, _ in spec.args if spec.arg(name).core) + spec.core
+
+    def __call__(self, group: dict) -> dict:
+        out = {}
+        for key, core in self.pairs:
+            if key == "betas":
+                out.update(zip(("b1", "b2", "b3"), group["betas"]))
+            elif key == "maximize":
+                out[core] = bool(group.get(key, False))
+            elif key in _OPTIONAL:
+                out[core] = group.get(key, _OPTIONAL[key])
+            else:
+                out[core] = group[key]
+        return out
 
 
-def _adam_kwargs(group):
-    b1, b2 = group["betas"]
-    return dict(learning_rate=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"], maximize=bool(group.get("maximize", False)),
-                state_format=group["state_format"], block_size=group["block_size"],
-                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
-                param_correction=group.get("param_correction", False),
-                rank1_normalization=group.get("rank1_normalization"))
+def _constructor(spec: _Spec):
+    """The ``__init__`` a declared class gets: its signature is the declaration's."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
+    kind = P.POSITIONAL_OR_KEYWORD
+    for name, default in spec.args:
+        if name == spec.keyword:
+            kind = P.KEYWORD_ONLY
+        params.append(P(name, kind, default=default))
+    signature = inspect.Signature(params)
+
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        del values["self"]
+        self._construct(values.pop("params"), values)
+
+    __init__.__signature__ = signature
+    return __init__
 
 
-class _AdamBase(_TorchOptimizer):
-    _factory_fn = None
-    _default_wd = 0.0
-    _state_types = (ScaleByAdamState,)
+class _Declared(_TorchOptimizer):
+    """A named class built from its :class:`_Spec` (``_spec``): its low-bit subclasses
+    (``RMSprop8bit``) set only ``_default_format`` and a one-line ``_summary``."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=None, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 state_format=None, block_size=None, min_quant_size=4096, bf16_stochastic_round=False,
-                 skip_nonfinite=False, rank1_normalization=None, param_correction=False):
-        weight_decay = self._default_wd if weight_decay is None else weight_decay
-        _betas(type(self).__name__, betas)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                        fused=fused, state_format=self._state_format(state_format), block_size=block_size,
-                        min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
-                        skip_nonfinite=skip_nonfinite)
-        if rank1_normalization is not None:
-            # only when given: a group key that older checkpoints lack would make DCP's load of
-            # them fail ("Missing key ... rank1_normalization"); absent, the format decides
-            # (lowbit_tree.moments.default_rank1: rank-1 for "4bit")
-            defaults["rank1_normalization"] = rank1_normalization
-        _with_correction(defaults, param_correction)
-        super().__init__(params, type(self)._factory_fn, defaults, group_to_kwargs=_adam_kwargs)
+    _spec: _Spec
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_spec" in cls.__dict__:
+            cls.__init__ = _constructor(cls._spec)
+            cls._state_types = (_STATE_TYPES[cls._spec.rule],)
+        cls.__doc__ = _docstring(cls)
+
+    def _prepare(self, values: dict) -> None:
+        """Class-specific constructor values (before the group is made): none by default."""
+
+    def _construct(self, params, values: dict) -> None:
+        owner = type(self).__name__
+        spec = self._spec
+        self._prepare(values)
+        for name, _ in spec.args:
+            check = spec.arg(name).check
+            if check in ("betas", "betas3", "steps"):  # (as torch.optim: a bad pair fails before the params)
+                _CHECKS[check](owner, name, values[name])
+        defaults = {}
+        for name, value in values.items():
+            if name == "betas":
+                value = tuple(value)
+            elif name == "state_format":
+                value = self._state_format(value)
+            if name in _OPTIONAL and value == _OPTIONAL[name] and type(value) is type(_OPTIONAL[name]):
+                continue
+            defaults[name] = value
+            if name == "momentum" and ("has_momentum", "has_momentum") in spec.core:
+                defaults["has_momentum"] = value != 0  # fixed per group: whether a buffer exists
+        super().__init__(params, spec.alias, defaults, group_to_kwargs=_GroupKwargs(spec))
 
     def _check_group(self, owner, group):
-        _in_range(owner, "lr", group["lr"], 0.0)
-        _betas(owner, group["betas"])
-        _in_range(owner, "eps", group["eps"], 0.0)
-        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
-        _flag(owner, "amsgrad", group["amsgrad"])
-        _flag(owner, "rank1_normalization", group.get("rank1_normalization"), allow_none=True)
+        for name, _ in self._spec.args:
+            check = self._spec.arg(name).check
+            if check is not None and name in group:
+                _CHECKS[check](owner, name, group[name])
+        self._check_rule(owner, group)
+
+    def _check_rule(self, owner: str, group: dict) -> None:
+        """Checks across arguments (beyond each argument's own): none by default."""
+
+
+# ---------------------------------------------------------------------------- docstrings
+def _format_default(cls, name: str, default) -> Any:
+    """The default a class's docstring states: what ``None`` stands for where it stands for one."""
+    if name == "state_format" and default is None:
+        return f'(``{cls._default_format!r}``, the class\'s own)'
+    if name == "weight_decay" and default is None:
+        return getattr(cls, "_default_wd", 0.0)
+    if name == "slow_state_format" and default is None:
+        slow = getattr(cls, "_default_slow_format", None)
+        return f"(``{slow!r}``)" if slow else "(``None``: ``state_format``'s)"
+    return default
+
+
+_WHEN = {"amsgrad": "``amsgrad=True``", "has_momentum": "``momentum != 0``", "centered": "``centered=True``"}
+"""The constructor setting behind each variant that keeps a state, as a docstring says it."""
+
+
+def _docstring(cls) -> str:
+    """The class's summary, its algorithm and its Args (meaning, default, allowed values) from
+    its declaration, with its state names: the API reference's text, derived so it cannot drift."""
+    spec = getattr(cls, "_spec", None)
+    own = cls.__dict__.get("_summary") or (spec.summary if spec is not None else (cls.__doc__ or ""))
+    if spec is None:
+        return own
+    signature = inspect.signature(cls.__init__)
+    names = [n for n in signature.parameters if n not in ("self", "params")]
+    example = {state_names(*cls._state_types)[0]: "8bit"}
+    docs = {n: spec.arg(n) for n in names}
+    if "state_format" in docs:
+        a = docs["state_format"]
+        docs["state_format"] = dataclasses.replace(a, doc=a.doc.format(example=repr(example)[1:-1]))
+    defaults = {n: _format_default(cls, n, signature.parameters[n].default) for n in names}
+    states = ", ".join(f"``{s.name}``" + (f" (with {_WHEN[s.when]})" if s.when else "")
+                       for s in rules.rule(spec.rule).states)
+    return f"{own}\n\nStates (``optimizer.state[p]``): ``step``, {states}.\n\n" + rules.args_section(names, docs, defaults)
+
+
+_STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
+                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState}
+"""Each rule's core state class (its ``roles`` are the rule's declared states)."""
+
+
+# ---------------------------------------------------------------------------- the declarations
+_TORCH_IMPL = (("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False),
+               ("fused", None))
+_STORAGE = (("state_format", None), ("block_size", None), ("min_quant_size", 4096), ("bf16_stochastic_round", False),
+            ("skip_nonfinite", False))
+_A = rules.Arg
+
+
+_DECOUPLED = "Decoupled weight decay: ``p - lr * (update + weight_decay * p)``."
+_L2 = "L2 weight decay, added to the gradient before the rule (as torch.optim)."
+
+
+def _adam_spec(alias_fn, namesake: str, decay: str) -> _Spec:
+    return _Spec(
+        "adam", alias_fn,
+        (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", None), ("amsgrad", False),
+         *_TORCH_IMPL, *_STORAGE, ("rank1_normalization", None), ("param_correction", False)),
+        keyword="foreach",
+        summary=f"torch.optim.{namesake} (same signature, defaults, state names and math) with ``state_format`` "
+                "states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` and ``exp_avg_sq`` (bias-corrected).",
+                           "a pair of numbers in [0, 1)", "betas", "betas")),
+              ("weight_decay", _A("weight_decay", decay, "a number >= 0", "nonneg", "weight_decay"))),
+    )
+
+
+class _AdamBase(_Declared):
+    _default_wd = 0.0
+
+    def _prepare(self, values: dict) -> None:
+        if values["weight_decay"] is None:
+            values["weight_decay"] = self._default_wd
+
+    def _check_rule(self, owner, group):
         if group.get("rank1_normalization") and self._state_formats(group)["exp_avg_sq"] not in RANK1_STATE_FORMATS:
             raise ValueError(
                 f"{owner}: rank1_normalization=True is a 4-bit second moment (row and column maxima instead of "
@@ -343,155 +483,99 @@ class _AdamBase(_TorchOptimizer):
 
 
 class Adam(_AdamBase):
-    """torch.optim.Adam (L2 weight decay) with ``state_format`` states (default ``"fp32"``)."""
-
-    _factory_fn = staticmethod(adam_l2)
+    _spec = _adam_spec(alias.adam, "Adam", _L2)
 
 
 class AdamW(_AdamBase):
-    """torch.optim.AdamW (decoupled decay, default 1e-2) with ``state_format`` states (default ``"fp32"``)."""
-
-    _factory_fn = staticmethod(adamw_decoupled)
+    _spec = _adam_spec(alias.adamw, "AdamW", _DECOUPLED)
     _default_wd = 1e-2
 
 
 class Adam8bit(Adam):
-    """Adam with 8-bit states (first moment: bitsandbytes' dynamic map; second: zero-free sqrt map)."""
-
+    _summary = "Adam with 8-bit states (first moment: bitsandbytes' dynamic map; second: zero-free sqrt map)."
     _default_format = "8bit"
 
 
 class AdamW8bit(AdamW):
-    """AdamW with 8-bit states."""
-
+    _summary = "AdamW with 8-bit states."
     _default_format = "8bit"
 
 
 class Adam4bit(Adam):
-    """Adam with 4-bit states (arXiv 2309.01507 maps, block 128)."""
-
+    _summary = "Adam with 4-bit states (arXiv 2309.01507 maps, block 128)."
     _default_format = "4bit"
 
 
 class AdamW4bit(AdamW):
-    """AdamW with 4-bit states."""
-
+    _summary = "AdamW with 4-bit states."
     _default_format = "4bit"
 
 
 class AdamFp8(Adam):
-    """Adam with float8 e4m3 states (second moment stored as zero-free sqrt)."""
-
+    _summary = "Adam with float8 e4m3 states (second moment stored as zero-free sqrt)."
     _default_format = "fp8"
 
 
 class AdamWFp8(AdamW):
-    """AdamW with float8 e4m3 states."""
-
+    _summary = "AdamW with float8 e4m3 states."
     _default_format = "fp8"
 
 
-def _lion_kwargs(group):
-    b1, b2 = group["betas"]
-    return dict(learning_rate=group["lr"], b1=b1, b2=b2, weight_decay=group["weight_decay"],
-                maximize=bool(group.get("maximize", False)),
-                state_format=group["state_format"], block_size=group["block_size"],
-                min_quant_size=group["min_quant_size"], stochastic_round=group["bf16_stochastic_round"],
-                param_correction=group.get("param_correction", False))
-
-
-class Lion(_TorchOptimizer):
-    """Lion (arXiv 2302.06675) with decoupled weight decay; one state, ``exp_avg``."""
-
-    _state_types = (ScaleByLionState,)
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, foreach=None, maximize=False,
-                 capturable=False, differentiable=False, fused=None, state_format=None, block_size=None,
-                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False, param_correction=False):
-        _betas(type(self).__name__, betas)
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, foreach=foreach, maximize=maximize,
-                        capturable=capturable, differentiable=differentiable, fused=fused,
-                        state_format=self._state_format(state_format), block_size=block_size,
-                        min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
-                        skip_nonfinite=skip_nonfinite)
-        _with_correction(defaults, param_correction)
-        super().__init__(params, lion_decoupled, defaults, group_to_kwargs=_lion_kwargs)
-
-    def _check_group(self, owner, group):
-        _in_range(owner, "lr", group["lr"], 0.0)
-        _betas(owner, group["betas"])
-        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
+class Lion(_Declared):
+    _spec = _Spec(
+        "lion", alias.lion,
+        (("lr", 1e-4), ("betas", (0.9, 0.99)), ("weight_decay", 0.0), *_TORCH_IMPL, *_STORAGE,
+         ("param_correction", False)),
+        keyword="foreach",
+        summary="Lion (arXiv 2302.06675) with decoupled weight decay; one state, ``exp_avg``.",
+        docs=(("betas", _A("betas", "``beta1`` interpolates the gradient and ``exp_avg`` for the update's sign; "
+                           "``beta2`` is ``exp_avg``'s decay rate.", "a pair of numbers in [0, 1)", "betas",
+                           "betas")),
+              ("weight_decay", _A("weight_decay", _DECOUPLED, "a number >= 0", "nonneg", "weight_decay"))),
+    )
 
 
 class Lion8bit(Lion):
+    _summary = "Lion with an 8-bit ``exp_avg``."
     _default_format = "8bit"
 
 
 class Lion4bit(Lion):
+    _summary = "Lion with a 4-bit ``exp_avg``."
     _default_format = "4bit"
 
 
-def ademamix_decoupled(learning_rate, b1, b2, b3, alpha, eps, weight_decay, *, t_alpha=None, t_beta3=None,
-                       maximize=False, state_format="8bit", block_size=None, min_quant_size=4096,
-                       slow_state_format=None, stochastic_round=False, param_correction=False):
-    """bitsandbytes' AdEMAMix: decoupled decay, ``p - lr * (ademamix + wd * p)``."""
-    return alias.ademamix(learning_rate, b1, b2, b3, alpha, eps, weight_decay, t_alpha=t_alpha, t_beta3=t_beta3,
-                          maximize=maximize, state_format=state_format, block_size=block_size,
-                          min_quant_size=min_quant_size, slow_state_format=slow_state_format,
-                          stochastic_round=stochastic_round, param_correction=param_correction)
-
-
-def _ademamix_kwargs(group):
-    b1, b2, b3 = group["betas"]
-    return dict(learning_rate=group["lr"], b1=b1, b2=b2, b3=b3, alpha=group["alpha"], eps=group["eps"],
-                weight_decay=group["weight_decay"], t_alpha=group["t_alpha"], t_beta3=group["t_beta3"],
-                maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
-                block_size=group["block_size"], min_quant_size=group["min_quant_size"],
-                slow_state_format=group.get("slow_state_format"), stochastic_round=group["bf16_stochastic_round"],
-                param_correction=group.get("param_correction", False))
-
-
-def _warmup_steps(owner: str, name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{owner}: {name} must be a positive number of steps (int) or None, got {value!r}")
-
-
-class AdEMAMix(_TorchOptimizer):
-    """AdEMAMix (arXiv 2409.03137) with bitsandbytes' ``AdEMAMix`` signature and decoupled
-    weight decay; states ``exp_avg`` (fast EMA), ``exp_avg_sq`` and ``exp_avg_slow`` (the
-    slow EMA, rate ``betas[2]``, weight ``alpha``), default ``"fp32"``. ``t_alpha`` /
-    ``t_beta3`` warm ``alpha`` and ``betas[2]`` up over that many steps. ``slow_state_format``
-    stores the slow EMA in its own format (default: ``state_format``; AdEMAMix4bit: ``"8bit"``)."""
-
+class AdEMAMix(_Declared):
+    _spec = _Spec(
+        "ademamix", alias.ademamix,
+        (("lr", 1e-3), ("betas", (0.9, 0.999, 0.9999)), ("alpha", 5.0), ("t_alpha", None), ("t_beta3", None),
+         ("eps", 1e-8), ("weight_decay", 1e-2), ("maximize", False), *_STORAGE, ("slow_state_format", None),
+         ("param_correction", False)),
+        keyword="maximize",
+        summary="AdEMAMix (arXiv 2409.03137) with bitsandbytes' ``AdEMAMix`` signature and decoupled weight decay: "
+                "``p - lr * ((m_hat + alpha * s) / (sqrt(v_hat) + eps) + weight_decay * p)``, with ``s`` the slow "
+                "EMA ``exp_avg_slow`` (default ``\"fp32\"`` states).",
+        docs=(("betas", _A("betas", "Decay rates of the fast EMA ``exp_avg``, the second moment ``exp_avg_sq`` and "
+                           "the slow EMA ``exp_avg_slow``.", "a triple of numbers in [0, 1)", "betas3", "betas")),
+              ("alpha", _A("alpha", "Weight of the slow EMA in the update.", "a number >= 0", "nonneg", "alpha")),
+              ("t_alpha", _A("t_alpha", "Warm ``alpha`` up linearly over this many steps (``None``: no warm-up).",
+                             "a positive int or None", "steps", "t_alpha", static=True)),
+              ("t_beta3", _A("t_beta3", "Warm ``betas[2]`` up from ``betas[0]`` over this many steps, on the "
+                             "paper's log-log path (``None``: no warm-up).", "a positive int or None", "steps",
+                             "t_beta3", static=True)),
+              ("weight_decay", _A("weight_decay", _DECOUPLED, "a number >= 0", "nonneg", "weight_decay")),
+              ("slow_state_format", _A("slow_state_format", "The slow EMA's own format (its error is multiplied by "
+                                       "``alpha``); the same setting as a ``state_format`` mapping's ``exp_avg_slow`` "
+                                       "entry.", "a format name or None", None, "slow_state_format", static=True))),
+    )
     _default_slow_format = None
-    _state_types = (ScaleByAdEMAMixState,)
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
-                 weight_decay=1e-2, *, maximize=False, state_format=None, block_size=None, min_quant_size=4096,
-                 bf16_stochastic_round=False, skip_nonfinite=False, slow_state_format=None, param_correction=False):
-        owner = type(self).__name__
-        if slow_state_format is None and not (isinstance(state_format, Mapping) and "exp_avg_slow" in state_format):
-            slow_state_format = self._default_slow_format  # the class's, unless the mapping names the slow EMA
-        _betas(owner, betas, 3)
-        _warmup_steps(owner, "t_alpha", t_alpha)
-        _warmup_steps(owner, "t_beta3", t_beta3)
-        defaults = dict(lr=lr, betas=tuple(betas), alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
-                        weight_decay=weight_decay, maximize=maximize, state_format=self._state_format(state_format),
-                        block_size=block_size, min_quant_size=min_quant_size,
-                        bf16_stochastic_round=bf16_stochastic_round, skip_nonfinite=skip_nonfinite)
-        if slow_state_format is not None:  # a group key only when asked for (older checkpoints lack it)
-            defaults["slow_state_format"] = slow_state_format
-        _with_correction(defaults, param_correction)
-        super().__init__(params, ademamix_decoupled, defaults, group_to_kwargs=_ademamix_kwargs)
+    def _prepare(self, values: dict) -> None:
+        sf = values["state_format"]
+        if values["slow_state_format"] is None and not (isinstance(sf, Mapping) and "exp_avg_slow" in sf):
+            values["slow_state_format"] = self._default_slow_format  # the class's, unless the mapping names it
 
-    def _check_group(self, owner, group):
-        _in_range(owner, "lr", group["lr"], 0.0)
-        _betas(owner, group["betas"], 3)
-        _in_range(owner, "alpha", group["alpha"], 0.0)
-        _in_range(owner, "eps", group["eps"], 0.0)
-        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
-        _warmup_steps(owner, "t_alpha", group["t_alpha"])
-        _warmup_steps(owner, "t_beta3", group["t_beta3"])
+    def _check_rule(self, owner, group):
         try:
             self._state_formats(group)  # slow_state_format: a format name, agreeing with a mapping
         except ValueError as e:
@@ -499,52 +583,36 @@ class AdEMAMix(_TorchOptimizer):
 
 
 class AdEMAMix8bit(AdEMAMix):
-    """AdEMAMix with 8-bit states (both EMAs on the signed dynamic map, v on the zero-free one)."""
-
+    _summary = "AdEMAMix with 8-bit states (both EMAs on the signed dynamic map, v on the zero-free one)."
     _default_format = "8bit"
 
 
 class AdEMAMix4bit(AdEMAMix):
-    """AdEMAMix with 4-bit fast EMA and second moment, and an **8-bit slow EMA** by default
-    (``slow_state_format="4bit"`` for all 4-bit): the slow EMA's error is multiplied by
-    ``alpha`` (design.md, "AdEMAMix4bit's slow EMA", has the measurement behind the default)."""
-
+    _summary = ("AdEMAMix with 4-bit fast EMA and second moment, and an **8-bit slow EMA** by default "
+                "(``slow_state_format=\"4bit\"`` for all 4-bit): the slow EMA's error is multiplied by ``alpha`` "
+                "(design.md, \"AdEMAMix4bit's slow EMA\", has the measurement behind the default).")
     _default_format = "4bit"
     _default_slow_format = "8bit"
 
 
-def _sgd_kwargs(group):
-    return dict(learning_rate=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
-                has_momentum=group["has_momentum"], nesterov=group["nesterov"],
-                maximize=bool(group.get("maximize", False)), state_format=group["state_format"],
-                block_size=group["block_size"], min_quant_size=group["min_quant_size"],
-                stochastic_round=group["bf16_stochastic_round"],
-                param_correction=group.get("param_correction", False))
+class SGD(_Declared):
+    _spec = _Spec(
+        "momentum", alias.sgd,
+        (("lr", 1e-3), ("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False),
+         ("maximize", False), ("foreach", None), ("differentiable", False), ("fused", None), *_STORAGE,
+         ("param_correction", False)),
+        keyword="maximize",
+        summary="torch.optim.SGD (momentum, nesterov, L2 weight decay; dampening 0) with a ``state_format`` "
+                "momentum buffer. Whether a group has a buffer is fixed when the group is added (its "
+                "``momentum != 0``); the momentum value may change later.",
+        docs=(("dampening", _A("dampening", "Dampening of the momentum; only 0 is supported (refused otherwise).",
+                               "0", None)),
+              ("nesterov", _A("nesterov", "Nesterov momentum (needs ``momentum > 0``).", "True or False", "flag",
+                              "nesterov", static=True))),
+        core=(("has_momentum", "has_momentum"),),
+    )
 
-
-class SGD(_TorchOptimizer):
-    """torch.optim.SGD (momentum, nesterov, L2 weight decay; dampening 0) with a
-    ``state_format`` momentum buffer. Whether a group has a buffer is fixed when the
-    group is added (its ``momentum != 0``); the momentum value may change later."""
-
-    _state_types = (TraceState,)
-
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, state_format=None, block_size=None,
-                 min_quant_size=4096, bf16_stochastic_round=False, skip_nonfinite=False, param_correction=False):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        has_momentum=momentum != 0, maximize=maximize, foreach=foreach, differentiable=differentiable,
-                        fused=fused, state_format=self._state_format(state_format), block_size=block_size,
-                        min_quant_size=min_quant_size, bf16_stochastic_round=bf16_stochastic_round,
-                        skip_nonfinite=skip_nonfinite)
-        _with_correction(defaults, param_correction)
-        super().__init__(params, sgd_momentum, defaults, group_to_kwargs=_sgd_kwargs)
-
-    def _check_group(self, owner, group):
-        _in_range(owner, "lr", group["lr"], 0.0)
-        _in_range(owner, "momentum", group["momentum"], 0.0, 1.0)
-        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
-        _flag(owner, "nesterov", group["nesterov"])
+    def _check_rule(self, owner, group):
         if _value(owner, "dampening", group["dampening"]) != 0:
             raise ValueError(f"{owner}: dampening={group['dampening']!r} is not supported; use dampening=0")
         if group["nesterov"] and _value(owner, "momentum", group["momentum"]) <= 0:
@@ -552,4 +620,69 @@ class SGD(_TorchOptimizer):
 
 
 class SGD8bit(SGD):
+    _summary = "SGD with an 8-bit momentum buffer."
     _default_format = "8bit"
+
+
+class RMSprop(_Declared):
+    _spec = _Spec(
+        "rmsprop", alias.rmsprop,
+        (("lr", 1e-2), ("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0), ("momentum", 0), ("centered", False),
+         ("capturable", False), ("foreach", None), ("maximize", False), ("differentiable", False),
+         *_STORAGE, ("param_correction", False)),
+        keyword="state_format",
+        summary="torch.optim.RMSprop (same signature, defaults, state names and math: ``v = alpha*v + (1-alpha)*g*g``, "
+                "the update ``g / (sqrt(v) + eps)``, or ``b = momentum*b + g / (sqrt(v) + eps)`` with momentum; "
+                "``weight_decay`` is L2 decay added to the gradient) with ``state_format`` states (default "
+                "``\"fp32\"``). Whether a group keeps a ``momentum_buffer`` is fixed when the group is added (its "
+                "``momentum != 0``), as for SGD; the momentum value may change later.",
+        docs=(("momentum", _A("momentum", "Momentum factor; 0 keeps no ``momentum_buffer``.", "a number >= 0",
+                              "nonneg", "momentum")),),
+        core=(("has_momentum", "has_momentum"),),
+    )
+
+
+class RMSprop8bit(RMSprop):
+    _summary = "RMSprop with 8-bit states (``square_avg`` on the zero-free sqrt map, the others on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class RMSprop4bit(RMSprop):
+    _summary = "RMSprop with 4-bit states (arXiv 2309.01507's maps, block 128; ``square_avg`` per block)."
+    _default_format = "4bit"
+
+
+class RMSpropFp8(RMSprop):
+    _summary = "RMSprop with float8 e4m3 states (``square_avg`` stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class Adagrad(_Declared):
+    _spec = _Spec(
+        "adagrad", alias.adagrad,
+        (("lr", 1e-2), ("lr_decay", 0), ("weight_decay", 0), ("initial_accumulator_value", 0), ("eps", 1e-10),
+         ("foreach", None), ("maximize", False), ("differentiable", False), ("fused", None),
+         *_STORAGE, ("param_correction", False)),
+        keyword="maximize",
+        summary="torch.optim.Adagrad (same signature, defaults, state names and math: ``sum = sum + g*g``, the "
+                "update ``g / (sqrt(sum) + eps)`` times ``lr / (1 + (t - 1) * lr_decay)`` at step ``t``; "
+                "``weight_decay`` is L2 decay added to the gradient) with ``state_format`` states (default "
+                "``\"fp32\"``). torch.optim makes the states in its constructor, filled with "
+                "``initial_accumulator_value``; here they are made at the first step and that step starts the sum "
+                "from ``initial_accumulator_value`` (the values torch's have from then on).",
+    )
+
+
+class Adagrad8bit(Adagrad):
+    _summary = "Adagrad with an 8-bit ``sum`` (the zero-free sqrt map)."
+    _default_format = "8bit"
+
+
+class Adagrad4bit(Adagrad):
+    _summary = "Adagrad with a 4-bit ``sum`` (arXiv 2309.01507's unsigned linear map, block 128)."
+    _default_format = "4bit"
+
+
+class AdagradFp8(Adagrad):
+    _summary = "Adagrad with a float8 e4m3 ``sum`` (stored as its zero-free square root)."
+    _default_format = "fp8"

@@ -12,6 +12,8 @@ from .transform import (
     ScaleByAdamState,
     ScaleByAdEMAMixState,
     ScaleByLionState,
+    ScaleByRmsState,
+    ScaleByRssState,
     ScaleByScheduleState,
     Fusion,
     TraceState,
@@ -23,6 +25,8 @@ from .transform import (
     scale_by_ademamix,
     scale_by_learning_rate,
     scale_by_lion,
+    scale_by_rms,
+    scale_by_rss,
     trace,
 )
 from .wrappers import InjectHyperparamsState, MaskedState, inject_hyperparams, masked
@@ -35,7 +39,7 @@ from .schedule import (
     warmup_cosine_decay_schedule,
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
-from .alias import adam, adamw, ademamix, lion, muon, sgd
+from .alias import adagrad, adam, adamw, ademamix, lion, muon, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
@@ -51,11 +55,12 @@ __all__ = [
     # transformations
     "GradientTransformation", "Schedule", "EmptyState", "identity", "in_place", "state_roles", "STEP", "SEED",
     "HYPERPARAMS",
-    "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "trace", "newton_schulz",
+    "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss", "trace",
+    "newton_schulz",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
     # aliases
-    "adam", "adamw", "ademamix", "lion", "sgd", "muon",
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad",
     # applying updates
     "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
@@ -65,7 +70,8 @@ __all__ = [
     # state: reports and checkpoints
     "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
     # state types
-    "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByScheduleState",
+    "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState",
+    "ScaleByRssState", "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
     "ParamCorrectionState",
 ]

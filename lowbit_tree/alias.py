@@ -21,13 +21,13 @@ from .moments import StateFormat, check_state_format
 from .combine import chain
 from .transform import (
     TraceState, add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate,
-    scale_by_lion, trace,
+    scale_by_lion, scale_by_rms, scale_by_rss, trace,
 )
 from .muon_transform import DEFAULT_NS_COEFFICIENTS, scale_by_muon
 from .correction import param_correction as correction_link
 from .update import stochastic_rounding
 
-__all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd"]
+__all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd", "rmsprop", "adagrad"]
 
 
 def _is_zero(x) -> bool:
@@ -195,6 +195,7 @@ def sgd(
     nesterov: bool = False,
     weight_decay: float | torch.Tensor = 0.0,
     *,
+    has_momentum: bool | None = None,
     maximize: bool = False,
     state_format: StateFormat = "8bit",
     block_size: int | None = None,
@@ -205,13 +206,15 @@ def sgd(
 ) -> GradientTransformation:
     """SGD as torch.optim.SGD (dampening 0): L2 ``weight_decay`` is added to the
     gradient before momentum; the momentum buffer exists (and is quantized, as a
-    first moment) unless ``momentum`` is the number 0."""
-    if nesterov and _is_zero(momentum):
+    first moment) unless ``momentum`` is the number 0, or ``has_momentum`` says whether it does
+    (a ``torch.optim`` wrapper decides it once per param group, where the momentum is a tensor)."""
+    keep = not _is_zero(momentum) if has_momentum is None else has_momentum
+    if nesterov and not keep:
         raise ValueError("nesterov momentum needs momentum > 0")
     check_state_format(state_format, state_names(TraceState))  # checked even when no buffer is kept
     return _finish(
         identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
-        identity() if _is_zero(momentum) else trace(
+        identity() if not keep else trace(
             momentum, nesterov, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size
         ),
         scale_by_learning_rate(learning_rate),
@@ -250,4 +253,79 @@ def muon(
                       weight_decay=weight_decay, state_format=state_format, block_size=block_size,
                       min_quant_size=min_quant_size, momentum_rank=momentum_rank, orthogonalize=orthogonalize),
         stochastic_round=stochastic_round, seed=seed, param_correction=param_correction,
+    )
+
+
+def _l2(weight_decay) -> tuple:
+    """torch.optim's ``weight_decay`` as L2 decay of the gradient: no link when it is the number 0."""
+    return () if _is_zero(weight_decay) else (add_decayed_weights(weight_decay),)
+
+
+def rmsprop(
+    learning_rate: ScalarOrSchedule,
+    alpha: float | torch.Tensor = 0.99,
+    eps: float | torch.Tensor = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    momentum: float | torch.Tensor = 0.0,
+    centered: bool = False,
+    *,
+    has_momentum: bool | None = None,
+    maximize: bool = False,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    param_correction: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """RMSprop as torch.optim.RMSprop: ``chain([flip_sign], [add_decayed_weights],
+    scale_by_rms, scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient.
+    States ``square_avg``, ``momentum_buffer`` (when ``momentum`` is not the number 0, or
+    ``has_momentum``) and ``grad_avg`` (``centered``)."""
+    return _finish(
+        *_l2(weight_decay),
+        scale_by_rms(alpha, eps, momentum, centered=centered, has_momentum=has_momentum, state_format=state_format,
+                     block_size=block_size, min_quant_size=min_quant_size),
+        scale_by_learning_rate(learning_rate),
+        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
+    )
+
+
+def _decayed_lr(learning_rate: ScalarOrSchedule, lr_decay):
+    """torch.optim.Adagrad's step size: ``lr / (1 + count * lr_decay)`` (``count``: steps taken),
+    in float64 as torch computes it; ``learning_rate`` itself when ``lr_decay`` is the number 0."""
+    if _is_zero(lr_decay):
+        return learning_rate
+
+    def schedule(count):
+        lr = learning_rate(count) if callable(learning_rate) else learning_rate
+        return lr / (1 + count.to(torch.float64) * lr_decay)
+
+    return schedule
+
+
+def adagrad(
+    learning_rate: ScalarOrSchedule,
+    lr_decay: float | torch.Tensor = 0.0,
+    weight_decay: float | torch.Tensor = 0.0,
+    initial_accumulator_value: float | torch.Tensor = 0.0,
+    eps: float | torch.Tensor = 1e-10,
+    *,
+    maximize: bool = False,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    param_correction: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """Adagrad as torch.optim.Adagrad: ``chain([flip_sign], [add_decayed_weights], scale_by_rss,
+    scale_by_learning_rate)`` with step ``t`` (from 1) scaled by ``lr / (1 + (t - 1) * lr_decay)``;
+    ``weight_decay`` is L2 decay added to the gradient. One state, ``sum``."""
+    return _finish(
+        *_l2(weight_decay),
+        scale_by_rss(initial_accumulator_value, eps, state_format=state_format, block_size=block_size,
+                     min_quant_size=min_quant_size),
+        scale_by_learning_rate(_decayed_lr(learning_rate, lr_decay)),
+        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
     )

@@ -1,6 +1,7 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
-The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`)
+The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`,
+:func:`scale_by_rms`, :func:`scale_by_rss`; each declared once in :mod:`lowbit_tree.rules`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
@@ -22,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import kernels, moments
+from . import kernels, moments, rules
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
                    scalar_value, state_names)
 from .moments import StateFormat
@@ -33,12 +34,16 @@ __all__ = [
     "ScaleByLionState",
     "ScaleByAdEMAMixState",
     "TraceState",
+    "ScaleByRmsState",
+    "ScaleByRssState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
     "scale_by_lion",
     "scale_by_ademamix",
     "trace",
+    "scale_by_rms",
+    "scale_by_rss",
     "flip_sign",
     "add_decayed_weights",
     "scale",
@@ -53,14 +58,14 @@ class ScaleByAdamState(NamedTuple):
     nu: Any  # second moments (QTensor / Rank1QTensor / float tensor leaves)
     nu_max: Any  # running max of nu (amsgrad) or None
 
-    roles = {"count": STEP, "mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
+    roles = rules.rule("adam").roles(STEP)
 
 
 class ScaleByLionState(NamedTuple):
     count: torch.Tensor
     mu: Any
 
-    roles = {"count": STEP, "mu": "exp_avg"}
+    roles = rules.rule("lion").roles(STEP)
 
 
 class ScaleByAdEMAMixState(NamedTuple):
@@ -69,13 +74,29 @@ class ScaleByAdEMAMixState(NamedTuple):
     nu: Any  # the second moment
     mu_slow: Any  # the slow EMA (rate b3, weight alpha; not bias-corrected)
 
-    roles = {"count": STEP, "mu": "exp_avg", "nu": "exp_avg_sq", "mu_slow": "exp_avg_slow"}
+    roles = rules.rule("ademamix").roles(STEP)
 
 
 class TraceState(NamedTuple):
     trace: Any  # the momentum buffer, shaped like params
 
-    roles = {"trace": "momentum_buffer"}
+    roles = rules.rule("momentum").roles()
+
+
+class ScaleByRmsState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the running average of squared gradients (torch.optim.RMSprop's square_avg)
+    trace: Any  # the momentum buffer (has_momentum) or None
+    mu: Any  # the running average of gradients (centered) or None
+
+    roles = rules.rule("rmsprop").roles(STEP)
+
+
+class ScaleByRssState(NamedTuple):
+    count: torch.Tensor
+    sum: Any  # the running sum of squared gradients (torch.optim.Adagrad's sum)
+
+    roles = rules.rule("adagrad").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -467,6 +488,95 @@ def trace(
                       lambda state, new: TraceState(new[0]), dict(b1=momentum), lambda state: None, init)
 
 
+def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper: dict, *, state_format: StateFormat,
+                   block_size: int | None, min_quant_size: int) -> GradientTransformation:
+    """A rule whose states are all its declaration says (:data:`lowbit_tree.rules.RULE_DEFS`): each
+    kept state made by ``moments.init_moment`` in its format and signedness, the others ``None``;
+    ``state_type`` has a ``count`` and one field per declared state."""
+    declared = rules.rule(name)
+    formats = moments.state_formats(state_format, declared.state_names)
+    kept = declared.kept(**variants)
+
+    def moment(s):
+        return lambda p: moments.init_moment(p, formats[s.name], signed=s.signed, block_size=block_size,
+                                             min_quant_size=min_quant_size)
+
+    def init(params):
+        trees = {s.field: map_leaves(moment(s), params) if s in kept else None for s in declared.states}
+        return state_type(count=init_count(params), **trees)
+
+    def trees_of(state):
+        return tuple(getattr(state, s.field) for s in kept)
+
+    def rebuild(state, new):
+        return state._replace(count=state.count + 1, **{s.field: t for s, t in zip(kept, new)})
+
+    return _rule_link(kernels.StepSpec(name, **variants), trees_of, rebuild, declared.hyper(**rule_hyper), _count,
+                      init)
+
+
+def scale_by_rms(
+    alpha: float | torch.Tensor = 0.99,
+    eps: float | torch.Tensor = 1e-8,
+    momentum: float | torch.Tensor = 0.0,
+    *,
+    centered: bool = False,
+    has_momentum: bool | None = None,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.RMSprop's rule: ``v = alpha*v + (1-alpha)*g*g``, ``d = sqrt(v) + eps``
+    (``centered``: ``a = lerp(a, g, 1-alpha)``, ``d = sqrt(v - a*a) + eps``), the update ``g / d``,
+    or with momentum ``b = momentum*b + g/d`` and the update ``b``.
+
+    Args:
+      alpha: smoothing constant of ``v`` (state ``nu``, torch's ``"square_avg"``; a second moment).
+      eps: added to the root, outside it.
+      momentum: momentum factor of the buffer ``trace`` (``"momentum_buffer"``).
+      centered: keep ``mu`` (``"grad_avg"``), the running average of the gradient, and normalize
+        by the estimated variance.
+      has_momentum: whether the momentum buffer exists (``None``: ``momentum`` is not the number
+        0, as torch.optim.RMSprop decides it; a tensor ``momentum`` keeps one).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"square_avg"``, ``"momentum_buffer"`` and ``"grad_avg"``.
+    Returns:
+      A transformation with state :class:`ScaleByRmsState`.
+    """
+    if has_momentum is None:
+        has_momentum = isinstance(momentum, torch.Tensor) or momentum != 0
+    return _declared_rule("rmsprop", ScaleByRmsState, dict(has_momentum=has_momentum, centered=centered),
+                          dict(momentum=momentum, alpha=alpha, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
+def scale_by_rss(
+    initial_accumulator_value: float | torch.Tensor = 0.0,
+    eps: float | torch.Tensor = 1e-10,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.Adagrad's rule: ``s = s + g*g`` (the root of the running sum of squares),
+    the update ``g / (sqrt(s) + eps)``.
+
+    Args:
+      initial_accumulator_value: the value ``s`` (state ``sum``, torch's ``"sum"``; a second
+        moment) starts from. The state is made as zeros, like every state, and the step takes
+        ``max(s, initial_accumulator_value)``: the first step lifts it, later ones change
+        nothing (``s`` only grows), so a loaded torch.optim state gives torch's values too.
+      eps: added to the root, outside it.
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; the state's name is
+        ``"sum"``.
+    Returns:
+      A transformation with state :class:`ScaleByRssState`.
+    """
+    return _declared_rule("adagrad", ScaleByRssState, {}, dict(initial_accumulator_value=initial_accumulator_value,
+                                                               eps=eps),
+                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
+
+
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
     """``update + weight_decay * param`` (decoupled decay once scaled by ``-lr``).
 
@@ -578,4 +688,4 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
 
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
-                                      ScaleByScheduleState])
+                                      ScaleByRmsState, ScaleByRssState, ScaleByScheduleState])

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import optree
 import torch
 
+from .rules import STATIC_ARGS
 from .base import HYPERPARAMS, STEP, GradientTransformation, init_count, plan_of
 from .tree_utils import broadcast_mask, map_leaves
 
@@ -66,30 +67,9 @@ class InjectHyperparamsState(NamedTuple):
     roles = {"count": STEP, "hyperparams": HYPERPARAMS}
 
 
-STATIC_HYPERPARAMS = frozenset(
-    {
-        "state_format",
-        "slow_state_format",
-        "block_size",
-        "min_quant_size",
-        "amsgrad",
-        "mask",
-        "nesterov",
-        "maximize",
-        "rank1_normalization",
-        "stochastic_round",
-        "seed",
-        "flip_sign",
-        "t_alpha",
-        "t_beta3",
-        "ns_steps",
-        "momentum_rank",
-        "ns_coefficients",
-        "adjust_lr_fn",
-        "orthogonalize",
-    }
-)
-"""Arguments that shape the state or the code: always passed through unchanged."""
+STATIC_HYPERPARAMS = STATIC_ARGS
+"""Arguments that shape the state or the code: always passed through unchanged (declared with the
+rules and their arguments: :data:`lowbit_tree.rules.STATIC_ARGS`)."""
 
 
 def inject_hyperparams(

@@ -163,7 +163,12 @@ OPTIMIZERS = {
     "mixed": "AdamW",  # MIXED_FORMATS: each state in its own format
     "8bitc": "AdamW8bit",  # param_correction: bfloat16 params (the callers' models) with an int8 correction
     "4bitc": "AdamW4bit",
+    "rmsprop8bit": "RMSprop8bit",  # momentum and centered: three states, the second moment first
+    "rmsprop4bit": "RMSprop4bit",
+    "adagrad8bit": "Adagrad8bit",  # one unsigned state; lr_decay and an initial accumulator value
+    "adagradfp8": "AdagradFp8",
 }
+RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1)}
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
 
@@ -189,6 +194,9 @@ def make_opt(params, fmt: str, **kw):
         if fmt == "muon4bitlr":
             return cls(groups, lr=1e-2, weight_decay=0.1, **kw)
         return cls(groups, lr=1e-2, weight_decay=0.1, state_format=fmt[4:], **kw)
+    for rule, options in RULE_OPTIONS.items():
+        if fmt.startswith(rule):
+            kw = {**options, **kw}
     return cls(params, lr=1e-2, weight_decay=0.1, **kw)
 
 
@@ -476,6 +484,15 @@ def correction_exact_worker(rank, world, steps=3):
         assert any(st["param_correction"].abs().sum() > 0 for st in states)
 
 
+def rules_exact_worker(rank, world, steps=4):
+    """RMSprop8bit / RMSprop4bit (momentum, centered) and Adagrad8bit / AdagradFp8 (lr_decay, an
+    initial accumulator value) under FSDP2 fed the unsharded run's global gradients: params and
+    every gathered state bit for bit the unsharded optimizer's."""
+    for fmt in ("rmsprop8bit", "rmsprop4bit", "adagrad8bit", "adagradfp8"):
+        opt = _exact_run(rank, world, fmt, steps)
+        _check_quantized_like_global(opt, 1)
+
+
 def parity_all_worker(rank, world):
     parity_worker(rank, world)
     report_worker(rank, world)
@@ -486,7 +503,7 @@ def parity_all_worker(rank, world):
 # ----------------------------------------------------------------------------
 # 2, 3: mesh invariance; 4, 5, 6, 9: checkpoints
 # ----------------------------------------------------------------------------
-FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bitlr")  # names of OPTIMIZERS: AdamW in three
+FORMATS = ("8bit", "4bitblock", "4bit", "fp8", "ademamix8bit", "muon8bit", "muon4bitlr", "rmsprop8bit", "adagrad8bit")  # names of OPTIMIZERS: AdamW in three
 # formats and with rank-1 4-bit second moments, AdEMAMix, Muon8bit and Muon4bit (low-rank momentum)
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 MESH_MIN_QUANT = 100  # (13, 12) = 156 elements: quantized, though a 7-row shard has 84

@@ -57,6 +57,14 @@ def test_param_correction_fsdp_exact_at_1_2_3_ranks(world):
     W.launch(W.correction_exact_worker, world)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_rmsprop_adagrad_fsdp_exact(world):
+    """RMSprop and Adagrad (low-bit, every state kept: momentum, centered; lr_decay and an initial
+    accumulator value) under FSDP2 (uneven shards, an empty one at 3 ranks): params and gathered
+    states bit for bit those of one process."""
+    W.launch(W.rules_exact_worker, world)
+
+
 def test_hsdp_exact_for_every_record_kind():
     """HSDP on a 2x2 gloo mesh (replicated over one dim, sharded over the other): block, rank-1
     and low-rank records gather with ``full_tensor()`` to the unsharded optimizer's, bit for bit."""

@@ -1298,7 +1298,10 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *             MOMENTUM  b = mu*b + g; u = b, or g + mu*b (nesterov)
  *             MUON      b = lerp(b, g, 1-mu); u = b, or lerp(g, b, mu) (nesterov), with
  *                       torch.lerp's float32 bits: |w| < 0.5 ? fma(w, c-a, a) : fma(w-1, c-a, c)
- *                       (the one fused multiply-add of these rules: torch.optim.Muon's bits)
+ *                       (the fused multiply-adds of these rules: torch.optim.Muon's bits)
+ *             RMSPROP   v = b2*v + (1-b2)*(g*g); [centered: a = lerp(a, g, 1-b2), d = sqrt(v - a*a) + eps]
+ *                       else d = sqrt(v) + eps; u = g/d, or [momentum] b = b1*b + g/d, u = b
+ *             ADAGRAD   s = max(s, b1) + g*g; u = g / (sqrt(s) + eps)
  *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
  *   output    out = u (float32 update), or the param p + u rounded once to its
  *             dtype (to nearest even, or stochastically for bfloat16)
@@ -1715,6 +1718,31 @@ static inline __attribute__((always_inline)) void rule_run(
             u = VAR ? (fabsf(b1) < 0.5f ? fmaf(b1, b - gi, gi) : fmaf(b1 - 1.0f, b - gi, b)) : b;
             t0 = b;
             s0[k] = t0;
+        } else if (RULE == LBT_RMSPROP) { /* torch.optim.RMSprop: v, [momentum buffer b], [centered: grad avg a] */
+            const int MOM = VAR & 1, CEN = VAR & 2;
+            float v = adam_second_moment(b2, omb2, OLD(0), gi), d;
+            if (CEN) { /* a = torch.lerp(a, g, 1 - alpha); the root of v - a*a */
+                float a0 = MOM ? OLD(2) : OLD(1);
+                float a = fabsf(omb2) < 0.5f ? fmaf(omb2, gi - a0, a0) : fmaf(omb2 - 1.0f, gi - a0, gi);
+                d = sqrtf(v - a * a) + eps;
+                if (MOM) t2 = a, s2[k] = a;
+                else t1 = a, s1[k] = a;
+            } else {
+                d = sqrtf(v) + eps;
+            }
+            u = gi / d;
+            if (MOM) { /* b = momentum * b + g / d, the update */
+                u = b1 * OLD(1) + u;
+                t1 = u, s1[k] = u;
+            }
+            t0 = v;
+            s0[k] = t0;
+        } else if (RULE == LBT_ADAGRAD) { /* torch.optim.Adagrad: b1 the initial accumulator value */
+            float s = OLD(0);
+            s = (s < b1 ? b1 : s) + gi * gi; /* max(s, b1), NaN kept: lifts a fresh state at the first step */
+            u = gi / (sqrtf(s) + eps);
+            t0 = s;
+            s0[k] = t0;
         } else { /* momentum */
             float b = b1 * OLD(0) + gi;
             u = VAR ? gi + b1 * b : b;
@@ -1771,6 +1799,15 @@ typedef struct {
     int32_t amax[LBT_STATE_SLOTS];
 } run_io;
 
+/* The rule's variant as rule_run's VAR: ADAM amsgrad; RMSPROP has_momentum (1) and centered (2);
+ * MOMENTUM and MUON nesterov (the flags spec.VARIANT_FLAGS the rules declare) */
+static inline int job_variant(const lbt_job *J) {
+    const int flags = (int)J->flags;
+    if (J->rule == LBT_ADAM) return !!(flags & LBT_AMSGRAD);
+    if (J->rule == LBT_RMSPROP) return !!(flags & LBT_HAS_MOMENTUM) | (flags & LBT_CENTERED ? 2 : 0);
+    return !!(flags & LBT_NESTEROV);
+}
+
 /* Every instantiated (rule, variant, transform, decoded, epilogue) combination, in terms of
  * LBT_RUN / LBT_RUN5 / LBT_RUN3, which each rule_variant* defines before expanding it. */
 #define LBT_ALL_RULES                                                                                \
@@ -1783,7 +1820,12 @@ typedef struct {
     LBT_RUN5(LBT_ADEMAMIX, 0, 1, 1) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 1)                                  \
     LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3) \
     LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3) \
-    LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)
+    LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)                                       \
+    LBT_RUN3E(LBT_RMSPROP, 0) LBT_RUN3E(LBT_RMSPROP, 1) LBT_RUN3E(LBT_RMSPROP, 2) LBT_RUN3E(LBT_RMSPROP, 3) \
+    LBT_RUN3E(LBT_ADAGRAD, 0)
+/* the rules without a state transform or decoded states and without decoupled decay (L2 only):
+ * the epilogues EPW 0, 1 (lr, in place) and 3 (lr, the update) */
+#define LBT_RUN3E(R, V) LBT_RUN(R, V, 0, 0, 0) LBT_RUN(R, V, 0, 0, 1) LBT_RUN(R, V, 0, 0, 3)
 #define LBT_RUN5(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2) \
     LBT_RUN(R, V, T, DC, 3) LBT_RUN(R, V, T, DC, 4)
 #define LBT_RUN3(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2)
@@ -1794,8 +1836,7 @@ typedef struct {
  * 1.70 ns/element; AdEMAMix 1.31 -> 1.83). */
 static __attribute__((noinline)) int rule_variant_sep(const lbt_job *J, int64_t n, run_io *io, int tr, int epw,
                                                       float *uo) {
-    const int rule = (int)J->rule, flags = (int)J->flags;
-    const int var = rule == LBT_ADAM ? !!(flags & LBT_AMSGRAD) : !!(flags & LBT_NESTEROV);
+    const int rule = (int)J->rule, var = job_variant(J);
     const float *h = J->hyper, *g = io->g, *p = io->p;
     float *s0 = io->s[0], *s1 = io->s[1], *s2 = io->s[2];
     const float *i0 = io->in[0], *i1 = io->in[1], *i2 = io->in[2];
@@ -1814,8 +1855,7 @@ static __attribute__((noinline)) int rule_variant_sep(const lbt_job *J, int64_t 
 static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D, int epw,
                         float *uo) {
     if (io->sep) return !D && rule_variant_sep(J, n, io, tr, epw, uo);
-    const int rule = (int)J->rule, flags = (int)J->flags;
-    const int var = rule == LBT_ADAM ? !!(flags & LBT_AMSGRAD) : !!(flags & LBT_NESTEROV);
+    const int rule = (int)J->rule, var = job_variant(J);
     const float *h = J->hyper, *g = io->g, *p = io->p;
     float *s0 = io->s[0], *s1 = io->s[1], *s2 = io->s[2];
     int32_t *am = io->amax;
@@ -1829,6 +1869,7 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
     return 0;
 }
 #undef LBT_RUN3
+#undef LBT_RUN3E
 #undef LBT_RUN5
 #undef LBT_ALL_RULES
 

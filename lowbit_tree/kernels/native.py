@@ -509,7 +509,7 @@ class NativeJob(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool, maxima: bool) -> int:
-    return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, amsgrad=s.amsgrad, nesterov=s.nesterov,
+    return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, **s.variants,
                      write_param=write, stochastic=stochastic, correct=correct, maxima=maxima)
 
 

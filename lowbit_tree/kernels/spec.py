@@ -18,6 +18,13 @@ exactly these operations; design.md, "Update rules"):
   result, one rounding: ``fma(w, c - a, a)`` if ``|w| < 0.5``, else ``fma(w - 1, c - a, c)``
 - rule ``ademamix`` (arXiv 2409.03137): ``m = b1*m + (1-b1)*g``; ``v = b2*v + (1-b2)*(g*g)``;
   ``s = b3*s + (1-b3)*g``; ``u = (m * (1/bc1) + alpha * s) / (sqrt(v) * (1/sqrt(bc2)) + eps)``
+- rule ``rmsprop`` (torch.optim.RMSprop; ``b1`` its momentum, ``b2`` its alpha): ``v = b2*v +
+  (1-b2)*(g*g)``; with ``centered`` ``a = lerp(a, g, 1-b2)`` and ``d = sqrt(v - a*a) + eps``, else
+  ``d = sqrt(v) + eps``; with ``has_momentum`` ``b = b1*b + g/d``, ``u = b``, else ``u = g/d``
+- rule ``adagrad`` (torch.optim.Adagrad; ``b1`` its initial_accumulator_value): ``s = max(s, b1) +
+  g*g`` (``max`` NaN if ``s`` is: the first step lifts a zero state to the initial value, later ones
+  change nothing, as ``s >= b1`` once stepped); ``u = g / (sqrt(s) + eps)`` (the learning-rate
+  decay is the ``lr`` link's schedule)
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
@@ -42,20 +49,24 @@ from typing import Optional
 
 import torch
 
+from ..rules import RULE_DEFS, VARIANT_FLAGS
+
 __all__ = [
     "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "FLAGS", "flag_bits",
     "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
 ]
 
-RULES = ("adam", "lion", "momentum", "ademamix", "muon")
-"""The update rules; a rule's id across the kernel boundary is its index here."""
+RULES = tuple(RULE_DEFS)
+"""The update rules (:data:`lowbit_tree.rules.RULE_DEFS`); a rule's id across the kernel boundary is
+its index here."""
 RULE_IDS = {rule: i for i, rule in enumerate(RULES)}
 
 HYPER_NAMES = ("b1", "omb1", "b2", "omb2", "rbc1", "rsbc2", "eps", "lr", "wd", "l2", "b3", "omb3", "alpha")
-"""The hyperparameter vector, in order: ``b1`` (the momentum of momentum and muon), ``1-b1``,
-``b2``, ``1-b2``, ``1/bc1``, ``1/sqrt(bc2)``, ``eps``, ``lr``, ``wd`` (decoupled decay), ``l2``
+"""The hyperparameter vector, in order: ``b1`` (the momentum of momentum, muon and rmsprop;
+adagrad's initial accumulator value), ``1-b1``, ``b2`` (rmsprop's alpha), ``1-b2``, ``1/bc1``, ``1/sqrt(bc2)``, ``eps``, ``lr``, ``wd`` (decoupled decay), ``l2``
 (L2 decay), ``b3``, ``1-b3``, ``alpha`` (the last three: ademamix's slow EMA and its weight, 0
-for the other rules). Every backend reads the vector by these names: the C kernel as
+for the other rules); which entry holds which of a rule's hyperparameters is the rule's declaration
+(:attr:`lowbit_tree.rules.RuleDef.slots`). Every backend reads the vector by these names: the C kernel as
 ``hyper[LBT_H_<NAME>]`` (its header is generated from this tuple), the torch backend through
 :class:`Hyper`."""
 NHYPER = len(HYPER_NAMES)
@@ -63,14 +74,15 @@ NHYPER = len(HYPER_NAMES)
 Hyper = collections.namedtuple("Hyper", HYPER_NAMES)
 """The entries of one hyperparameter vector by name: ``Hyper(*hyper.unbind(0)).rbc1``."""
 
-FLAGS = ("maximize", "l2", "decay", "lr", "amsgrad", "nesterov", "write_param", "stochastic", "correct", "maxima")
+FLAGS = ("maximize", "l2", "decay", "lr") + VARIANT_FLAGS + ("write_param", "stochastic", "correct", "maxima")
 """A job's flag bits: flag ``FLAGS[i]`` is bit ``1 << i``. ``write_param``: the output is the
 param itself, updated in place (else a float32 update); ``stochastic``: a bfloat16 param is
 rounded stochastically; ``correct`` (with ``write_param``, never with ``stochastic``): the
 bfloat16 / float16 param is written from its corrected master value and its int8 correction
 (the row's ``corr``) with it; ``maxima``: the job only computes the row and column maxima of
 its rank-1 states' new values (``rmax_new``, ``cmax_new``) and writes nothing else, the first
-of a rank-1 step's two jobs; the others are :class:`StepSpec`'s fields."""
+of a rank-1 step's two jobs; the others are :class:`StepSpec`'s fields (the rules' variants:
+:data:`lowbit_tree.rules.VARIANT_FLAGS`)."""
 
 DTYPES = (("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16))
 """The param, gradient and plain-state dtypes the C kernel reads and writes, as (name, dtype);
@@ -123,13 +135,16 @@ def flag_bits(**flags: bool) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepSpec:
-    """The static part of a step. ``rule`` is one of :data:`RULES`; ``amsgrad``
-    (adam) and ``nesterov`` (momentum) choose variants; ``maximize``, ``l2``,
+    """The static part of a step. ``rule`` is one of :data:`RULES`; the variant flags
+    (``amsgrad``, ``nesterov``, ``has_momentum``, ``centered``: :data:`lowbit_tree.rules.VARIANT_FLAGS`)
+    choose a rule's variant, each allowed for the rules that declare it; ``maximize``, ``l2``,
     ``decay`` and ``lr`` say which fused links run around the rule."""
 
     rule: str
     amsgrad: bool = False
     nesterov: bool = False
+    has_momentum: bool = False
+    centered: bool = False
     maximize: bool = False
     l2: bool = False
     decay: bool = False
@@ -138,25 +153,29 @@ class StepSpec:
     def __post_init__(self):
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
-        if self.amsgrad and self.rule != "adam":
-            raise ValueError("amsgrad is a variant of the adam rule")
-        if self.nesterov and self.rule not in ("momentum", "muon"):
-            raise ValueError("nesterov is a variant of the momentum and muon rules")
+        for flag in VARIANT_FLAGS:
+            owners = [d.name for d in RULE_DEFS.values() if flag in d.variants]
+            if getattr(self, flag) and self.rule not in owners:
+                rules = " and ".join(owners)
+                raise ValueError(f"{flag} is a variant of the {rules} rule{'s' if len(owners) > 1 else ''}")
 
     @property
+    def variants(self) -> dict:
+        """``{flag: value}`` of the rule's own variant flags."""
+        return {flag: getattr(self, flag) for flag in RULE_DEFS[self.rule].variants}
+
+    # (read from the declaration's data, not its methods: a step never enters lowbit_tree.rules)
+    @property
     def nstates(self) -> int:
-        """States per leaf: adam (m, v[, w]), lion (m), momentum and muon (b), ademamix (m, v, s):
-        the second moment is always the second state."""
-        if self.rule == "adam":
-            return 3 if self.amsgrad else 2
-        return 3 if self.rule == "ademamix" else 1
+        """States per leaf, those the rule declares (:attr:`lowbit_tree.rules.RuleDef.states`) and
+        its variants keep."""
+        return len(self.signed)
 
     @property
     def signed(self) -> tuple[bool, ...]:
-        """Whether each state is signed (a first moment) or not (second moments)."""
-        if self.rule == "ademamix":
-            return (True, False, True)
-        return (True, False, False)[: self.nstates] if self.rule == "adam" else (True,)
+        """Whether each state is signed (a first moment) or not (second moments), in the
+        declaration's order."""
+        return tuple(s.signed for s in RULE_DEFS[self.rule].states if s.when is None or getattr(self, s.when))
 
     @property
     def needs_param(self) -> bool:
@@ -187,13 +206,16 @@ def step_hyperparams(
     bias corrections lose nothing to float32 (``1 - 0.999`` in float32 is off by
     1e-5 relative). ``count`` (steps already taken) and the values may be Python
     numbers or 0-d tensors; tensors on a GPU are combined with tensor ops on their
-    device (no host sync). For momentum and muon, ``b1`` is the momentum. ``lr`` is the
-    factor's negative: the update is scaled by ``-lr``. ``b3`` and ``alpha`` (ademamix's
-    slow EMA rate and weight, this step's values after their warm-up) are 0 for the others.
+    device (no host sync). Which of its hyperparameters a rule puts in which entry is its
+    declaration's (:attr:`lowbit_tree.rules.RuleDef.slots`: for momentum and muon ``b1`` is the
+    momentum). ``lr`` is the factor's negative: the update is scaled by ``-lr``. ``b3`` and
+    ``alpha`` (ademamix's slow EMA rate and weight, this step's values after their warm-up) are 0
+    for the others.
     """
     values = (count, b1, b2, eps, lr, weight_decay, l2, b3, alpha)
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    adam = spec.rule in ("adam", "ademamix")  # bias-corrected moments
+    declared = RULE_DEFS[spec.rule]
+    adam = declared.bias_correction  # bias-corrected moments
     if tensors and not torch.compiler.is_compiling() and all(t.device.type == "cpu" for t in tensors):
         # CPU values cost nothing to read: the host path (same bits as the tensor path)
         count, b1, b2, eps, lr, weight_decay, l2, b3, alpha = (
@@ -208,7 +230,7 @@ def step_hyperparams(
         b3f = float(b3)
         vals = Hyper(b1=b1f, omb1=1.0 - b1f, b2=b2f, omb2=1.0 - b2f, rbc1=rbc1, rsbc2=rsbc2, eps=float(eps),
                      lr=float(lr), wd=float(weight_decay), l2=float(l2), b3=b3f,
-                     omb3=1.0 - b3f if spec.rule == "ademamix" else 0.0, alpha=float(alpha))
+                     omb3=1.0 - b3f if declared.slow_ema else 0.0, alpha=float(alpha))
         return torch.tensor(list(vals), dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
@@ -224,7 +246,7 @@ def step_hyperparams(
     else:
         rbc1 = rsbc2 = torch.zeros(1, dtype=torch.float64, device=dev)
     b3t = f64(b3)
-    omb3 = one - b3t if spec.rule == "ademamix" else torch.zeros(1, dtype=torch.float64, device=dev)
+    omb3 = one - b3t if declared.slow_ema else torch.zeros(1, dtype=torch.float64, device=dev)
     parts = Hyper(b1=b1t, omb1=one - b1t, b2=b2t, omb2=one - b2t, rbc1=rbc1, rsbc2=rsbc2, eps=f64(eps), lr=f64(lr),
                   wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha))
     return torch.cat(list(parts)).to(torch.float32)

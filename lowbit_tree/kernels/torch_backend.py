@@ -194,6 +194,24 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
         b = _lerp(olds[0], g, h.omb1)
         u = _lerp(g, b, h.b1) if spec.nesterov else b
         news = [b]
+    elif spec.rule == "rmsprop":  # states (square_avg, [momentum_buffer], [grad_avg]); b1 momentum, b2 alpha
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        news = [v]
+        if spec.centered:
+            a = _lerp(olds[-1], g, h.omb2)
+            d = _exact_sqrt(v - a * a) + h.eps
+        else:
+            d = _exact_sqrt(v) + h.eps
+        u = g / d
+        if spec.has_momentum:
+            u = h.b1 * olds[1] + u
+            news.append(u)
+        if spec.centered:
+            news.append(a)
+    elif spec.rule == "adagrad":  # b1: the initial accumulator value
+        s = torch.where(olds[0] < h.b1, h.b1, olds[0]) + g * g  # max, NaN kept (where picks a NaN state)
+        u = g / (_exact_sqrt(s) + h.eps)
+        news = [s]
     else:
         b = h.b1 * olds[0] + g
         u = g + h.b1 * b if spec.nesterov else b
