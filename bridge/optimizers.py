@@ -125,10 +125,11 @@ def _check_implementation_args(owner: str, group: dict, params: list, at_step: b
         for p in params:
             if p.device.type == "meta" and not at_step:
                 continue  # built before materialization, as torch allows: checked again at step()
-            if p.device.type not in FUSED_DEVICES:
-                raise RuntimeError(
-                    f"{owner}: `fused=True` requires all the params to be on supported devices: {list(FUSED_DEVICES)} "
-                    f"but a param of shape {tuple(p.shape)} is on {p.device.type}; pass fused=None"
+            if p.device.type not in FUSED_DEVICES or not torch.is_floating_point(p):
+                raise RuntimeError(  # torch.optim's words first: code matching torch's message keeps working
+                    f"{owner}: `fused=True` requires all the params to be floating point Tensors of supported "
+                    f"devices: {list(FUSED_DEVICES)} but {p.dtype} and {p.device.type}: a param of shape "
+                    f"{tuple(p.shape)} is on {p.device.type}; pass fused=None"
                 )
 
 
