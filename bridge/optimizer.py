@@ -66,8 +66,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         (a scheduler's new ``lr`` is a new one), so a step does not split the group again;
         False calls it at every step (one that reads more than the group).
 
-    The per-param states (layouts, creation, live records) are :attr:`param_states`, a
-    :class:`bridge.param_states.ParamStates`.
+    The per-param states (layouts, creation, live records) are ``param_states``, a
+    ``bridge.param_states.ParamStates``.
 
     Extra group options understood by every LowBitOptimizer:
       skip_nonfinite (bool, default False): if any gradient of the step is

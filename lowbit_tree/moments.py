@@ -226,7 +226,7 @@ def leaf_row(path: str, leaf: Any, plain_format: Callable[[torch.dtype], str] = 
 
 
 def state_report(state: Any) -> list[ReportRow]:
-    """One row per state leaf (:func:`leaf_row`), then a ``"total"`` row.
+    """One row per state leaf (``leaf_row``), then a ``"total"`` row.
 
     ``format`` is the QTensor format name (``"dynamic8"``, ...), ``"rank1_linear4_unsigned"``,
     ``"normal4+rank8"`` (a low-rank record: its residual's format and its factors' rank), or the

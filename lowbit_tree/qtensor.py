@@ -44,7 +44,7 @@ class QTensor(Record):
     Children (pytree leaves): ``codes`` (uint8, or float8_e4m3fn for fp8 formats)
     and ``scale`` (float32, one per block). Static metadata (part of the tree
     structure, never leaves): the logical ``shape``, ``block_size`` and
-    ``format`` name. :meth:`~lowbit_tree.record_base.Record.unchecked` builds one
+    ``format`` name. ``lowbit_tree.record_base.Record.unchecked`` builds one
     from fields already normalized (another record's) without the conversions.
     """
 

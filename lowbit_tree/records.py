@@ -13,16 +13,16 @@ float32 state of a param's shape. Each kind says here, and nowhere else:
 
 Everything that handles records generically (the bridge's tensor subclass and its shard ops,
 state dicts, DCP, reports, ``inspect``) reads a :class:`RecordKind`. The record classes name
-their fields once (:class:`~lowbit_tree.record_base.Record`: ``CHILDREN``, ``STATIC``,
+their fields once (``lowbit_tree.record_base.Record``: ``CHILDREN``, ``STATIC``,
 ``WIRING``, and ``KERNEL``, how the step kernels take them), which gives each its pytree
 registration, freezing and pickling; a kind's part names, metadata and wiring here are read off
 its class. The kernels read the class's declaration through that base (they cannot import this
-module: it imports :mod:`~lowbit_tree.lowrank`, whose fast paths import the kernels).
+module: it imports ``lowbit_tree.lowrank``, whose fast paths import the kernels).
 
-Adding a kind: its class (a :class:`~lowbit_tree.record_base.Record`) with its quantize and
+Adding a kind: its class (a ``lowbit_tree.record_base.Record``) with its quantize and
 dequantize, and its :class:`RecordKind` here. If the kernels step it as an existing ``KERNEL``
 does, nothing in the kernels changes; a new way to step it is a new ``KERNEL`` value, its branch
-in :mod:`lowbit_tree.kernels` and its C and torch code.
+in ``lowbit_tree.kernels`` and its C and torch code.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class RecordKind(NamedTuple):
     @property
     def kernel(self) -> Optional[str]:
         """How the step kernels take a record of this kind (the class's ``KERNEL``:
-        :data:`KERNEL_BLOCKS`, :data:`KERNEL_VALUES`, or ``None``)."""
+        ``KERNEL_BLOCKS``, ``KERNEL_VALUES``, or ``None``)."""
         return self.cls.KERNEL
 
     def part(self, name: str) -> Part:
