@@ -31,8 +31,8 @@ given (default: this checkout's): compare builds by their ratios.
 With no source, the library's own source (one build: absolute figures only). ``SOURCE.c+FLAG``
 builds that source with extra compiler flags (``cpu.c+-mno-avx512f``: its AVX2 paths).
 
-Per-phase profile of the quantized AdamW step (issue 40, 2026-12-03; a 2-core AVX-512 Xeon VM shared
-by five sessions, load 2-4; no hardware counters, and valgrind without AVX-512, so each phase is
+Per-phase profile of the quantized AdamW step (2026-12-03; a 2-core AVX-512 Xeon VM under other
+load, load average 2-4; no hardware counters, and valgrind without AVX-512, so each phase is
 timed as a variant: the step without that phase, kernel_ab interleaved, ``128x256`` in L2,
 1 thread, in place, min of 11 rounds, ns/element). ``before``: the kernel at fa52c07.
 
