@@ -7,6 +7,10 @@ on first use, about two minutes on 2 cores, into ``$TORCH_EXTENSIONS_DIR`` (defa
 ``~/.cache/torch_extensions``); later processes load it from there. :func:`build_op` builds or loads
 it before any timed step and says which, so the build never lands in a step time.
 
+torch guards a build with a ``lock`` file in the op's folder and waits, without limit, while it
+exists; a build that was killed (a timeout, a stopped job) leaves it behind. :func:`build_op`
+refuses a lock older than :data:`STALE_LOCK_S` with the path to delete, instead of waiting forever.
+
 On a CPU-only torch DeepSpeed's accelerator auto-detection ends at its CPU accelerator with a
 warning; we ask for it (``DS_ACCELERATOR=cpu``) unless the caller chose one: the step timed here
 runs on the host either way.
@@ -21,6 +25,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
+STALE_LOCK_S = 1800.0  # a build takes about two minutes on 2 cores; a lock this old outlived its build
 INSTALL_HINT = 'deepspeed not installed: it is in the `bench` extra (pip install -e ".[bench]")'
 
 
@@ -64,6 +69,17 @@ def op_cached() -> bool:
     return missing_reason() is None and os.path.exists(_built_library(_builder()))
 
 
+def _refuse_stale_lock(lock: str, now: float | None = None) -> None:
+    try:
+        age = (time.time() if now is None else now) - os.path.getmtime(lock)
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        raise RuntimeError(f"DeepSpeed's cpu_adam build is locked by {lock}, left {age / 60:.0f} minutes ago by "
+                           "a build that did not finish (torch would wait for it forever): delete that file if "
+                           "no build is running, or point TORCH_EXTENSIONS_DIR at an empty folder")
+
+
 def build_op() -> OpBuild:
     """Builds (first use) or loads DeepSpeed's cpu_adam op; raises when deepspeed is missing or
     the build fails (a C++ compiler, ninja and the Python headers are needed)."""
@@ -72,6 +88,7 @@ def build_op() -> OpBuild:
         raise RuntimeError(reason)
     builder = _builder()
     path = _built_library(builder)
+    _refuse_stale_lock(os.path.join(os.path.dirname(path), "lock"))
     cached = os.path.exists(path)
     t0 = time.perf_counter()
     builder.load(verbose=False)

@@ -44,6 +44,10 @@ def test_ci_runs_the_readme_test_command_before_installing_an_extra():
     assert len(pytest_runs) == 3
     assert '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
     assert all("--exhaustive -m exhaustive" in run for run in pytest_runs[1:])
+    # The extras' tests build DeepSpeed's op into a folder of this run's own, not one a killed
+    # build on the machine may have locked.
+    fresh = code.index("TORCH_EXTENSIONS_DIR=$(mktemp -d)")
+    assert code[fresh + 1] == "export TORCH_EXTENSIONS_DIR" and fresh < code.index(pytest_runs[0])
 
 
 def test_every_extra_but_test_has_a_registered_marker_that_ci_runs():

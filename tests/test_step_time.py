@@ -197,3 +197,16 @@ def test_floor_with_deepspeed_compares_each_row_with_its_dtypes_row():
     assert rows["deepspeed-cpu-adam"]["x_deepspeed"] == 1.0 and rows["deepspeed-cpu-adam-bf16"]["x_deepspeed"] == 1.0
     assert rows["bridge-8bit-bf16c"]["reference"] == "deepspeed-cpu-adam-bf16"
     assert rows["bridge-8bit-bf16c"]["x_deepspeed"] > 0 and result["deepspeed_build"]["seconds"] > 0
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_deepspeed_build_refuses_a_lock_a_killed_build_left(tmp_path):
+    """torch waits forever on the lock file of a build that was killed; build_op names it instead."""
+    anchor = load_floor().deepspeed_anchor
+    lock = tmp_path / "lock"
+    anchor._refuse_stale_lock(str(lock))  # no lock: nothing to refuse
+    lock.touch()
+    made = lock.stat().st_mtime
+    anchor._refuse_stale_lock(str(lock), now=made + 60)  # a build under way: wait for it as torch does
+    with pytest.raises(RuntimeError, match=f"locked by {lock}.*31 minutes ago.*delete that file"):
+        anchor._refuse_stale_lock(str(lock), now=made + anchor.STALE_LOCK_S + 60)
