@@ -193,7 +193,7 @@ def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tu
     if not leaves:
         return updates, state_trees
     hyper = _hyper(spec, rule_hyper, count, fusion, fusion.lr, leaves[0].grad.device)
-    outs, news = kernels.run_step(spec, hyper, leaves, inplace=inplace)
+    outs, news = kernels.run_step(spec, hyper, leaves, inplace=inplace, sums=not inplace)
     new_updates = list(g_leaves)
     new_states = [list(s) for s in per_state]
     for k, i in enumerate(where):

@@ -16,7 +16,7 @@ import torch
 from .base import SEED, STEP, GradientTransformation, plan_of
 from .rounding import stochastic_round
 from . import kernels
-from .kernels import buffers, native
+from .kernels import buffers, native, sums
 from .tree_utils import flatten
 
 __all__ = [
@@ -72,6 +72,8 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
         if stochastic_round:
             x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
             out.append(_stochastic_round(x, p.dtype, key, i))
+        elif (total := sums.take(p, u)) is not None:  # written by the step that made u, from this p
+            out.append(total)
         else:  # computed in the promoted dtype, rounded once into the param's dtype
             new = buffers.empty(tuple(p.shape), p.dtype, p.device)
             if _native_apply(p, u):

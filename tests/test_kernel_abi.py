@@ -114,7 +114,7 @@ def test_job_row_puts_each_field_at_its_spec_index():
     want = dict(rows=rows, R=r, p=p.data_ptr(), g=g.data_ptr(), out=p.data_ptr(), rule=RULE_IDS["adam"],
                 flags=flag_bits(decay=True, lr=True, write_param=True, stochastic=True),
                 pdt=DTYPE_IDS[torch.bfloat16], gdt=DTYPE_IDS[torch.float16], hyper=hyper.data_ptr(),
-                sr_hash=0x2345_6789, corr=0, nstates=2)
+                sr_hash=0x2345_6789, corr=0, pout=0, nstates=2)
     assert set(want) == set(JOB_HEADER)
     assert {name: row[job_row_index(name)] for name in JOB_HEADER} == want
     slots = [dict(zip(STATE_FIELDS, row[job_row_index(STATE_FIELDS[0], i):][: len(STATE_FIELDS)]))

@@ -1304,7 +1304,8 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *             ADAGRAD   s = max(s, b1) + g*g; u = g / (sqrt(s) + eps)
  *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
  *   output    out = u (float32 update), or the param p + u rounded once to its
- *             dtype (to nearest even, or stochastically for bfloat16)
+ *             dtype (to nearest even, or stochastically for bfloat16); with LBT_NEW_PARAM
+ *             both: u to out, p + u (to nearest even) to pout
  * States are dequantized before and requantized after (codes bit-identical to
  * the reference quantizer of the new float32 states); plain float32 / bfloat16
  * states are read and written as such.
@@ -1338,6 +1339,7 @@ typedef struct {
     const void *p;           /* param (dtype pdt); NULL if the step needs none */
     const void *g;           /* gradient (dtype gdt) */
     void *out;               /* LBT_WRITE_PARAM: the param itself (updated in place); else float32 u */
+    void *pout;              /* LBT_NEW_PARAM: p + u in the param's dtype (a new buffer) */
     int64_t rule, flags, pdt, gdt;
     const float *hyper;
     int64_t sr_hash;         /* LBT_STOCHASTIC: the key's hash (see lowbit_tree/update.py) */
@@ -1960,13 +1962,33 @@ static void stream_store(float *restrict dst, const float *restrict src, int64_t
     for (; k < n; k++) dst[k] = src[k];
 }
 
+/* dst[0..n) = p + u rounded once to pdt (to nearest even): apply_updates' sum, float32 streamed
+ * to its new buffer (stream_store's reason), other dtypes through buf (n floats; may be p). */
+static void sum_store(const float *p, const float *restrict u, int64_t n, int64_t pdt, void *dst, float *buf) {
+    if (pdt == LBT_F32) {
+        float *restrict oo = (float *)dst;
+        int64_t k = 0;
+#ifdef __AVX2__
+        if (((uintptr_t)oo & 3) == 0) {
+            for (; k < n && ((uintptr_t)(oo + k) & 31); k++) oo[k] = p[k] + u[k];
+            for (; k + 8 <= n; k += 8)
+                _mm256_stream_ps(oo + k, _mm256_add_ps(_mm256_loadu_ps(p + k), _mm256_loadu_ps(u + k)));
+        }
+#endif
+        for (; k < n; k++) oo[k] = p[k] + u[k];
+    } else {
+        for (int64_t k = 0; k < n; k++) buf[k] = p[k] + u[k];
+        store_plain(buf, n, pdt, dst, 0, 0, 0);
+    }
+}
+
 /* Elements [off, off + n) of a job: param in and out, gradient, then the rule on
  * states already in io->s; the states' stores are the caller's. */
 static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, scratch *B, int tr,
                          const block_codes *D, int stream) {
     const int flags = (int)J->flags, write = !!(flags & LBT_WRITE_PARAM);
     const int correct = write && (flags & LBT_CORRECT);
-    const int needs_p = write || (flags & (LBT_L2 | LBT_DECAY));
+    const int needs_p = write || (flags & (LBT_L2 | LBT_DECAY | LBT_NEW_PARAM));
     const float *p = NULL;
     float *o;
     if (correct) { /* p the param's values, o the update (rule_dispatch), then corrected_store */
@@ -1990,6 +2012,7 @@ static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, s
     io->u = B->u;
     rule_dispatch(J, n, io, tr, D);
     if (!write && stream) stream_store((float *)J->out + off, o, n);
+    if (flags & LBT_NEW_PARAM) sum_store(p, o, n, J->pdt, (char *)J->pout + off * dt_size(J->pdt), B->u);
     if (correct) corrected_store(p, o, J->corr + off, n, J->pdt, (uint16_t *)J->out + off);
     else if (write && J->pdt != LBT_F32)
         store_plain(o, n, J->pdt, (char *)J->out + off * dt_size(J->pdt), !!(flags & LBT_STOCHASTIC), off,
@@ -2329,23 +2352,12 @@ void lbt_apply(int64_t n, const void *p, int64_t pdt, const float *u, void *out,
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t off = t * T, len = n - off < T ? n - off : T;
-            if (pdt == LBT_F32) { /* the sum streamed straight from registers where out is 32-byte aligned */
-                const float *restrict pp = (const float *)p + off, *restrict uu = u + off;
-                float *restrict oo = (float *)out + off;
-                int64_t k = 0;
-#ifdef __AVX2__
-                if (((uintptr_t)oo & 3) == 0) {
-                    for (; k < len && ((uintptr_t)(oo + k) & 31); k++) oo[k] = pp[k] + uu[k];
-                    for (; k + 8 <= len; k += 8)
-                        _mm256_stream_ps(oo + k, _mm256_add_ps(_mm256_loadu_ps(pp + k), _mm256_loadu_ps(uu + k)));
-                }
-#endif
-                for (; k < len; k++) oo[k] = pp[k] + uu[k];
-            } else {
+            const float *pp = (const float *)p + off;
+            if (pdt != LBT_F32) {
                 load_plain((const char *)p + off * dt_size(pdt), pdt, len, buf);
-                for (int64_t k = 0; k < len; k++) buf[k] = buf[k] + u[off + k];
-                store_plain(buf, len, pdt, (char *)out + off * dt_size(pdt), 0, 0, 0);
+                pp = buf;
             }
+            sum_store(pp, u + off, len, pdt, (char *)out + off * dt_size(pdt), buf);
         }
 #ifdef __AVX2__
         _mm_sfence();

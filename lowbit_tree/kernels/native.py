@@ -490,7 +490,9 @@ class NativeJob(NamedTuple):
     the step's hyperparameter vector and the leaf's states; with ``write``, a bfloat16 /
     float16 param's int8 ``correction`` (:mod:`lowbit_tree.correction`), read and written in
     place. ``maxima``: the job only computes its rank-1 states' new maxima (the first of a
-    rank-1 step's two jobs; ``write``, ``stochastic`` and ``correction`` off, ``out`` unused)."""
+    rank-1 step's two jobs; ``write``, ``stochastic`` and ``correction`` off, ``out`` unused).
+    ``new_param`` (without ``write``): a new tensor of the param's dtype and size that gets
+    ``p + u`` rounded once (to nearest), the sum ``apply_updates`` computes, in the same pass."""
 
     rows: int
     r: int
@@ -505,16 +507,18 @@ class NativeJob(NamedTuple):
     states: tuple
     correction: Optional[torch.Tensor] = None
     maxima: bool = False
+    new_param: Optional[torch.Tensor] = None
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool, maxima: bool) -> int:
+def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool, maxima: bool, new_param: bool) -> int:
     return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, **s.variants,
-                     write_param=write, stochastic=stochastic, correct=correct, maxima=maxima)
+                     write_param=write, stochastic=stochastic, correct=correct, maxima=maxima, new_param=new_param)
 
 
 def _flags(job: NativeJob) -> int:
-    return _spec_flags(job.spec, job.write, job.stochastic, job.correction is not None, job.maxima)
+    return _spec_flags(job.spec, job.write, job.stochastic, job.correction is not None, job.maxima,
+                       job.new_param is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -562,6 +566,12 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
             raise ValueError("native CPU kernel: stochastic rounding is for bfloat16 params")
     elif job.out.dtype is not torch.float32:
         raise ValueError("native CPU kernel: the update is float32")
+    pout = 0
+    if job.new_param is not None:
+        if job.write or job.maxima or job.param is None or job.new_param.dtype is not job.param.dtype:
+            raise ValueError("native CPU kernel: a new param goes with the update (not write or maxima), from the "
+                             "param, in its dtype")
+        pout = _addr(job.new_param, (job.param.dtype,), n, "new param", rows, r)
     corr = 0
     if job.correction is not None:
         if not job.write or job.stochastic or job.param.dtype not in _CORRECTED:
@@ -578,7 +588,7 @@ def job_row(job: NativeJob, hyper_ptr: Optional[int] = None) -> list[int]:
     o = 0 if job.maxima else p if job.write else _addr(job.out, _F32, n, "out", rows, r)
     h = hyper_ptr if hyper_ptr is not None else _addr(job.hyper, _F32, NHYPER, "hyper", 1, NHYPER)
     row = list(_HEADER_ROW({
-        "rows": rows, "R": r, "p": p, "g": g, "out": o, "rule": RULE_IDS[spec.rule], "flags": _flags(job),
+        "rows": rows, "R": r, "p": p, "g": g, "out": o, "pout": pout, "rule": RULE_IDS[spec.rule], "flags": _flags(job),
         "pdt": DTYPE_IDS[job.param.dtype] if job.param is not None else 0, "gdt": DTYPE_IDS[job.grad.dtype],
         "hyper": h, "sr_hash": job.sr_hash & 0xFFFFFFFF, "corr": corr, "nstates": len(job.states),
     }))
