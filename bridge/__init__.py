@@ -1,6 +1,6 @@
 """torch.optim optimizers over lowbit_tree's functional core, with FSDP2 and DCP support."""
 from .optimizer import STATE_DICT_VERSION, LowBitOptimizer, StateReportRow
-from .optimizers import (
+from .classes import (
     SGD,
     AdEMAMix,
     AdEMAMix4bit,

@@ -161,10 +161,10 @@ def step_in_backward(model_or_params: torch.nn.Module | Iterable[torch.Tensor], 
         raise TypeError(f"step_in_backward takes a bridge.LowBitOptimizer, got {type(opt).__name__}")
     if opt.steps_in_backward is not None:
         raise RuntimeError("step_in_backward: this optimizer already steps in backward; remove() that handle first")
-    from .optimizers import _TorchOptimizer
+    from .classes import TorchOptimizerBase
 
     name = type(opt).__name__
-    if not isinstance(opt, _TorchOptimizer) and not per_param_transform:
+    if not isinstance(opt, TorchOptimizerBase) and not per_param_transform:
         raise ValueError(
             f"step_in_backward: {name} runs a transformation of your own, and stepped one param at a time it "
             "must treat each param on its own (lowbit_tree.clip_by_global_norm, for one, does not); pass "

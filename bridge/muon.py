@@ -25,7 +25,8 @@ from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, ScaleByMuonStat
 from lowbit_tree.transform import ScaleByAdamState
 
 from .distributed import is_dtensor
-from .optimizers import _TorchOptimizer, _betas, _flag, _group_params, _in_range
+from . import group_args
+from .classes import TorchOptimizerBase
 
 __all__ = ["ADAMW_FORMATS", "Muon", "Muon8bit", "Muon4bit", "ShardedNS", "muon_param_groups"]
 
@@ -262,7 +263,7 @@ and ``"nf4"`` suits Adam worse still (it has no value below 0.08 of a block's ab
 divides its first moment by ``sqrt(v)``). A group that names a format keeps it."""
 
 
-class Muon(_TorchOptimizer):
+class Muon(TorchOptimizerBase):
     """torch.optim.Muon (same signature, defaults and state name ``momentum_buffer``) with
     ``state_format`` momentum (default ``"fp32"``), under FSDP2 too.
 
@@ -321,7 +322,7 @@ class Muon(_TorchOptimizer):
                 param_group = {**param_group, "state_format": fmt}
         super().add_param_group(param_group)
 
-    _PICKLED = _TorchOptimizer._PICKLED + ("_ortho",)
+    PICKLED = TorchOptimizerBase.PICKLED + ("_ortho",)
 
     def _kwargs(self, group: dict) -> dict:
         b1, b2 = group["betas"]
@@ -335,14 +336,14 @@ class Muon(_TorchOptimizer):
                     orthogonalize=self._ortho)
 
     def _check_group(self, owner, group):
-        _in_range(owner, "lr", group["lr"], 0.0)
-        _in_range(owner, "weight_decay", group["weight_decay"], 0.0)
-        _in_range(owner, "momentum", group["momentum"], 0.0)
-        _in_range(owner, "eps", group["eps"], 0.0)
-        _in_range(owner, "adamw_eps", group["adamw_eps"], 0.0)
-        _betas(owner, group["betas"])
-        _flag(owner, "nesterov", group["nesterov"])
-        _flag(owner, "use_muon", group["use_muon"])
+        group_args.in_range(owner, "lr", group["lr"], 0.0)
+        group_args.in_range(owner, "weight_decay", group["weight_decay"], 0.0)
+        group_args.in_range(owner, "momentum", group["momentum"], 0.0)
+        group_args.in_range(owner, "eps", group["eps"], 0.0)
+        group_args.in_range(owner, "adamw_eps", group["adamw_eps"], 0.0)
+        group_args.betas(owner, group["betas"])
+        group_args.flag(owner, "nesterov", group["nesterov"])
+        group_args.flag(owner, "use_muon", group["use_muon"])
         if group.get("param_correction"):
             raise ValueError(f"{owner}: param_correction is not supported by the Muon classes (a group asks for it); "
                              "keep float32 params for Muon, or step bfloat16 params with bf16_stochastic_round=True")
@@ -353,7 +354,7 @@ class Muon(_TorchOptimizer):
         except ValueError as e:
             raise ValueError(f"{owner}: {e}") from None
         if group["use_muon"]:
-            for p in _group_params(group):
+            for p in group_args.group_params(group):
                 if p.ndim != 2:
                     raise ValueError(
                         f"{owner} only supports 2D parameters whereas we found a parameter with size: {tuple(p.shape)}; "

@@ -98,7 +98,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # -- copies and pickles ------------------------------------------------------
-    _PICKLED = ("_factory", "_group_to_kwargs", "_pure_kwargs")
+    PICKLED = ("_factory", "_group_to_kwargs", "_pure_kwargs")
     """Attributes beyond torch.optim's (defaults, state, param_groups) that a copy or a pickle
     keeps; the caches are rebuilt on the first step."""
 
@@ -115,7 +115,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        for k in self._PICKLED:
+        for k in self.PICKLED:
             if k in self.__dict__:
                 state[k] = self.__dict__[k]
         return state

@@ -149,7 +149,7 @@ def _run_fused(plan: _Plan, transforms, updates, state, new_states, params, extr
 
     lr = None
     if plan.lr is not None:
-        lr, new_states[plan.lr] = _info(transforms, plan.lr)["fused"](state[plan.lr])
+        lr, new_states[plan.lr] = _info(transforms, plan.lr)["in_update"](state[plan.lr])
     fusion = Fusion(
         maximize=plan.flip is not None,
         l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
@@ -168,15 +168,15 @@ def _plan_fused(plan: _Plan, transforms, state, params, may_write: bool, leaf_of
     fused, then (if params are not written in the kernel) the stochastic-rounding link's own."""
     from .transform import Fusion
 
-    lr = None if plan.lr is None else _info(transforms, plan.lr)["fused_"](state[plan.lr])
+    lr = None if plan.lr is None else _info(transforms, plan.lr)["in_plan"](state[plan.lr])
     write = may_write and lr is not None
     sr = correction = None
     if plan.sr is not None and write:
-        fused = _info(transforms, plan.sr)["fused_"](state[plan.sr])
+        given = _info(transforms, plan.sr)["in_plan"](state[plan.sr])
         if _kind(transforms[plan.sr])[0] == "corr":
-            correction = fused
+            correction = given
         else:
-            sr = fused
+            sr = given
     fusion = Fusion(
         maximize=plan.flip is not None,
         l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],

@@ -153,10 +153,10 @@ def param_correction() -> GradientTransformation:
 
         return step
 
-    def fused_(state):  # in a chain's plan: the corrections the rule's kernel reads and writes
+    def in_plan(state):  # in a chain's plan: the corrections the rule's kernel reads and writes
         return state.correction
 
-    update.lowbit_link = ("corr", {"fused_": fused_})
+    update.lowbit_link = ("corr", {"in_plan": in_plan})
     return GradientTransformation(init, update, plan)
 
 

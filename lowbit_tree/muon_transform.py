@@ -43,7 +43,7 @@ from . import kernels, moments
 from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
-from .transform import Fusion, _run_rule
+from .transform import Fusion, run_rule
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -282,7 +282,7 @@ def scale_by_muon(
                 t2[i] = kernels.dequantize_fast(rec.residual)  # a new tensor: the rule's scratch state
                 g2[i] = g_leaves[i].float().sub(old_low[i])
             rule_grads, rule_trace = treespec.unflatten(g2), treespec.unflatten(t2)
-        u_tree, (new_trace,) = _run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, Fusion(),
+        u_tree, (new_trace,) = run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, Fusion(),
                                          inplace=inplace, leaf_offset=offset)
         u_leaves = treespec.flatten_up_to(u_tree)
         b_leaves = treespec.flatten_up_to(new_trace)

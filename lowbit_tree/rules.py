@@ -11,7 +11,7 @@ else derives from the tables here:
 - the core (``transform.py``): each state class's ``roles`` (:meth:`RuleDef.roles`) and the
   arguments that choose states or code, never injected (:data:`STATIC_ARGS`,
   ``wrappers.STATIC_HYPERPARAMS``);
-- the bridge (``bridge/optimizers.py``): each named class's constructor arguments, defaults,
+- the bridge (``bridge/classes.py``): each named class's constructor arguments, defaults,
   param-group keys, the alias arguments they become, their checks and the Args section of the
   class's docstring (:data:`ARGS`, ``args_section``), so the API reference says what every
   argument does and cannot drift from the code.
@@ -145,7 +145,7 @@ class Arg:
 
     ``core`` is the alias argument it becomes (``"learning_rate"`` for ``lr``; ``None``: read by
     the bridge alone, ``foreach``); ``check`` names how a group's value is checked
-    (``bridge.optimizers._CHECKS``); ``static``: it chooses states or code, so it is passed to
+    (``bridge.classes._CHECKS``); ``static``: it chooses states or code, so it is passed to
     the core as it is and never injected as a changeable tensor."""
 
     name: str
@@ -217,7 +217,7 @@ ARGS = {
            "rank1_normalization", static=True),
     )
 }
-"""Every argument of the classes declared with :data:`ARGS` (``bridge/optimizers.py``'s ``_Spec``)."""
+"""Every argument of the classes declared with :data:`ARGS` (``bridge/classes.py``'s ``_Spec``)."""
 
 STATIC_ARGS = frozenset(
     [a.core for a in ARGS.values() if a.static and a.core]

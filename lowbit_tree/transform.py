@@ -173,7 +173,7 @@ def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.T
     return out
 
 
-def _run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,
+def run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,
               *, inplace: bool = False, leaf_offset: int = 0):
     """One rule's pure step on a tree (``inplace``: the states' tensors are overwritten, for
     a plan that could not hold the leaves fixed): every leaf with a gradient goes to the
@@ -258,7 +258,7 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
 
     def fused_update(updates, state, params, fusion: Fusion):
         count = count_of(state)
-        updates, new = _run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
+        updates, new = run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
                                  0 if count is None else count, fusion)
         return updates, rebuild(state, new)
 
@@ -650,11 +650,11 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
         new = map_leaves(lambda u: None if u is None else u.float() * factor, updates)
         return new, ScaleByScheduleState(state.count + 1)
 
-    def fused(state):  # (the kernel's lr: the factor's negative, the link's new state)
+    def in_update(state):  # in a chain's update: (the kernel's lr: the factor's negative, the link's new state)
         lr = scalar_value(learning_rate, state.count)
         return (lr if flip_sign else -lr), ScaleByScheduleState(state.count + 1)
 
-    def fused_(state):  # in a plan: a function giving each step's kernel lr, advancing the count in place
+    def in_plan(state):  # in a chain's plan: a function giving each step's kernel lr, advancing the count in place
         def value():
             lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
             state.count.add_(1)
@@ -662,7 +662,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 
         return value
 
-    return GradientTransformation(init, _link(update, "lr", fused=fused, fused_=fused_), plan_from_update(update))
+    return GradientTransformation(init, _link(update, "lr", in_update=in_update, in_plan=in_plan), plan_from_update(update))
 
 
 def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformation:

@@ -170,7 +170,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
 
         return step
 
-    def fused_(state):  # in a chain's plan: each step's key, advancing the count in place
+    def in_plan(state):  # in a chain's plan: each step's key, advancing the count in place
         def value():
             key = rounding_key(state)
             state.count.add_(1)
@@ -178,7 +178,7 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
 
         return value
 
-    update.lowbit_link = ("sr", {"fused_": fused_})
+    update.lowbit_link = ("sr", {"in_plan": in_plan})
     return GradientTransformation(init, update, plan)
 
 

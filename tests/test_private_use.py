@@ -122,23 +122,8 @@ def all_private_uses() -> dict:
     return out
 
 
-# (path, the use without its line number): owner, and why it is left
-ALLOWED = {
-    # Private in bridge/optimizers.py, used by bridge/muon.py and bridge/in_backward.py: to go
-    # when Muon joins the rule declaration (lowbit_tree/rules.py) and these become public.
-    ("bridge/muon.py", "from bridge.optimizers import _TorchOptimizer"): "optimizers.py: the named classes' base",
-    ("bridge/muon.py", "from bridge.optimizers import _betas"): "optimizers.py: a group argument check",
-    ("bridge/muon.py", "from bridge.optimizers import _flag"): "optimizers.py: a group argument check",
-    ("bridge/muon.py", "from bridge.optimizers import _group_params"): "optimizers.py: a group's params",
-    ("bridge/muon.py", "from bridge.optimizers import _in_range"): "optimizers.py: a group argument check",
-    ("bridge/muon.py", "_TorchOptimizer._PICKLED"): "optimizers.py / optimizer.py: the attributes a pickle keeps",
-    ("bridge/in_backward.py", "from bridge.optimizers import _TorchOptimizer"): "optimizers.py: the named classes' base",
-    ("bridge/optimizers.py", "LowBitOptimizer._PICKLED"): "optimizers.py: the attributes a pickle keeps",
-    ("lowbit_tree/muon_transform.py", "from lowbit_tree.transform import _run_rule"):
-        "lowbit_tree/transform.py: the rule runner Muon shares",
-    ("lowbit_tree/kernels/torch_backend.py", "from lowbit_tree.kernels.tables import _CPU_TABLES"):
-        "lowbit_tree/kernels/tables.py: the CPU code tables",
-}
+# (path, the use without its line number) -> why it is left; none is: every name used across modules is public
+ALLOWED: dict = {}
 
 
 def test_no_module_uses_another_modules_private_names():

@@ -232,7 +232,7 @@ def test_the_declaration_is_what_the_kernels_and_classes_use():
 
 
 @pytest.mark.parametrize("name", [n for n in bridge.__all__ if isinstance(getattr(bridge, n), type)
-                                  and issubclass(getattr(bridge, n), bridge.optimizers._Declared)])
+                                  and issubclass(getattr(bridge, n), bridge.classes._Declared)])
 def test_every_argument_of_a_declared_class_is_documented(name):
     """The Args section lists every constructor argument with its default, in signature order."""
     cls = getattr(bridge, name)
@@ -351,7 +351,7 @@ def test_each_declared_argument_reaches_its_alias(name):
     alias signature and the declaration cannot drift apart), and every argument is declared."""
     spec = getattr(bridge, name)._spec
     accepted = inspect.signature(spec.alias).parameters
-    pairs = bridge.optimizers._GroupKwargs(spec).pairs
+    pairs = bridge.classes._GroupKwargs(spec).pairs
     for key, core in pairs:
         targets = ("b1", "b2", "b3")[:len(dict(spec.args)["betas"])] if key == "betas" else (core,)
         assert all(t in accepted for t in targets), (name, key, core)

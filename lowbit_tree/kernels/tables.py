@@ -120,7 +120,7 @@ def _build_code_table(fmt: Format) -> CodeTable:
 
 # Built once at import (constants, like formats.TABLES); the compiled core reads
 # only their static ints, the tensors are passed in as arguments.
-_CPU_TABLES: dict[str, CodeTable] = {name: _build_code_table(f) for name, f in FORMATS.items()}
+CPU_TABLES: dict[str, CodeTable] = {name: _build_code_table(f) for name, f in FORMATS.items()}
 
 
 def _mark_static(tab: CodeTable) -> CodeTable:
@@ -130,13 +130,13 @@ def _mark_static(tab: CodeTable) -> CodeTable:
     return tab
 
 
-for _tab in _CPU_TABLES.values():
+for _tab in CPU_TABLES.values():
     _mark_static(_tab)
 del _tab
 
 
 def cpu_code_table(name: str) -> CodeTable:
-    return _CPU_TABLES[name]
+    return CPU_TABLES[name]
 
 
 @functools.lru_cache(maxsize=64)

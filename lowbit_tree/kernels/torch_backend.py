@@ -29,7 +29,7 @@ from ..correction import master_value, split_master
 from ..formats import FORMATS
 from ..rounding import stochastic_round
 from .spec import NHYPER, Hyper, StepSpec
-from .tables import _CPU_TABLES, code_table
+from .tables import CPU_TABLES, code_table
 
 __all__ = ["quantize_rows", "dequantize_rows", "step_leaf"]
 
@@ -46,7 +46,7 @@ def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     """int32 index of the nearest map value to float32 ``n`` (ties up; NaN -> last)."""
-    tab = _CPU_TABLES[fmt_name]  # static ints only; the tensors come as arguments
+    tab = CPU_TABLES[fmt_name]  # static ints only; the tensors come as arguments
     bits = n.view(torch.int32)
     rel = (bits & 0x7FFFFFFF).clamp(tab.key_min, tab.key_max) - tab.key_min
     key = torch.where(n < 0, ~rel, rel) if FORMATS[fmt_name].signed else rel
@@ -298,7 +298,7 @@ def _consts_layout(formats: tuple) -> tuple[int, dict]:
     tables. Returns (total words, {format: four (start, end) word ranges})."""
     end, where = NHYPER, {}
     for f in formats:
-        tab = _CPU_TABLES[f]
+        tab = CPU_TABLES[f]
         where[f] = []
         for t in (tab.decode, tab.base, tab.thresholds, tab.encode):
             where[f].append((end, end + t.numel()))

@@ -22,7 +22,7 @@ the param groups as torch does:
   one kernel call per group (and step count) for every class, param dtype and state
   format (the core's transition, :func:`lowbit_tree.step_`). As in torch,
   ``fused=True`` with ``foreach=True`` is an error, and so is ``fused=True`` for a
-  param on a device we have no kernels for (:data:`FUSED_DEVICES`).
+  param on a device we have no kernels for (:data:`bridge.group_args.FUSED_DEVICES`).
 - ``capturable``: accepted; the step never reads a tensor on the host anyway.
 - ``differentiable=True``: rejected (quantized states cannot carry autograd history).
 - ``maximize``: implemented by every class, as torch.optim does it (the gradient is
@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +52,7 @@ from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_sta
 from lowbit_tree.transform import (ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, ScaleByRmsState,
                                   ScaleByRssState, TraceState)
 
+from . import group_args
 from .optimizer import LowBitOptimizer
 
 __all__ = [
@@ -64,101 +63,7 @@ __all__ = [
 ]
 
 
-FUSED_DEVICES = ("cpu", "cuda")
-"""Device types with our fused kernels (native C on CPU, compiled torch on CUDA)."""
-
-
-# ----------------------------------------------------------------------------
-# argument checks: run on each param group before it is added
-# ----------------------------------------------------------------------------
-def _value(owner: str, name: str, value) -> float:
-    """A hyperparameter as a float, for range checks: a real number or a 1-element tensor."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{owner}: Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        hint = f"; pass a number, e.g. {name}=float({value!r})" if isinstance(value, str) else ""
-        raise TypeError(f"{owner}: {name} must be a number or a 1-element tensor, got {type(value).__name__} {value!r}{hint}")
-    return float(value)
-
-
-def _in_range(owner: str, name: str, value, lo: float, hi: float = math.inf, hi_open: bool = True) -> None:
-    """``lo <= value < hi`` (``<= hi`` if not ``hi_open``), finite; NaN fails too."""
-    x = _value(owner, name, value)
-    ok = lo <= x and (x < hi if hi_open else x <= hi) and math.isfinite(x)
-    if not ok:
-        interval = f"in [{lo}, {hi}{')' if hi_open else ']'}" if math.isfinite(hi) else f"finite and >= {lo}"
-        raise ValueError(f"{owner}: invalid {name} value {value!r}: must be {interval}")
-
-
-def _flag(owner: str, name: str, value, allow_none: bool = False) -> None:
-    if not (isinstance(value, bool) or (allow_none and value is None)):
-        allowed = "True, False or None" if allow_none else "True or False"
-        raise TypeError(f"{owner}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
-
-
-def _betas(owner: str, betas, n: int = 2) -> None:
-    """``betas`` is a sequence of ``n`` numbers in [0, 1) (a pair for Adam / Lion, a triple for AdEMAMix)."""
-    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != n:
-        what = "a pair (beta1, beta2)" if n == 2 else "a triple (beta1, beta2, beta3)"
-        raise ValueError(f"{owner}: betas must be {what}, got {betas!r}")
-    for i, b in enumerate(betas):
-        _in_range(owner, f"betas[{i}]", b, 0.0, 1.0)
-
-
-def _check_implementation_args(owner: str, group: dict, params: list, at_step: bool = False) -> None:
-    """torch.optim's foreach / fused / capturable / differentiable / maximize (module docstring)."""
-    for name in ("foreach", "fused"):
-        _flag(owner, name, group.get(name), allow_none=True)
-    _flag(owner, "capturable", group.get("capturable", False))
-    _flag(owner, "differentiable", group.get("differentiable", False))
-    _flag(owner, "maximize", group.get("maximize", False))
-    if group.get("differentiable"):
-        raise ValueError(
-            f"{owner}: differentiable=True is not supported: quantized states cannot carry autograd history "
-            "through the step; use torch.optim's optimizer for differentiable optimization"
-        )
-    if group.get("fused") and group.get("foreach"):
-        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")  # torch's words
-    if group.get("fused"):
-        for p in params:
-            if p.device.type == "meta" and not at_step:
-                continue  # built before materialization, as torch allows: checked again at step()
-            if p.device.type not in FUSED_DEVICES or not torch.is_floating_point(p):
-                raise RuntimeError(  # torch.optim's words first: code matching torch's message keeps working
-                    f"{owner}: `fused=True` requires all the params to be floating point Tensors of supported "
-                    f"devices: {list(FUSED_DEVICES)} but {p.dtype} and {p.device.type}: a param of shape "
-                    f"{tuple(p.shape)} is on {p.device.type}; pass fused=None"
-                )
-
-
-def _check_storage_args(owner: str, group: dict, names: tuple) -> None:
-    try:
-        check_state_format(group["state_format"], names)
-    except ValueError as e:
-        raise ValueError(f"{owner}: {e}") from None
-    bs = group["block_size"]
-    if bs is not None and (isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1):
-        raise ValueError(f"{owner}: block_size must be a positive int or None, got {bs!r}")
-    _flag(owner, "bf16_stochastic_round", group["bf16_stochastic_round"])
-    _flag(owner, "param_correction", group.get("param_correction", False))
-    if group["bf16_stochastic_round"] and group.get("param_correction", False):
-        raise ValueError(f"{owner}: bf16_stochastic_round=True and param_correction=True both keep small updates of a "
-                         "bfloat16 param; choose one (param_correction keeps a 16-bit-mantissa master value)")
-    _flag(owner, "skip_nonfinite", group["skip_nonfinite"])
-    mqs = group["min_quant_size"]
-    if isinstance(mqs, bool) or not isinstance(mqs, numbers.Integral) or mqs < 0:
-        raise ValueError(f"{owner}: min_quant_size must be an int >= 0, got {mqs!r}")
-
-
-def _group_params(param_group: dict) -> list:
-    params = param_group["params"]
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, param) pairs
-
-
-class _TorchOptimizer(LowBitOptimizer):
+class TorchOptimizerBase(LowBitOptimizer):
     """The named optimizers' common part: every param group is checked (``_check_group``)
     before it is added, the constructor's defaults included."""
 
@@ -217,10 +122,10 @@ class _TorchOptimizer(LowBitOptimizer):
             param_group["params"] = params = list(params)  # a generator is read once, here
         group = {**self.defaults, **param_group}
         owner = type(self).__name__
-        _check_implementation_args(owner, group, _group_params(param_group))
-        if group.get("fused") and any(p.device.type == "meta" for p in _group_params(param_group)):
+        group_args.check_implementation_args(owner, group, group_args.group_params(param_group))
+        if group.get("fused") and any(p.device.type == "meta" for p in group_args.group_params(param_group)):
             self.__dict__["_fused_pending"] = True  # (before __init__ ends): checked at step()
-        _check_storage_args(owner, group, state_names(*self._state_types))
+        group_args.check_storage_args(owner, group, state_names(*self._state_types))
         resolved = self._resolve_formats(owner, param_group, group)
         param_group.update(resolved)
         group.update(resolved)
@@ -229,7 +134,7 @@ class _TorchOptimizer(LowBitOptimizer):
             param_group["has_momentum"] = group["momentum"] != 0  # this group's own momentum decides its buffer
         super().add_param_group(param_group)
 
-    _PICKLED = LowBitOptimizer._PICKLED + ("_fused_pending",)
+    PICKLED = LowBitOptimizer.PICKLED + ("_fused_pending",)
 
     def _check_group(self, owner: str, group: dict) -> None:
         raise NotImplementedError
@@ -240,7 +145,7 @@ class _TorchOptimizer(LowBitOptimizer):
         if self.__dict__.get("_fused_pending"):
             for group in self.param_groups:
                 if group.get("fused"):
-                    _check_implementation_args(type(self).__name__, group, group["params"], at_step=True)
+                    group_args.check_implementation_args(type(self).__name__, group, group["params"], at_step=True)
             self._fused_pending = False
         return super().step(closure)
 
@@ -270,13 +175,13 @@ def _warmup_steps(owner: str, name: str, value) -> None:
 
 
 _CHECKS = {
-    "nonneg": lambda owner, name, v: _in_range(owner, name, v, 0.0),
-    "unit": lambda owner, name, v: _in_range(owner, name, v, 0.0, 1.0),
-    "closed_unit": lambda owner, name, v: _in_range(owner, name, v, 0.0, 1.0, hi_open=False),
-    "flag": _flag,
-    "flag_or_none": lambda owner, name, v: _flag(owner, name, v, allow_none=True),
-    "betas": lambda owner, name, v: _betas(owner, v),
-    "betas3": lambda owner, name, v: _betas(owner, v, 3),
+    "nonneg": lambda owner, name, v: group_args.in_range(owner, name, v, 0.0),
+    "unit": lambda owner, name, v: group_args.in_range(owner, name, v, 0.0, 1.0),
+    "closed_unit": lambda owner, name, v: group_args.in_range(owner, name, v, 0.0, 1.0, hi_open=False),
+    "flag": group_args.flag,
+    "flag_or_none": lambda owner, name, v: group_args.flag(owner, name, v, allow_none=True),
+    "betas": lambda owner, name, v: group_args.betas(owner, v),
+    "betas3": lambda owner, name, v: group_args.betas(owner, v, 3),
     "steps": lambda owner, name, v: _warmup_steps(owner, name, v),
 }
 """How a group value is checked, by the name an argument's declaration gives (``Arg.check``)."""
@@ -351,7 +256,7 @@ def _constructor(spec: _Spec):
     return __init__
 
 
-class _Declared(_TorchOptimizer):
+class _Declared(TorchOptimizerBase):
     """A named class built from its :class:`_Spec` (``_spec``): its low-bit subclasses
     (``RMSprop8bit``) set only ``_default_format`` and a one-line ``_summary``."""
 
@@ -614,9 +519,9 @@ class SGD(_Declared):
     )
 
     def _check_rule(self, owner, group):
-        if _value(owner, "dampening", group["dampening"]) != 0:
+        if group_args.as_number(owner, "dampening", group["dampening"]) != 0:
             raise ValueError(f"{owner}: dampening={group['dampening']!r} is not supported; use dampening=0")
-        if group["nesterov"] and _value(owner, "momentum", group["momentum"]) <= 0:
+        if group["nesterov"] and group_args.as_number(owner, "momentum", group["momentum"]) <= 0:
             raise ValueError(f"{owner}: nesterov=True requires a momentum > 0")
 
 
