@@ -13,12 +13,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_parallel_1d(tmp_path, world):
-    W.launch(W.tp_worker, world, (world,), ("tp",), ("8bit", "4bitblock", "4bit", "muon8bit", "muon4bitlr") if world == 2 else ("8bit", "4bit", "muon8bit", "muon4bitlr"),
+    W.launch(W.tp_worker, world, (world,), ("tp",), ("8bit", "4bitblock", "4bit", "muon8bit", "muon4bitlr", "rmsprop8bit", "adagradfp8") if world == 2 else ("8bit", "4bit", "muon8bit", "muon4bitlr"),
              str(tmp_path))
 
 
 def test_fsdp_plus_tp_2x2(tmp_path):
-    W.launch(W.tp_worker, 4, (2, 2), ("dp", "tp"), ("8bit", "fp8", "4bit", "muon8bit", "muon4bitlr", "8bitc"),
+    W.launch(W.tp_worker, 4, (2, 2), ("dp", "tp"), ("8bit", "fp8", "4bit", "muon8bit", "muon4bitlr", "8bitc", "rmsprop4bit",
+                                                 "adagrad8bit"),
              str(tmp_path))
 
 
