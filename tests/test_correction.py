@@ -21,7 +21,7 @@ import torch
 import bridge
 import lowbit_tree as lt
 from lowbit_tree.correction import ParamCorrectionState, correction_scale, master_value, split_master
-from lowbit_tree.kernels import StepLeaf, StepSpec, _native_ok, native, run_step, step_hyperparams
+from lowbit_tree.kernels import StepLeaf, StepSpec, native, native_ok, run_step, step_hyperparams
 from lowbit_tree.kernels.plan import KernelPlan
 from lowbit_tree.kernels.spec import flag_bits, job_row_index
 from lowbit_tree.transform import ScaleByAdamState
@@ -221,7 +221,7 @@ def step_both(spec, hyper, p, g, c, states, *, inplace):
         pp, cc, ss = p.clone(), c.clone(), tuple(clone_state(s) for s in states)
         leaf = StepLeaf(pp, g, ss, 3, cc)
         if backend == "native":
-            assert _native_ok(leaf, True)
+            assert native_ok(leaf, True)
         _, news = run_step(spec, hyper, [leaf], write=True, inplace=inplace, backend=backend)
         out[backend] = (pp, cc, news[0])
     return out["native"], out["eager"]
@@ -423,8 +423,8 @@ def test_native_rejects_what_it_cannot_correct():
             native.job_row(job(bf, c))
     strided = torch.zeros(6, 100, dtype=torch.int8)[:, ::2]
     p = torch.randn(shape, generator=torch.Generator().manual_seed(6)).bfloat16()
-    assert not _native_ok(StepLeaf(p, torch.ones(shape), (torch.zeros(shape),), 0, strided), True)
-    assert _native_ok(StepLeaf(p, torch.ones(shape), (torch.zeros(shape),), 0, strided.contiguous()), True)
+    assert not native_ok(StepLeaf(p, torch.ones(shape), (torch.zeros(shape),), 0, strided), True)
+    assert native_ok(StepLeaf(p, torch.ones(shape), (torch.zeros(shape),), 0, strided.contiguous()), True)
     results = []
     for c in (strided, strided.contiguous()):
         pp, cc = p.clone(), c.clone()

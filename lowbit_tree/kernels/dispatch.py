@@ -1,0 +1,439 @@
+"""Which backend steps each leaf, and the step over a list of leaves (:func:`run_step`): the
+native C kernel's jobs, the compiled torch backend's batches, the eager fallback, the rank-1
+records' maxima completed across shards in leaf order; and the fast quantize / dequantize on the
+same choice of backend. :mod:`lowbit_tree.kernels` re-exports the public names."""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ..correction import CORRECTED_DTYPES
+from ..formats import Format, get_format
+from ..qtensor import row_layout
+from ..rank1 import rank1_quantize
+from ..record_base import KERNEL_BLOCKS, KERNEL_VALUES, Record, kernel_of
+from ..rounding import rounding_hash
+from . import buffers, native, torch_backend
+from . import sums as _sums
+from .spec import NHYPER, RULES, StepSpec, step_hyperparams
+from .tables import CodeTable, code_table
+
+__all__ = ["BACKENDS", "backend_for", "StepLeaf", "native_ok", "native_state", "run_step", "quantize_rows_fast",
+           "dequantize_rows_fast", "dequantize_fast"]
+
+BACKENDS = ("native", "compiled", "eager")
+
+
+def _requested() -> str:
+    value = os.environ.get("LOWBIT_TREE_BACKEND", "").strip().lower() or "auto"
+    if value not in BACKENDS + ("auto",):
+        raise ValueError(f"LOWBIT_TREE_BACKEND must be one of {BACKENDS} or 'auto', got {value!r}")
+    return value
+
+
+def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
+    """The backend that runs steps on ``device``: ``backend`` if given, else
+    ``LOWBIT_TREE_BACKEND``, else auto (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return "eager"  # inside a caller's torch.compile: trace the torch code into its graph
+    want = backend or _requested()
+    if want not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {want!r}")
+    if device.type != "cpu":
+        return "eager" if want == "eager" else "compiled"
+    if want == "native":
+        if not native.available():
+            raise RuntimeError(
+                "LOWBIT_TREE_BACKEND=native, but the native CPU kernel could not be built (no working C compiler?)"
+            )
+        return "native"
+    if want == "auto":  # native.library() warns once when it cannot be built
+        return "native" if native.available() else "eager"
+    return want
+
+
+# --------------------------------------------------------------------------- quantize / dequantize
+
+
+def quantize_rows_fast(x2: torch.Tensor, fmt: str | Format, block_size: int, *, backend: Optional[str] = None):
+    """Drop-in for :func:`lowbit_tree.qtensor.quantize_rows`: same ``(codes, scale)``, bit for bit.
+
+    Args:
+      x2: floating ``(rows, R)`` tensor (any float dtype; computed in float32).
+      fmt: a :class:`Format` or format name.
+      block_size: elements per block within a row.
+      backend: ``None`` (``LOWBIT_TREE_BACKEND``), or one of :data:`BACKENDS`.
+    Returns:
+      codes ``(rows, R)`` uint8 (float8_e4m3fn for fp8 formats; ``(rows, ceil(R/2))``
+      for 4-bit) and scale float32 ``(rows, ceil(R / block_size))``.
+    """
+    fmt = get_format(fmt)
+    rows, r = x2.shape
+    ncols = (r + 1) // 2 if fmt.bits == 4 else r
+    nblocks = -(-r // block_size)
+    dev = x2.device
+    if x2.numel() == 0:
+        codes = torch.zeros(rows, ncols, dtype=fmt.code_dtype, device=dev)
+        return codes, torch.zeros(rows, nblocks, dtype=torch.float32, device=dev)
+    which = backend_for(dev, backend)
+    if which == "native":
+        codes = torch.empty(rows, ncols, dtype=torch.uint8, device=dev)
+        scale = torch.empty(rows, nblocks, dtype=torch.float32, device=dev)
+        native.quantize(x2.detach().float().contiguous(), fmt.name, block_size, codes, scale)
+    else:
+        codes, scale = torch_backend.quantize_rows(x2, fmt.name, block_size, compile=which == "compiled")
+    if fmt.float8:
+        codes = codes.view(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_rows_fast(codes: torch.Tensor, scale: torch.Tensor, fmt: str | Format, block_size: int, r: int, *,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """Codes and scale of a ``(rows, r)`` row view -> float32 ``(rows, r)``, bit-identical
+    to :func:`lowbit_tree.qtensor.dequantize`."""
+    fmt = get_format(fmt)
+    rows = codes.shape[0]
+    dev = codes.device
+    if rows == 0 or r == 0:
+        return torch.zeros(rows, r, dtype=torch.float32, device=dev)
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    which = backend_for(dev, backend)
+    if which == "native":
+        out = torch.empty(rows, r, dtype=torch.float32, device=dev)
+        native.dequantize(codes.contiguous(), scale.float().contiguous(), fmt.name, block_size, r, out)
+        return out
+    return torch_backend.dequantize_rows(codes, scale, fmt.name, block_size, r, compile=which == "compiled")
+
+
+def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
+    """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
+    rows, r = row_layout(q.shape)
+    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
+    return out.reshape(q.shape).to(dtype)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class StepLeaf(NamedTuple):
+    """One leaf of a step: its param (``None`` where the step needs none), its
+    gradient, its states (QTensor / Rank1QTensor records or plain float tensors,
+    in the rule's order), and, for stochastic rounding of a bfloat16 param, its
+    index in its tree (the rounding key is per call)."""
+
+    param: Optional[torch.Tensor]
+    grad: torch.Tensor
+    states: tuple
+    index: int = 0
+    correction: Optional[torch.Tensor] = None  # int8 rounding error of a param written in place (lowbit_tree.correction)
+
+
+def native_ok(leaf: StepLeaf, write: bool) -> bool:
+    """Whether the C kernel takes this leaf (else the torch backend runs it). Plain states
+    (a :data:`~lowbit_tree.record_base.KERNEL_VALUES` record, rank-1, counts as one: the kernel steps
+    its float32 values) go beside block records only after a block record first, and a record
+    (rank-1 too) only after a record (``native.job_row``): a plain ``exp_avg`` beside a rank-1
+    ``exp_avg_sq`` runs in torch."""
+    p, g, c = leaf.param, leaf.grad, leaf.correction
+    if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
+                              and c.is_contiguous() and c.numel() == g.numel()):
+        return False  # a correction the kernel does not write in place: the torch backend's step (or its error)
+    if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
+        return False
+    if write and not p.is_contiguous():
+        return False
+    quantized = plain = values = 0
+    for s in leaf.states:
+        if isinstance(s, Record):
+            if not s.kernel_ready():
+                return False
+            if s.KERNEL == KERNEL_BLOCKS:
+                quantized += 1
+            else:
+                plain += 1
+                values += 1
+        elif isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous():
+            plain += 1
+        else:
+            return False
+    if values and isinstance(leaf.states[0], torch.Tensor):
+        return False
+    return not (quantized and plain) or kernel_of(leaf.states[0]) == KERNEL_BLOCKS
+
+
+
+
+class _Rank1Wait(NamedTuple):
+    """A rank-1 state (:data:`~lowbit_tree.record_base.KERNEL_VALUES`) waiting for the maxima of
+    its new values: they are completed across shards (the record's ``reduce``, a collective) in
+    leaf order on every rank. From the torch backend: its new float32 ``values`` ``(rows, R)``,
+    encoded once complete. From the native kernel: the ``maxima`` its maxima job wrote,
+    completed in place for its step job, which writes the new ``codes``."""
+
+    leaf: int
+    slot: int
+    values: Optional[torch.Tensor]
+    old: object  # the record
+    maxima: Optional[tuple] = None  # native: (row_max, col_max) of the new values
+    codes: Optional[torch.Tensor] = None  # native: where the step job writes the new codes
+
+
+def _rank1_complete(w: _Rank1Wait, inplace: bool):
+    """Completes ``w``'s maxima across shards. The torch backend's values: returns their new
+    record (written into ``w.old`` with ``inplace``). Native: the maxima in place, for the
+    step job; returns None."""
+    old = w.old
+    if w.maxima is None:
+        new = rank1_quantize(w.values.reshape(old.shape), old.reduce)  # KERNEL_VALUES: a rank-1 record
+        if inplace:
+            old.copy_(new)
+            return old
+        return new
+    if old.reduce is not None:
+        row_max, col_max = old.reduce(*w.maxima)
+        w.maxima[0].copy_(row_max)
+        w.maxima[1].copy_(col_max)
+    return None
+
+
+def _rank1_native_record(w: _Rank1Wait, inplace: bool):
+    """The new record of a native rank-1 state once its step job has written ``w.codes``."""
+    old = w.old
+    row_max, col_max = w.maxima
+    if inplace:
+        old.row_max.copy_(row_max)
+        old.col_max.copy_(col_max)
+        return old
+    return old.with_parts({"codes": w.codes, "row_max": row_max, "col_max": col_max})
+
+
+def native_state(s, inplace: bool):
+    """(NativeState, the new leaf) for state ``s`` (a plain tensor or a
+    :data:`~lowbit_tree.record_base.KERNEL_BLOCKS` record): written in place, or into new tensors."""
+    if isinstance(s, Record):
+        if s.KERNEL != KERNEL_BLOCKS:
+            raise TypeError(f"native_state takes plain tensors and block records, got a {type(s).__name__} "
+                            f"(native_ok says which leaves the C kernel takes)")
+        codes = s.codes if s.codes.dtype is torch.uint8 else s.codes.view(torch.uint8)  # fp8: a byte view
+        if inplace:
+            return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
+        new_codes, new_scale = buffers.empty_like(codes), buffers.empty_like(s.scale)
+        leaf = s.with_parts({"codes": new_codes.view(s.codes.dtype), "scale": new_scale})
+        return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
+    dst = s if inplace else buffers.empty_like(s)
+    return native.NativeState(s, dst, None, None, None, 0), dst
+
+
+def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, compile, waits: list):
+    """A leaf on the torch backend. Rank-1 records step as their float32 values (eagerly);
+    their new values join ``waits`` and their slots hold the old record until then."""
+    states = list(leaf.states)
+    rank1 = [kernel_of(s) == KERNEL_VALUES for s in states]
+    if any(rank1):
+        plain = [s.dequantize() if k else s for s, k in zip(states, rank1)]
+        out, new, corr = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, plain, write=write,
+                                                 sr=sr_key is not None, key=sr_key, leaf_index=leaf.index,
+                                                 compile=False, correction=leaf.correction)
+        new = list(new)
+        for k, s in enumerate(states):
+            if rank1[k]:
+                rows, r = row_layout(s.shape)
+                waits.append(_Rank1Wait(i, k, new[k].reshape(rows, r), s))
+                new[k] = s
+    else:
+        out, new, corr = torch_backend.step_leaf(spec, hyper, leaf.param, leaf.grad, states, write=write,
+                                                 sr=sr_key is not None, key=sr_key, leaf_index=leaf.index,
+                                                 compile=compile, correction=leaf.correction)
+    if inplace:
+        for old, n, k in zip(states, new, rank1):
+            if not k:
+                _copy_leaf_(old, n)
+        new = states
+    if write:
+        leaf.param.copy_(out)
+        if corr is not None:
+            leaf.correction.copy_(corr)
+        out = None
+    return out, list(new)
+
+
+def _copy_leaf_(dst, src) -> None:
+    """Overwrite a state leaf's tensors with another's of the same kind."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    else:
+        dst.copy_(src)
+
+
+def run_step(
+    spec: StepSpec,
+    hyper: torch.Tensor,
+    leaves: Sequence[StepLeaf],
+    *,
+    write: bool = False,
+    inplace: bool = False,
+    sr_key: Optional[torch.Tensor] = None,
+    backend: Optional[str] = None,
+    sums: bool = False,
+) -> tuple[list, list]:
+    """One step of ``spec`` on every leaf, with ``hyper`` (:func:`step_hyperparams`).
+
+    Args:
+      write: update each param in place (``p + u`` rounded once to its dtype) instead
+        of returning the float32 update ``u``.
+      inplace: overwrite the states' tensors (the caller gives up the old state);
+        else new tensors are returned and nothing passed in is modified.
+      sr_key: with ``write``, round bfloat16 params stochastically with this key
+        (int64 words, :func:`lowbit_tree.update.rounding_key`) and each leaf's index.
+      backend: see :func:`backend_for`.
+      sums: where the native kernel steps a leaf whose update is a whole step (``spec.lr``),
+        also write ``p + u`` for ``apply_updates`` (:mod:`.sums`).
+    Returns:
+      ``(outs, new_states)``: per leaf the float32 update (``None`` with ``write``)
+      and the tuple of its new states (the same objects with ``inplace``).
+    """
+    if write and not spec.lr:
+        raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
+    outs: list = [None] * len(leaves)
+    news: list = [None] * len(leaves)
+    jobs = []  # native jobs
+    maxima_jobs, rank1_jobs = [], []  # native leaves with rank-1 states: their maxima jobs, then their steps
+    waits: list = []  # _Rank1Wait, in leaf order: completed in that order on every rank
+    batched: list = []  # leaves for the compiled backend
+    backends: dict = {}  # device -> backend, decided once per call
+    summed: list = []  # (param, update, p + u) of the native leaves that write their sums
+
+    for i, leaf in enumerate(leaves):
+        g, p = leaf.grad, leaf.param
+        if spec.needs_param or write:
+            if p is None:
+                raise ValueError(f"{spec} needs params: call update(updates, state, params)")
+            if p.shape != g.shape:
+                raise ValueError(f"gradient shape {tuple(g.shape)} does not match param shape {tuple(p.shape)}")
+        if leaf.correction is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES
+                                                 and leaf.correction.shape == p.shape
+                                                 and leaf.correction.dtype is torch.int8):
+            raise ValueError("a param correction goes with a bfloat16 / float16 param written in place and is an "
+                             f"int8 tensor of its shape (param {None if p is None else (p.dtype, tuple(p.shape))})")
+        if len(leaf.states) != spec.nstates:
+            raise ValueError(f"the {spec.rule} rule takes {spec.nstates} states per leaf, got {len(leaf.states)}")
+        sr = sr_key if write and p is not None and p.dtype is torch.bfloat16 else None
+        if g.numel() == 0:
+            outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+            news[i] = [s if inplace else _clone_leaf(s) for s in leaf.states]
+            for k, s in enumerate(leaf.states):
+                if kernel_of(s) == KERNEL_VALUES and s.reduce is not None:
+                    # an empty shard's record is requantized all the same: its reduce is a
+                    # collective the other shards' steps join, and leaves the global maxima in it
+                    waits.append(_Rank1Wait(i, k, s.dequantize().reshape(row_layout(s.shape)), s))
+            continue
+        which = backends.get(g.device)
+        if which is None:
+            which = backends[g.device] = backend_for(g.device, backend)
+        if which == "native" and native_ok(leaf, write):
+            rows, r = row_layout(g.shape)
+            pairs, has_rank1 = [], False
+            for k, s in enumerate(leaf.states):
+                if kernel_of(s) == KERNEL_VALUES:  # a maxima job, the completed maxima, then the step encodes with them
+                    maxima = (torch.empty(rows, dtype=torch.float32, device=g.device),
+                              torch.empty(r, dtype=torch.float32, device=g.device))
+                    codes = s.codes if inplace else buffers.empty_like(s.codes)
+                    waits.append(_Rank1Wait(i, k, None, s, maxima, codes))
+                    pairs.append((native.NativeState(s.codes, codes, s.row_max, s.col_max, s.format,
+                                                     native.RANK1_BLOCK, *maxima), s))
+                    has_rank1 = True
+                else:
+                    pairs.append(native_state(s, inplace))
+            out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
+            sr_hash = 0
+            if sr is not None:
+                sr_hash = rounding_hash(sr, leaf.index)
+            total = None
+            if sums and not write and spec.lr and _summable(p, g):
+                total = buffers.empty(tuple(p.shape), p.dtype, p.device)
+                summed.append((p, out, total))
+            p_in = p if write or total is not None else (p.contiguous() if spec.needs_param else None)
+            # a corrected param is rounded to nearest from its master value (the torch backend's step too)
+            stochastic = sr is not None and leaf.correction is None
+            job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, stochastic, sr_hash, hyper,
+                                   tuple(ns for ns, _ in pairs), leaf.correction, new_param=total)
+            outs[i] = None if write else out
+            news[i] = [leaf_ for _, leaf_ in pairs]
+            if has_rank1:
+                maxima_jobs.append(job._replace(write=False, stochastic=False, correction=None, maxima=True,
+                                                new_param=None))
+                rank1_jobs.append(job)
+            else:
+                jobs.append(job)
+        elif which == "compiled" and not any(kernel_of(s) == KERNEL_VALUES for s in leaf.states):
+            batched.append(i)  # stepped below, with the others of its static combination
+        else:
+            if which == "native":
+                which = "eager"
+            outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
+    native.run_jobs(_hyper_jobs(jobs, hyper))
+    _compiled_leaves(spec, hyper, leaves, batched, write, inplace, sr_key, outs, news)
+    native.run_jobs(_hyper_jobs(maxima_jobs, hyper))
+    for w in waits:
+        new = _rank1_complete(w, inplace)
+        if new is not None:
+            news[w.leaf][w.slot] = new
+    native.run_jobs(_hyper_jobs(rank1_jobs, hyper))
+    for w in waits:
+        if w.maxima is not None:
+            news[w.leaf][w.slot] = _rank1_native_record(w, inplace)
+    for p, u, total in summed:  # only once every job ran: a failed step leaves no sum behind
+        _sums.remember(p, u, total)
+    return outs, [tuple(n) for n in news]
+
+
+def _summable(p: Optional[torch.Tensor], g: torch.Tensor) -> bool:
+    """Whether the native kernel writes ``p + u`` beside this leaf's update (:mod:`.sums`): a
+    float32 / bfloat16 CPU param of the gradient's shape, contiguous, outside autograd and large
+    enough that the second pass it saves costs more than the bookkeeping."""
+    return (p is not None and p.dtype in (torch.float32, torch.bfloat16) and p.shape == g.shape
+            and p.is_contiguous() and not p.requires_grad and p.numel() >= _sums.MIN_NUMEL and _sums.enabled()
+            and not torch.compiler.is_compiling())
+
+
+def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: bool, sr_key, outs: list, news: list):
+    """Leaves ``which`` on the compiled backend: one call per chunk of a static combination
+    (:func:`.torch_backend.step_leaves`), bf16 params written with stochastic rounding apart
+    from the others (a static flag of the graph)."""
+    for stochastic in (False, True):
+        chosen = [i for i in which if (write and sr_key is not None and leaves[i].param.dtype is torch.bfloat16)
+                  == stochastic]
+        if not chosen:
+            continue
+        items = [(leaves[i].param, leaves[i].grad, leaves[i].states, leaves[i].index, leaves[i].correction)
+                 for i in chosen]
+        results = torch_backend.step_leaves(spec, hyper, items, write=write, sr=stochastic,
+                                            key=sr_key if stochastic else None)
+        for i, (out, new, corr) in zip(chosen, results):
+            states = leaves[i].states
+            if inplace:
+                for old, n in zip(states, new):
+                    _copy_leaf_(old, n)
+                new = list(states)
+            if write:
+                leaves[i].param.copy_(out)
+                if corr is not None:
+                    leaves[i].correction.copy_(corr)
+                out = None
+            outs[i], news[i] = out, list(new)
+
+
+def _hyper_jobs(jobs: list, hyper: torch.Tensor) -> list:
+    """``jobs`` with ``hyper`` as the contiguous float32 vector the C kernel reads."""
+    if jobs and not (hyper.dtype is torch.float32 and hyper.is_contiguous()):
+        hyper_c = hyper.float().contiguous()
+        return [j._replace(hyper=hyper_c) for j in jobs]
+    return jobs
+
+
+def _clone_leaf(s):
+    """A state leaf of new tensors holding ``s``'s values."""
+    return s.clone() if isinstance(s, (torch.Tensor, Record)) else s
