@@ -231,7 +231,7 @@ def summarize(impls, shapes, per_run: list[dict], probe: list[float], skipped: d
 
 def format_table(result: dict) -> str:
     """The rows as a Markdown table (the results page's and the script's)."""
-    head = ["implementation", "param dtype", "ms/step", "ns/param", "x DeepSpeedCPUAdam (same param dtype)",
+    head = ["implementation", "param dtype", "ms/step", "ns/param (s/step per billion params)", "x DeepSpeedCPUAdam (same param dtype)",
             "x torch fused AdamW", "bytes moved/param", "GB/s", "share of probe", "floor ns/param"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
 
