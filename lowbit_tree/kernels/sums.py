@@ -30,7 +30,7 @@ MIN_NUMEL = 1 << 16
 """Smaller params are summed by ``apply_updates`` itself (the pass is short; the bookkeeping is not)."""
 
 _sums: dict = {}  # id(update) -> (weakref to update, its version, weakref to param, its version, sum)
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a weakref callback (_forget) may run inside a locked block, at a GC
 
 
 def enabled() -> bool:
