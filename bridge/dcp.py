@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from lowbit_tree import records
+
 __all__ = ["load_optimizer"]
 
 
@@ -37,18 +39,18 @@ def load_optimizer(model: torch.nn.Module, optimizer, checkpoint_id: Any, key: s
                 _check_record_kind(value, saved, f"{key}.state.{fqn}.{name}", f"{fqn} {name}")
                 if _saved_without_factors(value, saved, f"{key}.state.{fqn}.{name}"):
                     # a buffer saved before momentum_rank: its residual loads, its factors are zero
-                    states[name] = value = {"codes": value["codes"], "scale": value["scale"]}
-            if not isinstance(value, dict) or set(value) != {"codes", "scale"}:
+                    states[name] = value = {part: value[part] for part in records.BLOCK.part_names}
+            if not isinstance(value, dict) or set(value) != set(records.BLOCK.part_names):
                 continue
             prefix = f"{key}.state.{fqn}.{name}"
-            meta = {part: saved.get(f"{prefix}.{part}") for part in ("codes", "scale")}
+            meta = {part: saved.get(f"{prefix}.{part}") for part in records.BLOCK.part_names}
             if any(m is None for m in meta.values()):
                 continue  # dcp.load names what is missing
             if all(tuple(meta[part].size) == tuple(value[part].shape) for part in meta):
                 continue
             # another grid: read the whole saved codes and scales (plain tensors: every rank)
             states[name] = {part: torch.empty(tuple(meta[part].size), dtype=value[part].dtype)
-                            for part in ("codes", "scale")}
+                            for part in records.BLOCK.part_names}
     dcp.load({key: osd}, checkpoint_id=checkpoint_id)
     set_optimizer_state_dict(model, optimizer, osd)
 
@@ -89,19 +91,24 @@ def _saved_without_factors(value: dict, saved: dict, prefix: str) -> bool:
     is a record with zero factors and that residual, so it loads exactly (``load_state_dict``
     zeroes the factors); a checkpoint written with factors and a rank-0 optimizer are told apart
     by the groups' ``momentum_rank``, checked first."""
-    return (set(value) == {"codes", "scale", "row_factor", "col_factor"} and f"{prefix}.codes" in saved
-            and f"{prefix}.row_factor" not in saved)
+    return records.kind_of_part_names(value) is records.LOWRANK and _saved_kind(saved, prefix) is records.BLOCK
+
+
+def _saved_kind(saved: dict, prefix: str):
+    """The record kind whose parts the checkpoint holds under ``prefix`` (``None``: no record)."""
+    return records.kind_of_part_names(p for k in records.KINDS for p in k.part_names if f"{prefix}.{p}" in saved)
 
 
 def _check_record_kind(value: dict, saved: dict, prefix: str, what: str) -> None:
     """A 4-bit second moment saved per block where this optimizer keeps a rank-1 record, or the
     other way round: say so and what to build (``dcp.load`` would name a missing key)."""
-    if set(value) == {"codes", "row_max", "col_max"} and f"{prefix}.scale" in saved and f"{prefix}.row_max" not in saved:
+    live, held = records.kind_of_part_names(value), _saved_kind(saved, prefix)
+    if live is records.RANK1 and held is records.BLOCK:
         raise ValueError(
             f"{what}: the checkpoint holds a block-normalized 4-bit state (the 4-bit default before lowbit-tree's "
             "state-dict version 3) and this optimizer a rank-1 normalized one (today's 4-bit default); build the "
             "optimizer with rank1_normalization=False to load it")
-    if set(value) == {"codes", "scale"} and f"{prefix}.row_max" in saved and f"{prefix}.scale" not in saved:
+    if live is records.BLOCK and held is records.RANK1:
         raise ValueError(
             f"{what}: the checkpoint holds a rank-1 normalized 4-bit state and this optimizer a block-normalized "
             "one; build the optimizer with rank1_normalization=True (or leave it unset: 4-bit's default) to load it")

@@ -85,11 +85,12 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     """``parts``: suffix -> (shape, dtype, nbytes) of one state's ``name::suffix`` tensors."""
     nbytes = sum(p[2] for p in parts.values())
     detail = ", ".join(f"{k} {_dtype_name(p[1])}{list(p[0])}" for k, p in parts.items())
-    if "row_max" in parts:  # rank-1 normalized 4-bit record
+    kind = records.kind_of_part_names(parts)
+    if kind is records.RANK1:  # rank-1 normalized 4-bit record
         return ReportRow(path, records.label(records.RANK1.zeros((0, 0), {}, "meta")), _rank1_shape(parts), nbytes,
                          "-", detail)
-    if "row_factor" in parts and "col_factor" in parts:  # low rank: the residual's row, named with the rank
-        rest = {k: v for k, v in parts.items() if k not in ("row_factor", "col_factor")}
+    if kind is records.LOWRANK:  # low rank: the residual's row, named with the rank
+        rest = {k: v for k, v in parts.items() if k in records.BLOCK.part_names}
         row = _quantized_row(path, name, group, rest)
         rank = parts["row_factor"][0][-1] if len(parts["row_factor"][0]) == 2 else "?"
         return ReportRow(path, f"{row.format}+rank{rank}", row.shape, nbytes, row.block, detail)

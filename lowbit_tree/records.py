@@ -37,7 +37,7 @@ from .qtensor import zeros as qzeros
 from .rank1 import RANK1_FORMAT, Rank1QTensor, rank1_dequantize, rank1_quantize, rank1_zeros
 from .record_base import KERNEL_BLOCKS, KERNEL_VALUES
 
-__all__ = ["Part", "RecordKind", "KERNEL_BLOCKS", "KERNEL_VALUES", "KINDS", "kind_of", "kind_named", "is_record", "parts_of", "label",
+__all__ = ["Part", "RecordKind", "KERNEL_BLOCKS", "KERNEL_VALUES", "KINDS", "kind_of", "kind_of_part_names", "kind_named", "is_record", "parts_of", "label",
            "describe", "nbytes_of", "load", "store", "whole_nbytes"]
 
 
@@ -95,6 +95,10 @@ class RecordKind(NamedTuple):
         """How the step kernels take a record of this kind (the class's ``KERNEL``:
         ``KERNEL_BLOCKS``, ``KERNEL_VALUES``, or ``None``)."""
         return self.cls.KERNEL
+
+    @property
+    def part_names(self) -> tuple:
+        return tuple(p.name for p in self.parts)
 
     def part(self, name: str) -> Part:
         return next(p for p in self.parts if p.name == name)
@@ -183,6 +187,15 @@ _BY_NAME = {k.name: k for k in KINDS}
 def kind_of(x: Any) -> Optional[RecordKind]:
     """The kind of record ``x`` (``None`` for anything else)."""
     return _BY_CLASS.get(type(x))
+
+
+def kind_of_part_names(names) -> Optional[RecordKind]:
+    """The kind whose parts are all among ``names`` (a state dict entry's keys, or the part
+    suffixes a checkpoint holds under one state), the one with the most parts where several
+    are (a low-rank record holds a block record's parts too); ``None`` if none is."""
+    names = set(names)
+    found = [k for k in KINDS if set(k.part_names) <= names]
+    return max(found, key=lambda k: len(k.parts)) if found else None
 
 
 def kind_named(name: str) -> RecordKind:
