@@ -394,8 +394,8 @@ def _summable(p: Optional[torch.Tensor], g: torch.Tensor) -> bool:
     """Whether the native kernel writes ``p + u`` beside this leaf's update (:mod:`.sums`): a
     float32 / bfloat16 CPU param of the gradient's shape, contiguous, outside autograd and large
     enough that the second pass it saves costs more than the bookkeeping."""
-    return (p is not None and p.dtype in (torch.float32, torch.bfloat16) and p.shape == g.shape
-            and p.is_contiguous() and not p.requires_grad and p.numel() >= _sums.MIN_NUMEL and _sums.enabled()
+    return (p is not None and p.numel() >= _sums.MIN_NUMEL and p.dtype in (torch.float32, torch.bfloat16)
+            and p.shape == g.shape and p.is_contiguous() and not p.requires_grad and _sums.enabled()
             and not torch.compiler.is_compiling())
 
 
