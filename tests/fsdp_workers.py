@@ -839,6 +839,23 @@ def _assert_same_sharded(model, ref, opt, ref_opt, what):
     assert_states_equal(full_states(opt), full_states(ref_opt), exact=True, what=what)
 
 
+def steps_in_backward_match(model, ref, opt, ref_opt, steps: int, rank: int, name: str) -> None:
+    """``steps`` steps of ``model``, whose optimizer steps in backward (every gradient freed by
+    then), against ``ref`` stepped after its backward: the same loss at every step."""
+    params = list(model.parameters())
+    for step in range(steps):
+        tokens = batch(step, rank)
+        loss = model(tokens)
+        loss.backward()
+        assert all(p.grad is None for p in params), name
+        opt.step()
+        ref_loss = ref(tokens)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(loss, ref_loss), (name, step, loss, ref_loss)
+
+
 def step_in_backward_worker(rank, world, steps=3):
     """bridge.step_in_backward on an FSDP2 model against opt.step() on a sharded deep copy fed the
     same batches (each rank its own): losses, params and every gathered state bit for bit, for
@@ -854,17 +871,7 @@ def step_in_backward_worker(rank, world, steps=3):
         params = list(model.parameters())
         seen, probes = _grad_probe(params)
         handle = bridge.step_in_backward(model, opt)
-        for step in range(steps):
-            tokens = batch(step, rank)
-            loss = model(tokens)
-            loss.backward()
-            assert all(p.grad is None for p in params), name
-            opt.step()
-            ref_loss = ref(tokens)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert torch.equal(loss, ref_loss), (name, step, loss, ref_loss)
+        steps_in_backward_match(model, ref, opt, ref_opt, steps, rank, name)
         assert set(seen) == {1} and len(seen) == steps * len(params), (name, seen)
         _assert_same_sharded(model, ref, opt, ref_opt, name)
         handle.remove()

@@ -150,17 +150,7 @@ def offload_in_backward_run(rank: int, world: int, name: str, steps: int = 3) ->
     W.shard(ref, world, offload=False)
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     with bridge.step_in_backward(model, opt):
-        for step in range(steps):
-            tokens = W.batch(step, rank)
-            loss = model(tokens)
-            loss.backward()
-            assert all(p.grad is None for p in model.parameters()), name
-            opt.step()
-            ref_loss = ref(tokens)
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            assert torch.equal(loss, ref_loss), (name, step, loss, ref_loss)
+        W.steps_in_backward_match(model, ref, opt, ref_opt, steps, rank, name)
     assert_offloaded(model, opt, True)
     assert all(float(opt.state[p]["step"]) == steps for p in model.parameters()), name
     assert_same(model, ref, opt, ref_opt, f"{name} in backward, offload vs not")

@@ -305,6 +305,7 @@ def run_step(
     batched: list = []  # leaves for the compiled backend
     backends: dict = {}  # device -> backend, decided once per call
     summed: list = []  # (param, update, p + u) of the native leaves that write their sums
+    sums = sums and not write and spec.lr and _sums.enabled() and not torch.compiler.is_compiling()
 
     for i, leaf in enumerate(leaves):
         g, p = leaf.grad, leaf.param
@@ -352,7 +353,7 @@ def run_step(
             if sr is not None:
                 sr_hash = rounding_hash(sr, leaf.index)
             total = None
-            if sums and not write and spec.lr and _summable(p, g):
+            if sums and _summable(p, g):
                 total = buffers.empty(tuple(p.shape), p.dtype, p.device)
                 summed.append((p, out, total))
             p_in = p if write or total is not None else (p.contiguous() if spec.needs_param else None)
@@ -391,12 +392,11 @@ def run_step(
 
 
 def _summable(p: Optional[torch.Tensor], g: torch.Tensor) -> bool:
-    """Whether the native kernel writes ``p + u`` beside this leaf's update (:mod:`.sums`): a
-    float32 / bfloat16 CPU param of the gradient's shape, contiguous, outside autograd and large
-    enough that the second pass it saves costs more than the bookkeeping."""
+    """Whether the native kernel writes ``p + u`` beside this leaf's update (``.sums``), in a step
+    that writes sums at all: a float32 / bfloat16 CPU param of the gradient's shape, contiguous,
+    outside autograd and large enough that the second pass it saves costs more than the bookkeeping."""
     return (p is not None and p.numel() >= _sums.MIN_NUMEL and p.dtype in (torch.float32, torch.bfloat16)
-            and p.shape == g.shape and p.is_contiguous() and not p.requires_grad and _sums.enabled()
-            and not torch.compiler.is_compiling())
+            and p.shape == g.shape and p.is_contiguous() and not p.requires_grad)
 
 
 def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: bool, sr_key, outs: list, news: list):
