@@ -92,11 +92,18 @@ def pytest_addoption(parser):
     parser.addoption("--exhaustive", action="store_true",
                      help="run the tests marked exhaustive (every float32 input through a kernel: minutes of CPU "
                           "each); CI runs them, the README's test command leaves them out")
+    parser.addoption("--extended", action="store_true",
+                     help="run the tests marked extended (long multi-process or many-case runs beyond the "
+                          "README's 10-minute test command); CI runs them")
 
 
 def pytest_collection_modifyitems(config, items):
     exhaustive = config.getoption("--exhaustive")
+    extended = config.getoption("--extended")
     for item in items:
+        if item.get_closest_marker("extended") is not None and not extended:
+            item.add_marker(pytest.mark.skip(reason="beyond the README test command's time: run with --extended "
+                                                    "(CI does)"))
         if item.get_closest_marker("exhaustive") is not None and not exhaustive:
             item.add_marker(pytest.mark.skip(reason="every-float check, minutes of CPU: run with --exhaustive "
                                                     "(CI does)"))
