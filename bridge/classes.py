@@ -234,8 +234,9 @@ class _GroupKwargs:
         return out
 
 
-def _constructor(spec: _Spec):
-    """The ``__init__`` a declared class gets: its signature is the declaration's."""
+def _signature(spec: _Spec) -> inspect.Signature:
+    """A declared class's constructor signature: ``params``, then the declaration's arguments in
+    order with their defaults, keyword-only from ``spec.keyword`` on."""
     P = inspect.Parameter
     params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
     kind = P.POSITIONAL_OR_KEYWORD
@@ -243,7 +244,12 @@ def _constructor(spec: _Spec):
         if name == spec.keyword:
             kind = P.KEYWORD_ONLY
         params.append(P(name, kind, default=default))
-    signature = inspect.Signature(params)
+    return inspect.Signature(params)
+
+
+def _constructor(spec: _Spec):
+    """The ``__init__`` a declared class gets: its signature is the declaration's."""
+    signature = _signature(spec)
 
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
@@ -267,7 +273,8 @@ class _Declared(TorchOptimizerBase):
         if "_spec" in cls.__dict__:
             cls.__init__ = _constructor(cls._spec)
             cls._state_types = (_STATE_TYPES[cls._spec.rule],)
-        cls.__doc__ = _docstring(cls)
+        if cls.__dict__.get("__doc__") is None and ("_spec" in cls.__dict__ or "_summary" in cls.__dict__):
+            cls.__doc__ = _docstring(cls)  # ours; a user's subclass keeps its own (or inherits ours)
 
     def _prepare(self, values: dict) -> None:
         """Class-specific constructor values (before the group is made): none by default."""
@@ -328,7 +335,7 @@ def _docstring(cls) -> str:
     own = cls.__dict__.get("_summary") or (spec.summary if spec is not None else (cls.__doc__ or ""))
     if spec is None:
         return own
-    signature = inspect.signature(cls.__init__)
+    signature = _signature(spec)  # the declaration's, whatever __init__ a subclass writes
     names = [n for n in signature.parameters if n not in ("self", "params")]
     example = {state_names(*cls._state_types)[0]: "8bit"}
     docs = {n: spec.arg(n) for n in names}
