@@ -13,9 +13,11 @@ about a quarter of the bytes of gathering float32 rows. One collective at a time
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from lowbit_tree import QTensor, alias, records
 from lowbit_tree.base import state_names
@@ -295,10 +297,14 @@ class Muon(TorchOptimizerBase):
         adamw = ADAMW_FORMATS.get(self._default_format, self._default_format)
         return {n: adamw if n in state_names(ScaleByAdamState) else self._default_format for n in names}
 
-    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=DEFAULT_NS_COEFFICIENTS, eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 adamw_betas=(0.9, 0.999), adamw_eps=1e-8, state_format=None, block_size=None,
-                 min_quant_size=4096, momentum_rank=None, bf16_stochastic_round=False, skip_nonfinite=False):
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS, eps: float = 1e-7,
+                 ns_steps: int = 5, adjust_lr_fn: str | None = None, *,
+                 adamw_betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, state_format: str | Mapping[str, str] | None = None,
+                 block_size: int | None = None, min_quant_size: int = 4096, momentum_rank: int | None = None,
+                 bf16_stochastic_round: bool = False, skip_nonfinite: bool = False) -> None:
         self._ortho = ShardedNS()
         if momentum_rank is None:
             momentum_rank = self._default_momentum_rank
