@@ -31,6 +31,7 @@ import torch
 import lowbit_tree as lt
 from lowbit_tree import QTensor, records
 from lowbit_tree.moments import FORMAT_ARGUMENTS
+from lowbit_tree.rules import RULE_DEFS, VARIANT_FLAGS
 
 from .distributed import is_dtensor, part_dtensor, part_local, to_local, wrap_like
 from .qstate import QState
@@ -45,12 +46,14 @@ VERSION_KEY = "lowbit_tree_version"
 RANK1_KEY = "rank1_normalization"
 RANK_KEY = "momentum_rank"
 # group keys that shape the state: fixed per param, compared on load (RANK1_KEY: _rank1_on_load;
-# RANK_KEY: a group saved without it, written before it existed, had none: _load_lowrank)
-STATIC_KEYS = ("state_format", "block_size", "min_quant_size", "amsgrad", "nesterov", "has_momentum", "bf16_stochastic_round",
+# RANK_KEY: a group saved without it, written before it existed, had none: _load_lowrank). The
+# flags that choose a rule's variant are the declaration's (lowbit_tree.rules.VARIANT_FLAGS).
+STATIC_KEYS = ("state_format", "block_size", "min_quant_size", *VARIANT_FLAGS, "bf16_stochastic_round",
                RANK1_KEY, RANK_KEY)
 
+HAS_MOMENTUM = "has_momentum"  # the variant flag that is ours: torch.optim's groups say it by their momentum
 CORRECTION = "param_correction"  # a bfloat16 / float16 param's state (and its group's option): its master's low bits
-TORCH_GROUP_KEYS = ("amsgrad", "nesterov")  # static keys torch.optim's groups have too: an export keeps them
+TORCH_GROUP_KEYS = tuple(f for f in VARIANT_FLAGS if f != HAS_MOMENTUM)  # torch.optim's groups have them: an export keeps them
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2, 3)
@@ -220,27 +223,33 @@ def check_groups(opt, saved_groups: list[dict], migrating: bool, state_dict: dic
 
 
 def _static_mismatch(gi: int, key: str, value, mine, detail: str = "") -> str:
+    build = f"{key}={value!r}"
+    if key == HAS_MOMENTUM:  # not an argument: the group's momentum decides it
+        detail += " (whether a momentum other than 0 keeps a 'momentum_buffer')"
+        build = "a momentum other than 0" if value else "momentum=0"
     return (f"param group {gi}: the state dict has {key}={value!r} but this optimizer has "
-            f"{key}={mine!r}{detail}; build the optimizer with {key}={value!r}, or convert: "
+            f"{key}={mine!r}{detail}; build the optimizer with {build}, or convert: "
             "load it into a matching optimizer, then new_opt.load_state_dict(old_opt.torch_state_dict()) "
             "re-quantizes its fp32 export")
 
 
 def _state_settings(group: dict) -> dict:
     """The settings of a group, ours or torch.optim's, that decide which states its params keep
-    and how its rule reads them, ``{name: value}`` for those it has: ``amsgrad`` (a
-    ``max_exp_avg_sq``), ``nesterov``, and whether ``momentum`` keeps a ``momentum_buffer``
-    (torch.optim.SGD: ``momentum != 0``; ours: ``has_momentum``, fixed when the group was made)."""
+    and how its rule reads them, ``{name: value}`` for those it has: the variant flags torch's
+    groups have too (``amsgrad``: a ``max_exp_avg_sq``; ``centered``: a ``grad_avg``;
+    ``nesterov``), and whether ``momentum`` keeps a ``momentum_buffer`` (torch.optim.SGD and
+    RMSprop: ``momentum != 0``; ours: ``has_momentum``, fixed when the group was made)."""
     out = {k: bool(group[k]) for k in TORCH_GROUP_KEYS if k in group}
-    if "has_momentum" in group:
-        out["momentum"] = bool(group["has_momentum"])
+    if HAS_MOMENTUM in group:
+        out["momentum"] = bool(group[HAS_MOMENTUM])
     elif "momentum" in group:
         out["momentum"] = float(group["momentum"]) != 0
     return out
 
 
 SETTING_EFFECTS = {
-    "amsgrad": "amsgrad keeps a 'max_exp_avg_sq' per param",
+    **{s.when: f"{s.when} keeps a {s.name!r} per param" for d in RULE_DEFS.values() for s in d.states
+       if s.when in TORCH_GROUP_KEYS},
     "momentum": "a momentum other than 0 keeps a 'momentum_buffer' per param",
     "nesterov": "nesterov changes how the momentum buffer is applied",
 }

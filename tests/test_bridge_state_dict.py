@@ -2,6 +2,7 @@
 import copy
 import io
 import os
+import re
 
 import pytest
 import torch
@@ -472,3 +473,55 @@ def test_bridge_dcp_is_reachable_after_import_bridge():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+# ----------------------------------------------------------------------------- variant flags
+_OPTIMIZERS = [getattr(bridge, n) for n in bridge.__all__ if isinstance(getattr(bridge, n), type)
+               and issubclass(getattr(bridge, n), torch.optim.Optimizer) and getattr(bridge, n) is not bridge.LowBitOptimizer]
+
+
+def _variant_cases():
+    """``(class, flag)`` for every variant flag of the declaration (``lowbit_tree.rules``) that a
+    public class's groups hold, found by building each class with its defaults."""
+    from lowbit_tree.rules import VARIANT_FLAGS
+
+    cases = []
+    for cls in _OPTIMIZERS:
+        opt = cls(torch.nn.Linear(8, 8, bias=False).parameters())
+        cases += [(cls, f) for f in VARIANT_FLAGS if f in opt.defaults]
+    assert {f for _, f in cases} == set(VARIANT_FLAGS), "a variant flag no public class holds"
+    return cases
+
+
+def _on_off(cls, flag):
+    """The constructor arguments of an optimizer with ``flag`` on and one with it off (the
+    dict's value first), and how a fix says the first."""
+    import inspect
+
+    if flag == "has_momentum":  # ours: the group's momentum decides it
+        return dict(momentum=0.9), dict(momentum=0), "a momentum other than 0"
+    default = inspect.signature(cls).parameters[flag].default
+    both = dict(momentum=0.9) if "momentum" in inspect.signature(cls).parameters else {}
+    return {**both, flag: not default}, {**both, flag: default}, f"{flag}={not default!r}"
+
+
+@pytest.mark.parametrize("cls, flag", _variant_cases(), ids=lambda x: getattr(x, "__name__", x))
+def test_a_state_dict_of_another_variant_is_refused_naming_the_flag_and_the_fix(cls, flag):
+    saved_kw, mine_kw, fix = _on_off(cls, flag)
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8, bias=False)
+    theirs, mine = cls(m.parameters(), **saved_kw), cls(m.parameters(), **mine_kw)
+    for opt in (theirs, mine):
+        m(torch.randn(2, 8)).square().sum().backward()
+        opt.step()
+    before = copy.deepcopy(mine.state_dict())
+    with pytest.raises(ValueError, match=rf"group 0: the state dict has {flag}=.*build the optimizer with {re.escape(fix)}"):
+        mine.load_state_dict(theirs.state_dict())
+    named = "momentum" if flag == "has_momentum" else flag  # torch's layout says the momentum
+    with pytest.raises(ValueError, match=rf"group 0: the state dict has {named}=.*loading it would change which states"):
+        mine.load_state_dict(theirs.torch_state_dict())
+    after = mine.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(after["state"][i][k], v) if isinstance(v, torch.Tensor) else after["state"][i][k] == v
