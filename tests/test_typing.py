@@ -16,19 +16,15 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import bridge
 from bridge import classes, stub
 from lowbit_tree import rules
 
 from test_readme import python_blocks
+from test_subclass import PUBLIC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-PUBLIC = sorted((getattr(bridge, n) for n in bridge.__all__
-                 if inspect.isclass(getattr(bridge, n)) and issubclass(getattr(bridge, n), torch.optim.Optimizer)),
-                key=lambda c: c.__name__)
 
 
 def test_the_stub_is_current():
