@@ -234,17 +234,49 @@ class _GroupKwargs:
         return out
 
 
+_NUMBER = "float | Tensor"  # (as torch.optim: a scheduler, or a user, may give 1-element tensors)
+
+
+def _annotation(name: str, arg: rules.Arg, default) -> str:
+    """An argument's type, from its declaration (:class:`lowbit_tree.rules.Arg`'s ``allowed``)
+    and its default: a tuple default is a tuple of numbers of its length (``betas``), as
+    torch.optim annotates it; ``None`` allowed or default adds ``| None``."""
+    allowed = arg.allowed
+    if isinstance(default, tuple):
+        out = f"tuple[{', '.join([_NUMBER] * len(default))}]"
+    elif "mapping" in allowed:
+        out = "str | Mapping[str, str]"
+    elif "format name" in allowed:
+        out = "str"
+    elif "tensor" in allowed:
+        out = _NUMBER
+    elif "number" in allowed or allowed == "0":
+        out = "float"
+    elif "int" in allowed:
+        out = "int"
+    elif "True" in allowed or "False" in allowed:
+        out = "bool"
+    else:
+        raise ValueError(f"bridge.classes: no type for the argument {name!r}, allowed {allowed!r}; say the allowed "
+                         "values in the words _annotation reads (number, tensor, int, True/False, format name, "
+                         "mapping, None) or teach it the new ones")
+    if "None" in allowed or default is None:
+        out += " | None"
+    return out
+
+
 def _signature(spec: _Spec) -> inspect.Signature:
     """A declared class's constructor signature: ``params``, then the declaration's arguments in
-    order with their defaults, keyword-only from ``spec.keyword`` on."""
+    order with their defaults and types (:func:`_annotation`), keyword-only from ``spec.keyword``
+    on. ``bridge/classes.pyi`` writes it out for static tools (:mod:`bridge.stub`)."""
     P = inspect.Parameter
-    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD)]
+    params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD, annotation="ParamsT")]
     kind = P.POSITIONAL_OR_KEYWORD
     for name, default in spec.args:
         if name == spec.keyword:
             kind = P.KEYWORD_ONLY
-        params.append(P(name, kind, default=default))
-    return inspect.Signature(params)
+        params.append(P(name, kind, default=default, annotation=_annotation(name, spec.arg(name), default)))
+    return inspect.Signature(params, return_annotation="None")
 
 
 def _constructor(spec: _Spec):

@@ -53,7 +53,8 @@ STATIC_KEYS = ("state_format", "block_size", "min_quant_size", *VARIANT_FLAGS, "
 
 HAS_MOMENTUM = "has_momentum"  # the variant flag that is ours: torch.optim's groups say it by their momentum
 CORRECTION = "param_correction"  # a bfloat16 / float16 param's state (and its group's option): its master's low bits
-TORCH_GROUP_KEYS = tuple(f for f in VARIANT_FLAGS if f != HAS_MOMENTUM)  # torch.optim's groups have them: an export keeps them
+# the static keys torch.optim's groups have too: an export keeps them
+TORCH_GROUP_KEYS = tuple(f for f in VARIANT_FLAGS if f != HAS_MOMENTUM)
 
 STATE_SUFFIXES = ("::codes", "::scale", "::row_max", "::col_max")  # version 1
 READABLE_VERSIONS = (1, 2, 3)

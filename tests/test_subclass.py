@@ -80,8 +80,7 @@ def test_a_subclass_with_its_own_init_steps_as_its_parent(cls):
     for style, (sub, parent_extra, instance_extra) in _styles(cls).items():
         model, ref_model = _model(), _model()
         before = model.weight.detach().clone()
-        extra = dict(instance_extra)
-        opt = sub(model.parameters(), **extra, **_args(cls)) if style == "extra named" else sub(model.parameters(), **_args(cls))
+        opt = sub(model.parameters(), **instance_extra, **_args(cls))
         ref = cls(ref_model.parameters(), **_args(cls), **parent_extra)
         _step(opt, model)
         _step(ref, ref_model)

@@ -35,7 +35,7 @@ def test_the_stub_is_current():
 
 
 def _stub_classes() -> dict:
-    """``{class name: (base name, [(arg, kind, default), ...] or None)}`` read from the stub's text."""
+    """``{class name: (base name, [(arg, kind, default, type), ...] or None)}`` read from the stub's text."""
     with open(stub.PATH, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     out = {}
@@ -48,9 +48,10 @@ def _stub_classes() -> dict:
             a = init.args
             pos = a.args[1:]
             pos_defaults = [None] * (len(pos) - len(a.defaults)) + a.defaults
-            args = [(x.arg, "positional", d) for x, d in zip(pos, pos_defaults)]
-            args += [(x.arg, "keyword", d) for x, d in zip(a.kwonlyargs, a.kw_defaults)]
-            args = [(n, k, None if d is None else ast.literal_eval(d)) for n, k, d in args]
+            args = [(x, "positional", d) for x, d in zip(pos, pos_defaults)]
+            args += [(x, "keyword", d) for x, d in zip(a.kwonlyargs, a.kw_defaults)]
+            args = [(x.arg, k, None if d is None else ast.literal_eval(d), ast.unparse(x.annotation))
+                    for x, k, d in args]
         out[node.name] = (ast.unparse(node.bases[0]), args)
     return out
 
@@ -63,7 +64,7 @@ def test_the_stub_says_what_each_runtime_class_takes():
         cls, own = getattr(classes, name), name
         while stubs[own][1] is None:  # inherited: the nearest stub base that writes one
             own = stubs[own][0]
-        runtime = [(p.name, kinds[p.kind], None if p.default is inspect.Parameter.empty else p.default)
+        runtime = [(p.name, kinds[p.kind], None if p.default is inspect.Parameter.empty else p.default, p.annotation)
                    for p in inspect.signature(cls).parameters.values()]
         assert stubs[own][1] == runtime, name
         assert issubclass(cls, getattr(classes, stubs[name][0])), (name, stubs[name][0])
@@ -85,13 +86,13 @@ def test_the_stub_says_what_each_runtime_class_takes():
     ("block_size", rules.ARGS["block_size"], None, "int | None"),
     ("min_quant_size", rules.ARGS["min_quant_size"], 4096, "int"),
 ])
-def test_each_argument_is_annotated_from_its_allowed_values(name, arg, default, expected):
-    assert stub.annotation(name, arg, default) == expected
+def test_each_argument_is_typed_from_its_allowed_values(name, arg, default, expected):
+    assert classes._annotation(name, arg, default) == expected
 
 
 def test_an_allowed_text_without_a_type_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match="'colour'.*'red or blue'"):
-        stub.annotation("colour", rules.Arg("colour", "A colour.", "red or blue"), "red")
+        classes._annotation("colour", rules.Arg("colour", "A colour.", "red or blue"), "red")
 
 
 def test_both_packages_ship_as_typed():
@@ -141,7 +142,7 @@ def _search_path_env() -> dict:
     return env
 
 
-@pytest.mark.extended  # about 15 s of CPU cold (mypy reads torch's annotations): beyond the README command
+@pytest.mark.extended  # ~20 s CPU cold, 40-50 s wall on a busy 2-core machine (mypy reads torch)
 def test_mypy_accepts_the_quickstarts_and_every_argument_and_rejects_a_misspelled_one(tmp_path):
     blocks = python_blocks()
     assert len(blocks) >= 2
