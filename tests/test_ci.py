@@ -39,11 +39,12 @@ def test_ci_runs_the_readme_test_command_before_installing_an_extra():
     installs = [i for i, line in enumerate(code) if "pip install" in line]
     assert installs and test_at < demo_at < min(installs), "an extra is installed before the README's commands"
     # No second copy of the README's test command to drift from it: the other pytest runs are the
-    # one over the tests marked with an extra's name and the exhaustive kernel checks.
+    # one over the tests marked with an extra's name, the extended tests and the exhaustive kernel checks.
     pytest_runs = [line for line in code if "-m pytest" in line]
-    assert len(pytest_runs) == 3
+    assert len(pytest_runs) == 4
     assert '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
-    assert all("--exhaustive -m exhaustive" in run for run in pytest_runs[1:])
+    assert "--extended -m extended" in pytest_runs[1]
+    assert all("--exhaustive -m exhaustive" in run for run in pytest_runs[2:])
     # The extras' tests build DeepSpeed's op into a folder of this run's own, not one a killed
     # build on the machine may have locked.
     fresh = code.index("TORCH_EXTENSIONS_DIR=$(mktemp -d)")
