@@ -16,7 +16,7 @@ import torch
 from .base import SEED, STEP, GradientTransformation, plan_of
 from .rounding import stochastic_round
 from . import kernels
-from .kernels import buffers, native, sums
+from .kernels import native
 from .tree_utils import flatten
 
 __all__ = [
@@ -65,7 +65,6 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
     leaves, spec = flatten(params)
     ups = spec.flatten_up_to(updates)
     out = []
-    presummed = not torch.compiler.is_compiling()  # a traced step computes its own sums
     for i, (p, u) in enumerate(zip(leaves, ups)):
         if p is None or u is None:
             out.append(p)
@@ -73,10 +72,8 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
         if stochastic_round:
             x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
             out.append(_stochastic_round(x, p.dtype, key, i))
-        elif presummed and (total := sums.take(p, u)) is not None:  # written by the step that made u, from this p
-            out.append(total)
         else:  # computed in the promoted dtype, rounded once into the param's dtype
-            new = buffers.empty(tuple(p.shape), p.dtype, p.device)
+            new = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             if _native_apply(p, u):
                 native.apply(p, u, new)
             else:
