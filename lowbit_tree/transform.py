@@ -26,6 +26,7 @@ import torch
 from . import kernels, moments, rules
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
                    scalar_value, state_names)
+from .kernels.pure_rows import PureRows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
@@ -142,10 +143,12 @@ def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.T
 
 
 def run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,
-              *, inplace: bool = False, leaf_offset: int = 0):
+              *, inplace: bool = False, leaf_offset: int = 0, rows: PureRows | None = None):
     """One rule's pure step on a tree (``inplace``: the states' tensors are overwritten, for
     a plan that could not hold the leaves fixed): every leaf with a gradient goes to the
-    kernels in one call, with the ``fusion``'s links. Returns ``(updates, new state trees)``."""
+    kernels in one call, with the ``fusion``'s links; ``rows``: the caller's job rows, reused
+    while the tree keeps its structure (:class:`~lowbit_tree.kernels.pure_rows.PureRows`).
+    Returns ``(updates, new state trees)``."""
     spec = _fused_spec(spec, fusion)
     g_leaves, treespec = flatten(updates)
     per_state = [treespec.flatten_up_to(t) for t in state_trees]
@@ -161,7 +164,8 @@ def run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tup
     if not leaves:
         return updates, state_trees
     hyper = _hyper(spec, rule_hyper, count, fusion, fusion.lr, leaves[0].grad.device)
-    outs, news = kernels.run_step(spec, hyper, leaves, inplace=inplace)
+    done = rows.run(spec, hyper, leaves) if rows is not None and not inplace else None
+    outs, news = done if done is not None else kernels.run_step(spec, hyper, leaves, inplace=inplace)
     new_updates = list(g_leaves)
     new_states = [list(s) for s in per_state]
     for k, i in enumerate(where):
@@ -221,13 +225,15 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
     ``rule_hyper(count)`` or a dict: this step's rule hyperparameters; ``count_of(state)``:
     its step count tensor, or ``None``)."""
 
+    pure_rows = PureRows()  # the pure step's job rows, built once per structure of the tree
+
     def hyper_at(count):
         return rule_hyper(count) if callable(rule_hyper) else rule_hyper
 
     def fused_update(updates, state, params, fusion: Fusion):
         count = count_of(state)
         updates, new = run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
-                                 0 if count is None else count, fusion)
+                                 0 if count is None else count, fusion, rows=pure_rows)
         return updates, rebuild(state, new)
 
     def update(updates, state, params=None, **extra):
@@ -239,7 +245,7 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
     def plan(state, params, *, write=False, leaf_offset=0):
         return fused_plan(state, params, Fusion(), write=write, leaf_offset=leaf_offset)
 
-    update.lowbit_link = ("rule", {"fused_update": fused_update, "fused_plan": fused_plan})
+    update.lowbit_link = ("rule", {"fused_update": fused_update, "fused_plan": fused_plan, "pure_rows": pure_rows})
     return GradientTransformation(init, update, plan)
 
 
