@@ -91,7 +91,8 @@ class UpdateStep:
     them changed, builds a new one. Needs ``tx.plan`` (:func:`~lowbit_tree.in_place` gives a
     transformation one).
 
-    An ``UpdateStep`` holds the last donated state and params (its plan writes into them).
+    An ``UpdateStep`` holds the last donated state and params (its plan writes into them): one
+    per training loop; two threads donating through one step would share its plan.
     """
 
     def __init__(self, tx: GradientTransformation):
