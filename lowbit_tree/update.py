@@ -33,7 +33,8 @@ _stochastic_round = stochastic_round  # apply_updates has an argument of the sam
 
 
 def _compute_dtype(p: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
+    d = p.dtype
+    return d if d is torch.float32 or d is torch.float64 else torch.promote_types(d, torch.float32)
 
 
 def _native_apply(p: torch.Tensor, u: torch.Tensor) -> bool:
@@ -77,7 +78,8 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
             if _native_apply(p, u):
                 native.apply(p, u, new)
             else:
-                torch.add(p, u.to(_compute_dtype(p)), out=new)
+                dtype = _compute_dtype(p)
+                torch.add(p, u if u.dtype is dtype else u.to(dtype), out=new)
             out.append(new)
     return spec.unflatten(out)
 
