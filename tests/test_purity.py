@@ -93,14 +93,6 @@ def test_update_and_apply_updates_touch_no_module_state(name):
         assert _changed(before, _module_state()) == [], "apply_updates(stochastic_round=True)"
 
 
-def _bits(tree) -> list:
-    out = []
-    for x in lt.tree_utils.flatten(tree)[0]:
-        if isinstance(x, torch.Tensor):
-            out.append(x.view(torch.uint8) if x.dtype.is_floating_point and x.numel() else x)
-    return out
-
-
 def _equal(a, b) -> bool:
     import optree
 
