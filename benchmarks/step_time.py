@@ -20,7 +20,9 @@ the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochas
   bridge-8bit-amsgrad, ...          AdamW*(amsgrad=True)
   bridge-lion-8bit, ...             bridge.Lion8bit / Lion4bit / Lion(state_format="fp8")
   bridge-sgd-8bit, ...              bridge.SGD8bit / SGD(state_format=...), momentum 0.9
-  functional-8bit, ...              lowbit_tree.adamw: tx.update + apply_updates, eager
+  functional-8bit, ...              lowbit_tree.adamw as the functional guide's first example steps it:
+                                    lt.UpdateStep(tx)(grads, state, params, donate=True), eager
+  functional-8bit-pure              the same, pure: tx.update + apply_updates (new tensors every step)
   functional-lion-8bit, -sgd-8bit   lowbit_tree.lion / lowbit_tree.sgd(momentum=0.9)
   functional-4bit-block             lowbit_tree.adamw(state_format="4bit", rank1_normalization=False)
   bridge-4bit-block                 bridge.AdamW4bit(rank1_normalization=False)
@@ -75,7 +77,7 @@ IMPLS = (
     + [f"bridge-{f}-bf16" for f in LOW] + [f"bridge-{f}-bf16sr" for f in LOW]
     + [f"bridge-{f}-bf16c" for f in LOW] + [f"bridge-{f}-amsgrad" for f in LOW]
     + [f"bridge-lion-{f}" for f in LOW] + [f"bridge-sgd-{f}" for f in LOW]
-    + ["functional-fp32"] + [f"functional-{f}" for f in LOW]
+    + ["functional-fp32"] + [f"functional-{f}" for f in LOW] + ["functional-8bit-pure"]
     + ["functional-lion-8bit", "functional-sgd-8bit", "functional-4bit-block", "bridge-4bit-block"]
     + ["torchao-8bit", "torchao-4bit", "torchao-fp8", "bnb-8bit"]
     + [f"bridge-ademamix-{f}" for f in ("8bit", "4bit", "fp32")] + ["functional-ademamix-8bit"]
@@ -124,20 +126,25 @@ def make_params(shapes, device, seed=0, dtype=torch.float32):
 
 
 class FunctionalOptimizer:
-    """The functional API as a user runs it: ``updates, state = tx.update(grads, state,
-    params)`` then ``params = apply_updates(params, updates)`` (pure: new tensors each
-    step), eagerly."""
+    """The functional API as the functional guide's first example runs it (docs/guide/functional.md):
+    ``params, state = step(grads, state, params, donate=True)`` with ``step = lt.UpdateStep(tx)``,
+    eagerly; with ``pure``, ``updates, state = tx.update(grads, state, params)`` then ``params =
+    apply_updates(params, updates)`` (new tensors every step, nothing given up)."""
 
-    def __init__(self, params, tx):
+    def __init__(self, params, tx, pure=False):
         self.values = [p.detach() for p in params]
         self.grads = [p.grad for p in params]
-        self.tx = tx
+        self.tx, self.pure = tx, pure
+        self.update_step = lt.UpdateStep(tx)
         self.state = tx.init(self.values)
 
     @torch.no_grad()
     def step(self):
-        updates, self.state = self.tx.update(self.grads, self.state, self.values)
-        self.values = lt.apply_updates(self.values, updates)
+        if self.pure:
+            updates, self.state = self.tx.update(self.grads, self.state, self.values)
+            self.values = lt.apply_updates(self.values, updates)
+        else:
+            self.values, self.state = self.update_step(self.grads, self.state, self.values, donate=True)
 
     def state_bytes(self):
         return sum(r.nbytes for r in lt.state_report(self.state)[:-1] if r.format not in ("int32", "int64"))
@@ -179,7 +186,9 @@ def make_optimizer(impl, params):
                          state_format=fmt)
         else:
             tx = lt.adamw(lr, *betas, eps, wd, state_format=fmt, rank1_normalization=False if impl.endswith("block") else None)
-        return FunctionalOptimizer(params, tx), f"backend {kernels.backend_for(params[0].device)}"
+        pure = parts[-1] == "pure"
+        return (FunctionalOptimizer(params, tx, pure=pure),
+                f"backend {kernels.backend_for(params[0].device)}{', tx.update + apply_updates' if pure else ''}")
     if fam == "bridge":
         try:
             import bridge

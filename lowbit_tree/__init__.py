@@ -42,6 +42,7 @@ from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
 from .alias import adagrad, adam, adamw, ademamix, lion, muon, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
+from .update_step import UpdateStep
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
 from .checkpoint import state_from_dict, state_to_dict
 
@@ -62,7 +63,7 @@ __all__ = [
     # aliases
     "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad",
     # applying updates
-    "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
+    "UpdateStep", "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
     # schedules
     "constant_schedule", "linear_schedule", "polynomial_schedule", "cosine_decay_schedule",

@@ -26,6 +26,7 @@ import torch
 from . import kernels, moments, rules
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
                    scalar_value, state_names)
+from .kernels.pure_rows import PureRows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
@@ -132,52 +133,22 @@ def _fused_spec(spec: kernels.StepSpec, fusion: Fusion) -> kernels.StepSpec:
                                decay=fusion.decay is not None, lr=fusion.lr is not None)
 
 
-_HYPER_MEMO: dict = {}
-"""Recent hyperparameter vectors by their inputs' values (:func:`_hyper`); at most
-``_HYPER_MEMO_SIZE``, emptied when full."""
-_HYPER_MEMO_SIZE = 256
-
-
-def _host_key(spec, device, values: dict):
-    """``values`` by value (a 0-d CPU tensor's number), with the rule and the device; ``None``
-    if one is on another device (reading it would wait for it)."""
-    key = [spec.rule, str(device), *values]
-    for v in values.values():
-        if isinstance(v, torch.Tensor):
-            if v.device.type != "cpu" or v.numel() != 1:
-                return None
-            v = v.item()
-        key.append(v)
-    return tuple(key)
-
-
 def _hyper(spec, rule_hyper: dict, count, fusion: Fusion, lr, device) -> torch.Tensor:
-    """This step's hyperparameter vector (:func:`~lowbit_tree.kernels.step_hyperparams`). With
-    values on the host (numbers, CPU tensors) the vector is remembered by their values: the
-    params of a group stepped one at a time (a step in backward) share one count and one set of
-    values, so they share the vector instead of each building it (and, on a GPU, copying it over).
-    The kernels only read it."""
+    """This step's hyperparameter vector (:func:`~lowbit_tree.kernels.step_hyperparams`), from
+    its arguments only (built every call: about 12 us on the host, nothing remembered)."""
     values = dict(rule_hyper, count=count, lr=0.0 if lr is None else lr,
                   weight_decay=0.0 if fusion.decay is None else fusion.decay,
                   l2=0.0 if fusion.l2 is None else fusion.l2)
-    key = None if torch.compiler.is_compiling() else _host_key(spec, device, values)
-    if key is not None:
-        hit = _HYPER_MEMO.get(key)
-        if hit is not None:
-            return hit
-    out = kernels.step_hyperparams(spec, **values, device=device)
-    if key is not None:
-        if len(_HYPER_MEMO) >= _HYPER_MEMO_SIZE:
-            _HYPER_MEMO.clear()
-        _HYPER_MEMO[key] = out
-    return out
+    return kernels.step_hyperparams(spec, **values, device=device)
 
 
 def run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tuple, params, count, fusion: Fusion,
-              *, inplace: bool = False, leaf_offset: int = 0):
+              *, inplace: bool = False, leaf_offset: int = 0, rows: PureRows | None = None):
     """One rule's pure step on a tree (``inplace``: the states' tensors are overwritten, for
     a plan that could not hold the leaves fixed): every leaf with a gradient goes to the
-    kernels in one call, with the ``fusion``'s links. Returns ``(updates, new state trees)``."""
+    kernels in one call, with the ``fusion``'s links; ``rows``: the caller's job rows, reused
+    while the tree keeps its structure (:class:`~lowbit_tree.kernels.pure_rows.PureRows`).
+    Returns ``(updates, new state trees)``."""
     spec = _fused_spec(spec, fusion)
     g_leaves, treespec = flatten(updates)
     per_state = [treespec.flatten_up_to(t) for t in state_trees]
@@ -193,7 +164,8 @@ def run_rule(spec: kernels.StepSpec, rule_hyper: dict, updates, state_trees: tup
     if not leaves:
         return updates, state_trees
     hyper = _hyper(spec, rule_hyper, count, fusion, fusion.lr, leaves[0].grad.device)
-    outs, news = kernels.run_step(spec, hyper, leaves, inplace=inplace, sums=not inplace)
+    done = rows.run(spec, hyper, leaves) if rows is not None and not inplace else None
+    outs, news = done if done is not None else kernels.run_step(spec, hyper, leaves, inplace=inplace)
     new_updates = list(g_leaves)
     new_states = [list(s) for s in per_state]
     for k, i in enumerate(where):
@@ -253,13 +225,15 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
     ``rule_hyper(count)`` or a dict: this step's rule hyperparameters; ``count_of(state)``:
     its step count tensor, or ``None``)."""
 
+    pure_rows = PureRows()  # the pure step's job rows, built once per structure of the tree
+
     def hyper_at(count):
         return rule_hyper(count) if callable(rule_hyper) else rule_hyper
 
     def fused_update(updates, state, params, fusion: Fusion):
         count = count_of(state)
         updates, new = run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
-                                 0 if count is None else count, fusion)
+                                 0 if count is None else count, fusion, rows=pure_rows)
         return updates, rebuild(state, new)
 
     def update(updates, state, params=None, **extra):
@@ -271,7 +245,7 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
     def plan(state, params, *, write=False, leaf_offset=0):
         return fused_plan(state, params, Fusion(), write=write, leaf_offset=leaf_offset)
 
-    update.lowbit_link = ("rule", {"fused_update": fused_update, "fused_plan": fused_plan})
+    update.lowbit_link = ("rule", {"fused_update": fused_update, "fused_plan": fused_plan, "pure_rows": pure_rows})
     return GradientTransformation(init, update, plan)
 
 

@@ -16,7 +16,7 @@ import torch
 from .base import SEED, STEP, GradientTransformation, plan_of
 from .rounding import stochastic_round
 from . import kernels
-from .kernels import buffers, native, sums
+from .kernels import native
 from .tree_utils import flatten
 
 __all__ = [
@@ -33,7 +33,8 @@ _stochastic_round = stochastic_round  # apply_updates has an argument of the sam
 
 
 def _compute_dtype(p: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
+    d = p.dtype
+    return d if d is torch.float32 or d is torch.float64 else torch.promote_types(d, torch.float32)
 
 
 def _native_apply(p: torch.Tensor, u: torch.Tensor) -> bool:
@@ -65,7 +66,6 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
     leaves, spec = flatten(params)
     ups = spec.flatten_up_to(updates)
     out = []
-    presummed = not torch.compiler.is_compiling()  # a traced step computes its own sums
     for i, (p, u) in enumerate(zip(leaves, ups)):
         if p is None or u is None:
             out.append(p)
@@ -73,14 +73,13 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
         if stochastic_round:
             x = p.to(_compute_dtype(p)) + u.to(_compute_dtype(p))
             out.append(_stochastic_round(x, p.dtype, key, i))
-        elif presummed and (total := sums.take(p, u)) is not None:  # written by the step that made u, from this p
-            out.append(total)
         else:  # computed in the promoted dtype, rounded once into the param's dtype
-            new = buffers.empty(tuple(p.shape), p.dtype, p.device)
+            new = torch.empty(p.shape, dtype=p.dtype, device=p.device)
             if _native_apply(p, u):
                 native.apply(p, u, new)
             else:
-                torch.add(p, u.to(_compute_dtype(p)), out=new)
+                dtype = _compute_dtype(p)
+                torch.add(p, u if u.dtype is dtype else u.to(dtype), out=new)
             out.append(new)
     return spec.unflatten(out)
 

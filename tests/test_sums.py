@@ -1,19 +1,19 @@
-"""The sums a native update step leaves for apply_updates (lowbit_tree.kernels.sums): the bits
-of torch.add, taken only for the very update and param they were made from, unmodified."""
+"""p + u in the step's own pass, as explicit API: UpdateStep(tx)(..., donate=True) writes each new
+param in the kernel that computes its update, with the bits of torch.add (apply_updates' sum), and
+gives the pure form's bits whatever the caller changed between calls."""
 import pytest
 import torch
 
 import lowbit_tree as lt
-from lowbit_tree.kernels import native, sums
+from lowbit_tree.kernels import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernel not built here")
 
-SHAPES = [(257, 301), (5, 7)]  # one over sums.MIN_NUMEL (odd: partial blocks and tiles), one under
+SHAPES = [(257, 301), (5, 7)]  # a large leaf (odd: partial blocks and tiles) and a small one
 
 
 @pytest.fixture(autouse=True)
-def _sums_on(monkeypatch):
-    monkeypatch.delenv("LOWBIT_TREE_PRESUM", raising=False)
+def _native(monkeypatch):
     monkeypatch.delenv("LOWBIT_TREE_BACKEND", raising=False)
 
 
@@ -48,87 +48,111 @@ TXS = {
 }
 
 
+def clone(tree):
+    return lt.tree_utils.map_leaves(lambda x: x if x is None else x.clone(), tree)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(TXS))
-def test_a_taken_sum_has_torch_adds_bits(name, dtype):
+def test_a_donated_step_writes_torch_adds_bits(name, dtype):
+    """Three donated steps: each new param is apply_updates' sum of the pure update (torch.add in
+    float32, rounded once), each new state the pure update's, and the buffers are the donated ones."""
     params, grads = draw(dtype)
     tx = TXS[name]()
-    state = tx.init(params)
+    step = lt.UpdateStep(tx)
+    pure_params, pure_state = params, tx.init(params)
+    donated_params, donated_state = clone(params), tx.init(params)
+    ptrs = [p.data_ptr() for p in donated_params]
     for _ in range(3):
-        updates, state = tx.update(grads, state, params)
-        assert sums.pending() == 1  # the large leaf's; the small one is summed by apply_updates
-        want = added(params, updates)
-        params = lt.apply_updates(params, updates)
-        assert sums.pending() == 0
-        for got, ref in zip(params, want):
-            assert got.dtype is dtype and same_bits(got, ref)
+        updates, pure_state = tx.update(grads, pure_state, pure_params)
+        want = added(pure_params, updates)
+        pure_params = lt.apply_updates(pure_params, updates)
+        donated_params, donated_state = step(grads, donated_state, donated_params, donate=True)
+        for got, ref, pure in zip(donated_params, want, pure_params):
+            assert got.dtype is dtype and same_bits(got, ref) and same_bits(got, pure)
+        assert all(a.equal(b) for a, b in zip(_leaves(donated_state), _leaves(pure_state)))
+    assert [p.data_ptr() for p in donated_params] == ptrs
 
 
-def test_a_modified_update_or_param_is_summed_again():
+def _leaves(tree):
+    import optree
+
+    return [x.view(torch.uint8) if x.dtype.is_floating_point and x.ndim else x for x in optree.tree_leaves(tree)]
+
+
+def test_a_changed_param_or_container_between_donated_calls_gives_the_pure_bits():
+    """What the held plan was built for, changed between calls: a param replaced in the list, a
+    param modified in place, another params list of equal values, another state: each call's
+    result is the pure form's on the same values."""
     params, grads = draw(torch.float32)
     tx = TXS["adamw-8bit"]()
-    updates, _ = tx.update(grads, tx.init(params), params)
-    updates[0].mul_(2.0)  # in place: its version counter moves
-    assert torch.equal(lt.apply_updates(params, updates)[0], params[0] + updates[0])
+    step = lt.UpdateStep(tx)
+    p, s = clone(params), tx.init(params)
+    p, s = step(grads, s, p, donate=True)
 
-    updates, _ = tx.update(grads, tx.init(params), params)
-    params[0].add_(1.0)
-    assert torch.equal(lt.apply_updates(params, updates)[0], params[0] + updates[0])
+    def pure(p, s):
+        return step(grads, clone(s), clone(p))  # the pure form, on copies
 
-    updates, _ = tx.update(grads, tx.init(params), params)
-    other = [p.clone() for p in params]  # equal values, another tensor: not the param the sum was made from
-    other[0][0, 0] = 5.0
-    assert torch.equal(lt.apply_updates(other, updates)[0], other[0] + updates[0])
-    assert sums.pending() == 0
+    p[0] = p[0] + 1.0  # a new tensor in the donated list
+    want = pure(p, s)
+    got = step(grads, s, p, donate=True)
+    assert all(a.equal(b) for a, b in zip(_leaves(got), _leaves(want)))
+    p, s = got
+    p[1].add_(2.0)  # in place: the plan reads the param where it is
+    want = pure(p, s)
+    got = step(grads, s, p, donate=True)
+    assert all(a.equal(b) for a, b in zip(_leaves(got), _leaves(want)))
+    p, s = clone(got[0]), clone(got[1])  # other objects of equal values
+    want = pure(p, s)
+    got = step(grads, s, p, donate=True)
+    assert all(a.equal(b) for a, b in zip(_leaves(got), _leaves(want)))
 
 
-def test_a_sum_is_handed_out_once_and_goes_with_its_update():
+def test_a_changed_hyperparameter_entry_between_donated_calls_is_read():
+    """A new tensor written into an injected state's hyperparams dict (the documented way to
+    change one) reaches the next donated step: the held plan is rebuilt, as the bits show."""
+    params, grads = draw(torch.float32)
+    tx = lt.inject_hyperparams(lt.adamw)(learning_rate=1e-2, weight_decay=0.1)
+    step = lt.UpdateStep(tx)
+    p, s = step(grads, tx.init(params), clone(params), donate=True)
+    s.hyperparams["learning_rate"] = torch.tensor(5e-2)
+    want = step(grads, clone(s), clone(p))
+    got = step(grads, s, p, donate=True)
+    assert all(a.equal(b) for a, b in zip(_leaves(got), _leaves(want)))
+
+
+def test_pure_calls_share_nothing():
     params, grads = draw(torch.float32)
     tx = TXS["adamw-fp32"]()
-    updates, _ = tx.update(grads, tx.init(params), params)
-    first = lt.apply_updates(params, updates)
-    second = lt.apply_updates(params, updates)
-    assert first[0] is not second[0] and torch.equal(first[0], second[0])
-    first[0].zero_()  # the two results share nothing
-    assert torch.equal(second[0], params[0] + updates[0])
-
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert sums.pending() == 1
-    del updates  # never applied: its sum goes with it
-    assert sums.pending() == 0
+    step = lt.UpdateStep(tx)
+    state = tx.init(params)
+    first, second = step(grads, state, params), step(grads, state, params)
+    assert all(a is not b and a.equal(b) for a, b in zip(first[0], second[0]))
+    first[0][0].zero_()  # the two results share nothing
+    assert second[0][0].equal(lt.apply_updates(params, tx.update(grads, state, params)[0])[0])
 
 
-def test_an_update_transformed_after_the_step_is_summed_by_apply_updates():
-    params, grads = draw(torch.float32)
-    tx = lt.chain(TXS["adamw-8bit"](), lt.scale(0.5))
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert sums.pending() == 0  # the kernel's own update was dropped inside the chain, its sum with it
-    assert torch.equal(lt.apply_updates(params, updates)[0], params[0] + updates[0])
-
-
-def test_stochastic_rounding_ignores_the_sum(monkeypatch):
-    def run():
+def test_an_update_transformed_after_the_rule_and_stochastic_rounding_give_the_pure_bits():
+    """A chain whose last link is not fused (scale after the learning rate) adds its updates after
+    the kernel (apply_rest_); a final stochastic_rounding is fused into the donated kernel."""
+    for tx in (lt.chain(TXS["adamw-8bit"](), lt.scale(0.5)), lt.chain(TXS["adamw-8bit"](), lt.stochastic_rounding(3))):
         params, grads = draw(torch.bfloat16)
-        tx = TXS["adamw-8bit"]()
-        updates, state = tx.update(grads, tx.init(params), params)
-        return lt.apply_updates(params, updates, stochastic_round=True, key=torch.tensor([3, 4]))
+        step = lt.UpdateStep(tx)
+        p, s = clone(params), tx.init(params)
+        pp, ps = params, tx.init(params)
+        for _ in range(2):
+            p, s = step(grads, s, p, donate=True)
+            pp, ps = step(grads, ps, pp)
+        assert all(same_bits(a, b) for a, b in zip(p, pp))
 
-    with_sums = run()
-    monkeypatch.setenv("LOWBIT_TREE_PRESUM", "0")
-    for a, b in zip(with_sums, run()):
-        assert same_bits(a, b)
 
-
-def test_the_switch_turns_sums_off_and_refuses_other_values(monkeypatch):
+def test_a_transformation_without_a_plan_is_refused_for_donation_naming_the_fix():
     params, grads = draw(torch.float32)
-    tx = TXS["adamw-8bit"]()
-    monkeypatch.setenv("LOWBIT_TREE_PRESUM", "0")
-    updates, _ = tx.update(grads, tx.init(params), params)
-    assert sums.pending() == 0
-    assert torch.equal(lt.apply_updates(params, updates)[0], params[0] + updates[0])
-    monkeypatch.setenv("LOWBIT_TREE_PRESUM", "yes")
-    with pytest.raises(ValueError, match="LOWBIT_TREE_PRESUM must be 0 or 1"):
-        tx.update(grads, tx.init(params), params)
+    tx = lt.GradientTransformation(TXS["adamw-fp32"]().init, TXS["adamw-fp32"]().update)
+    with pytest.raises(TypeError, match="in_place"):
+        lt.UpdateStep(tx)(grads, tx.init(params), params, donate=True)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        lt.UpdateStep(lambda g: g)
 
 
 def test_the_update_step_stays_pure():
@@ -136,7 +160,7 @@ def test_the_update_step_stays_pure():
     tx = TXS["adamw-4bit"]()
     state = tx.init(params)
     before = [t.clone() for t in params + grads]
-    _, new_state = tx.update(grads, state, params)
+    _, new_state = lt.UpdateStep(tx)(grads, state, params)
     assert all(torch.equal(a, b) for a, b in zip(before, params + grads))
     assert new_state is not state
 

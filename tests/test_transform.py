@@ -222,11 +222,10 @@ def test_rank1_record_costs_and_gains():
     assert torch.equal(rank1_dequantize(rank1_quantize(torch.zeros(4, 6))), torch.zeros(4, 6))
 
 
-def test_hyperparameter_vectors_remembered_by_value_are_the_kernels_own():
-    """transform._hyper remembers vectors by the values they are built from (the params of a
-    group stepped one at a time share one): every vector it gives equals step_hyperparams' of the
-    same values, bit for bit: the same numbers again, one tensor hyperparameter changed in place
-    between calls (its value, not its identity, is the key), the same numbers for another rule."""
+def test_hyperparameter_vectors_are_the_kernels_own_whatever_came_before():
+    """transform._hyper's vector equals step_hyperparams' of the same values, bit for bit, whatever
+    the calls before it: the same numbers again, one tensor hyperparameter changed in place between
+    calls, the same numbers for another rule."""
     from lowbit_tree import kernels
     from lowbit_tree.transform import Fusion, _hyper
 

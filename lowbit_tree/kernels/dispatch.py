@@ -15,8 +15,7 @@ from ..qtensor import row_layout
 from ..rank1 import rank1_quantize
 from ..record_base import KERNEL_BLOCKS, KERNEL_VALUES, Record, kernel_of
 from ..rounding import rounding_hash
-from . import buffers, native, torch_backend
-from . import sums as _sums
+from . import native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
 
@@ -220,10 +219,10 @@ def native_state(s, inplace: bool):
         codes = s.codes if s.codes.dtype is torch.uint8 else s.codes.view(torch.uint8)  # fp8: a byte view
         if inplace:
             return native.NativeState(codes, codes, s.scale, s.scale, s.format, s.block_size), s
-        new_codes, new_scale = buffers.empty_like(codes), buffers.empty_like(s.scale)
+        new_codes, new_scale = torch.empty_like(codes), torch.empty_like(s.scale)
         leaf = s.with_parts({"codes": new_codes.view(s.codes.dtype), "scale": new_scale})
         return native.NativeState(codes, new_codes, s.scale, new_scale, s.format, s.block_size), leaf
-    dst = s if inplace else buffers.empty_like(s)
+    dst = s if inplace else torch.empty_like(s)
     return native.NativeState(s, dst, None, None, None, 0), dst
 
 
@@ -277,7 +276,6 @@ def run_step(
     inplace: bool = False,
     sr_key: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
-    sums: bool = False,
 ) -> tuple[list, list]:
     """One step of ``spec`` on every leaf, with ``hyper`` (:func:`step_hyperparams`).
 
@@ -289,8 +287,6 @@ def run_step(
       sr_key: with ``write``, round bfloat16 params stochastically with this key
         (int64 words, :func:`lowbit_tree.update.rounding_key`) and each leaf's index.
       backend: see :func:`backend_for`.
-      sums: where the native kernel steps a leaf whose update is a whole step (``spec.lr``),
-        also write ``p + u`` for ``apply_updates`` (:mod:`.sums`).
     Returns:
       ``(outs, new_states)``: per leaf the float32 update (``None`` with ``write``)
       and the tuple of its new states (the same objects with ``inplace``).
@@ -304,8 +300,6 @@ def run_step(
     waits: list = []  # _Rank1Wait, in leaf order: completed in that order on every rank
     batched: list = []  # leaves for the compiled backend
     backends: dict = {}  # device -> backend, decided once per call
-    summed: list = []  # (param, update, p + u) of the native leaves that write their sums
-    sums = sums and not write and spec.lr and _sums.enabled() and not torch.compiler.is_compiling()
 
     for i, leaf in enumerate(leaves):
         g, p = leaf.grad, leaf.param
@@ -341,31 +335,26 @@ def run_step(
                 if kernel_of(s) == KERNEL_VALUES:  # a maxima job, the completed maxima, then the step encodes with them
                     maxima = (torch.empty(rows, dtype=torch.float32, device=g.device),
                               torch.empty(r, dtype=torch.float32, device=g.device))
-                    codes = s.codes if inplace else buffers.empty_like(s.codes)
+                    codes = s.codes if inplace else torch.empty_like(s.codes)
                     waits.append(_Rank1Wait(i, k, None, s, maxima, codes))
                     pairs.append((native.NativeState(s.codes, codes, s.row_max, s.col_max, s.format,
                                                      native.RANK1_BLOCK, *maxima), s))
                     has_rank1 = True
                 else:
                     pairs.append(native_state(s, inplace))
-            out = p if write else buffers.empty(tuple(g.shape), torch.float32, g.device)
+            out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
             sr_hash = 0
             if sr is not None:
                 sr_hash = rounding_hash(sr, leaf.index)
-            total = None
-            if sums and _summable(p, g):
-                total = buffers.empty(tuple(p.shape), p.dtype, p.device)
-                summed.append((p, out, total))
-            p_in = p if write or total is not None else (p.contiguous() if spec.needs_param else None)
+            p_in = p if write else (p.contiguous() if spec.needs_param else None)
             # a corrected param is rounded to nearest from its master value (the torch backend's step too)
             stochastic = sr is not None and leaf.correction is None
             job = native.NativeJob(rows, r, p_in, g.contiguous(), out, spec, write, stochastic, sr_hash, hyper,
-                                   tuple(ns for ns, _ in pairs), leaf.correction, new_param=total)
+                                   tuple(ns for ns, _ in pairs), leaf.correction)
             outs[i] = None if write else out
             news[i] = [leaf_ for _, leaf_ in pairs]
             if has_rank1:
-                maxima_jobs.append(job._replace(write=False, stochastic=False, correction=None, maxima=True,
-                                                new_param=None))
+                maxima_jobs.append(job._replace(write=False, stochastic=False, correction=None, maxima=True))
                 rank1_jobs.append(job)
             else:
                 jobs.append(job)
@@ -386,17 +375,7 @@ def run_step(
     for w in waits:
         if w.maxima is not None:
             news[w.leaf][w.slot] = _rank1_native_record(w, inplace)
-    for p, u, total in summed:  # only once every job ran: a failed step leaves no sum behind
-        _sums.remember(p, u, total)
     return outs, [tuple(n) for n in news]
-
-
-def _summable(p: Optional[torch.Tensor], g: torch.Tensor) -> bool:
-    """Whether the native kernel writes ``p + u`` beside this leaf's update (``.sums``), in a step
-    that writes sums at all: a float32 / bfloat16 CPU param of the gradient's shape, contiguous,
-    outside autograd and large enough that the second pass it saves costs more than the bookkeeping."""
-    return (p is not None and p.numel() >= _sums.MIN_NUMEL and p.dtype in (torch.float32, torch.bfloat16)
-            and p.shape == g.shape and p.is_contiguous() and not p.requires_grad)
 
 
 def _compiled_leaves(spec, hyper, leaves, which: list, write: bool, inplace: bool, sr_key, outs: list, news: list):

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import backend_for, buffers, native, native_ok, native_state, run_step, StepLeaf, torch_backend
+from . import backend_for, native, native_ok, native_state, run_step, StepLeaf, torch_backend
 from ..record_base import KERNEL_VALUES, kernel_of
 from ..rounding import rounding_hash
 from .spec import NHYPER, StepSpec, job_row_index
@@ -150,7 +150,7 @@ class KernelPlan:
                 g = grads[k]
                 rows[j * w + _GRAD] = g.data_ptr()
                 if not self.write:
-                    out = buffers.empty(tuple(g.shape), torch.float32, g.device)
+                    out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
                     rows[j * w + _OUT] = out.data_ptr()
                     outs[k] = out
                 elif self._stochastic and self.params[k].dtype is torch.bfloat16:
