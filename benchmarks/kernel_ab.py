@@ -133,6 +133,13 @@ with both states quantized; moments of a small MLP after 300 AdamW steps, and of
 Student-t(3) gradients with log-normal row and column scales): today 8bit 0.011 / 0.021,
 A8 sqrt/sqrt 0.007 / 0.015, sqrt/qrt 0.008 / 0.013, lin/sqrt 0.007 / 0.028, soft/sqrt 0.006 /
 0.018; today 4bit (block-wise) 0.15 / 0.34, A4 sqrt/sqrt 0.125 / 0.23, sqrt/qrt 0.13 / 0.21.
+Against issue 46's targets (x fp32 above; the results page's figures scaled by the phases where
+a step was not prototyped): 8-bit AdamW <= 0.8x: 0.92-1.04x (its compute alone 0.95 / 0.62 of
+the fp32 loop's compute; 0.64x of the quiet page's DeepSpeedCPUAdam, 1.48 thread-ns/param, only
+if memory time hid wholly behind it); bandwidth >= 0.8x torch fused's: 0.61-0.63x; 4-bit <=
+0.8x: 0.94-1.04x; Lion <= 0.65x: 0.71-0.95x (the page's 0.89x x 0.65 / 0.80 = 0.72x); AdamW +
+``param_correction`` on bf16 <= 1.0x: about 1.4x (the page's 2.06x less the corrected write's
+0.5, times 0.58, plus 0.5). None is met by the prototype.
 """
 from __future__ import annotations
 
