@@ -61,6 +61,7 @@ quantized step is compute-bound, not at the memory floor. The rank-1 4-bit secon
 (AdamW4bit's default) takes two jobs, 0.41 (maxima) + 1.37-1.55 (step) ns/element (2048x2048,
 1 thread; before 0.57 + 1.69), and the bfloat16 step with ``param_correction`` spends 0.5 of its
 2.06 in the corrected write.
+
 ``--formats-gate`` (issue 46's gate): block formats coded by arithmetic, prototyped in C
 (``GATE_C``, the library's flags; not the library's code), checked bit for bit against the same
 steps in torch (``mirror_*``: 0 codes or scales differ, both builds), each candidate's step
@@ -874,8 +875,8 @@ def main(argv=None) -> int:
                     help="time the bridge classes against torch.optim.AdamW(fused=True) instead (see bridge_ratios)")
     ap.add_argument("--formats-gate", action="store_true",
                     help="issue 46's gate: arithmetic-coded format candidates against 8bit and fp8 (see formats_gate)")
-    ap.add_argument("--gate-parts", default="quality,phases,steps")
-    ap.add_argument("--gate-sizes", default="a,big", help="of GATE_SIZES")
+    ap.add_argument("--gate-parts", default="quality,phases,steps", help="--formats-gate: which parts to run")
+    ap.add_argument("--gate-sizes", default="a,big", help="--formats-gate: step cases, of GATE_SIZES (a: two 2048x2048, big: 4 x 4096x4096)")
     ap.add_argument("--runs", type=int, default=3, help="--formats-gate: measurement sets, each its own figures")
     args = ap.parse_args(argv)
     if args.formats_gate:
