@@ -75,6 +75,27 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
         assert line.count("!") == 1 and line.rstrip().endswith("!"), (extra, line)  # only the altered build
 
 
+
+@pytest.mark.slow
+@pytest.mark.extended  # two C builds of the gate's prototype: about 10 s of CPU
+@pytest.mark.skipif(not AB_SCRIPT.exists(), reason="benchmarks/ not in this checkout")
+def test_formats_gate_prototype_has_its_torch_mirrors_bits(tmp_path):
+    """kernel_ab's arithmetic-coded candidates (issue 46's gate): two steps through the C
+    prototype give the codes and scales of the same steps in torch (the mirror the quality proxy
+    uses), and a prototype whose zero-free floor is altered does not."""
+    from lowbit_tree.kernels import native as kernels_cpu
+
+    if not kernels_cpu.available():
+        pytest.skip("no C compiler")
+    spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.gate_check_bits(mod.build_gate(tmp_path)) == 0
+    old = "uv[k] = (uint8_t)(c > 1 ? c : 1);"
+    assert old in mod.GATE_C
+    mod.GATE_C = mod.GATE_C.replace(old, "uv[k] = (uint8_t)(c > 2 ? c : 2);")
+    assert mod.gate_check_bits(mod.build_gate(tmp_path / "altered")) > 0
+
 # ----------------------------------------------------------------------------- memory_floor.py
 
 
