@@ -49,8 +49,8 @@ import torch
 from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
-from lowbit_tree.transform import (ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, ScaleByRmsState,
-                                  ScaleByRssState, TraceState)
+from lowbit_tree.transform import (ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState,
+                                  ScaleByRmsState, ScaleByRssState, TraceState)
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -60,6 +60,7 @@ __all__ = [
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
     "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
+    "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8",
 ]
 
 
@@ -342,7 +343,8 @@ def _docstring(cls) -> str:
 
 
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
-                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState}
+                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
+                "adamax": ScaleByAdamaxState}
 """Each rule's core state class (its ``roles`` are the rule's declared states)."""
 
 
@@ -591,4 +593,35 @@ class Adagrad4bit(Adagrad):
 
 class AdagradFp8(Adagrad):
     _summary = "Adagrad with a float8 e4m3 ``sum`` (stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class Adamax(_Declared):
+    _spec = _Spec(
+        "adamax", alias.adamax,
+        (("lr", 2e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("foreach", None),
+         ("maximize", False), ("differentiable", False), ("capturable", False), *_STORAGE, ("param_correction", False)),
+        keyword="maximize",
+        summary="torch.optim.Adamax (same signature, defaults, state names and math: ``exp_inf = max(beta2 * exp_inf, "
+                "|g| + eps)``, the update ``lr / (1 - beta1**t) * exp_avg / exp_inf`` at step ``t``; ``weight_decay`` "
+                "is L2 decay added to the gradient) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` (bias-corrected) and of the infinity norm "
+                           "``exp_inf``.", "a pair of numbers in [0, 1)", "betas", "betas")),
+              ("eps", _A("eps", "Added to ``|g|`` inside the maximum (as torch.optim.Adamax).", "a number >= 0",
+                         "nonneg", "eps"))),
+    )
+
+
+class Adamax8bit(Adamax):
+    _summary = "Adamax with 8-bit states (``exp_inf`` on the zero-free sqrt map, ``exp_avg`` on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class Adamax4bit(Adamax):
+    _summary = "Adamax with 4-bit states (arXiv 2309.01507's maps, block 128; ``exp_inf`` per block)."
+    _default_format = "4bit"
+
+
+class AdamaxFp8(Adamax):
+    _summary = "Adamax with float8 e4m3 states (``exp_inf`` stored as its zero-free square root)."
     _default_format = "fp8"

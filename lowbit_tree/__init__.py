@@ -14,6 +14,7 @@ from .transform import (
     ScaleByLionState,
     ScaleByRmsState,
     ScaleByRssState,
+    ScaleByAdamaxState,
     ScaleByScheduleState,
     Fusion,
     TraceState,
@@ -22,6 +23,7 @@ from .transform import (
     clip_by_global_norm,
     scale,
     scale_by_adam,
+    scale_by_adamax,
     scale_by_ademamix,
     scale_by_learning_rate,
     scale_by_lion,
@@ -39,7 +41,7 @@ from .schedule import (
     warmup_cosine_decay_schedule,
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
-from .alias import adagrad, adam, adamw, ademamix, lion, muon, rmsprop, sgd
+from .alias import adagrad, adam, adamax, adamw, ademamix, lion, muon, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .moments import Rank1QTensor, ReportRow, format_state_report, should_quantize, state_report
@@ -55,12 +57,13 @@ __all__ = [
     # transformations
     "GradientTransformation", "Schedule", "EmptyState", "identity", "in_place", "state_roles", "STEP", "SEED",
     "HYPERPARAMS",
-    "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss", "trace",
+    "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss",
+    "scale_by_adamax", "trace",
     "newton_schulz",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
     # aliases
-    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad",
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "adamax",
     # applying updates
     "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
@@ -71,7 +74,7 @@ __all__ = [
     "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
     # state types
     "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState",
-    "ScaleByRssState", "ScaleByScheduleState",
+    "ScaleByRssState", "ScaleByAdamaxState", "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
     "ParamCorrectionState",
 ]

@@ -121,6 +121,9 @@ RULE_DEFS = {
                 torch_name="RMSprop"),
         RuleDef("adagrad", (StateDef("sum", "sum", _V),),
                 slots=(("initial_accumulator_value", "b1"), ("eps", "eps")), torch_name="Adagrad"),
+        # the infinity norm first, as rmsprop's second moment (the block path is for a signed first state)
+        RuleDef("adamax", (StateDef("nu", "exp_inf", _V), StateDef("mu", "exp_avg", _M)),
+                slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), bias_correction=True, torch_name="Adamax"),
     )
 }
 """Every rule by name, in kernel id order; a rule's id is its position, so new ones are appended."""

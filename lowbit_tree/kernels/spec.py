@@ -25,6 +25,8 @@ exactly these operations; design.md, "Update rules"):
   g*g`` (``max`` NaN if ``s`` is: the first step lifts a zero state to the initial value, later ones
   change nothing, as ``s >= b1`` once stepped); ``u = g / (sqrt(s) + eps)`` (the learning-rate
   decay is the ``lr`` link's schedule)
+- rule ``adamax`` (torch.optim.Adamax; states ``(e, m)``): ``e = max(b2*e, |g| + eps)`` (NaN if either
+  is, as torch.maximum); ``m = b1*m + (1-b1)*g``; ``u = (m * (1/bc1)) / e``
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
