@@ -17,6 +17,10 @@ from .classes import (
     Adagrad4bit,
     Adagrad8bit,
     AdagradFp8,
+    Adadelta,
+    Adadelta4bit,
+    Adadelta8bit,
+    AdadeltaFp8,
     Adamax,
     Adamax4bit,
     Adamax8bit,
@@ -43,6 +47,6 @@ __all__ = [
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8",
     "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8", "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8",
-    "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
+    "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
     "step_in_backward", "StepInBackward", "master_params", "load_master_params",
 ]

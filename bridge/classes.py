@@ -49,8 +49,8 @@ import torch
 from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
-from lowbit_tree.transform import (ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState,
-                                  ScaleByRmsState, ScaleByRssState, TraceState)
+from lowbit_tree.transform import (ScaleByAdadeltaState, ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState,
+                                  ScaleByLionState, ScaleByRmsState, ScaleByRssState, TraceState)
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -60,7 +60,7 @@ __all__ = [
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
     "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
-    "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8",
+    "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8", "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8",
 ]
 
 
@@ -344,7 +344,7 @@ def _docstring(cls) -> str:
 
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
                 "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
-                "adamax": ScaleByAdamaxState}
+                "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState}
 """Each rule's core state class (its ``roles`` are the rule's declared states)."""
 
 
@@ -624,4 +624,34 @@ class Adamax4bit(Adamax):
 
 class AdamaxFp8(Adamax):
     _summary = "Adamax with float8 e4m3 states (``exp_inf`` stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class Adadelta(_Declared):
+    _spec = _Spec(
+        "adadelta", alias.adadelta,
+        (("lr", 1.0), ("rho", 0.9), ("eps", 1e-6), ("weight_decay", 0), ("foreach", None), ("capturable", False),
+         ("maximize", False), ("differentiable", False), *_STORAGE, ("param_correction", False)),
+        keyword="capturable",
+        summary="torch.optim.Adadelta (same signature, defaults, state names and math: ``square_avg = rho * "
+                "square_avg + (1 - rho) * g*g``, the update ``delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) "
+                "* g`` times ``lr``, ``acc_delta = rho * acc_delta + (1 - rho) * delta*delta``; ``weight_decay`` is L2 "
+                "decay added to the gradient) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("eps", _A("eps", "Added inside both square roots, ``sqrt(acc_delta + eps)`` and ``sqrt(square_avg + "
+                         "eps)`` (as torch.optim.Adadelta).", "a number >= 0", "nonneg", "eps")),),
+    )
+
+
+class Adadelta8bit(Adadelta):
+    _summary = "Adadelta with 8-bit states (both on the zero-free sqrt map)."
+    _default_format = "8bit"
+
+
+class Adadelta4bit(Adadelta):
+    _summary = "Adadelta with 4-bit states (arXiv 2309.01507's unsigned linear map, block 128)."
+    _default_format = "4bit"
+
+
+class AdadeltaFp8(Adadelta):
+    _summary = "Adadelta with float8 e4m3 states (each stored as its zero-free square root)."
     _default_format = "fp8"

@@ -124,6 +124,8 @@ RULE_DEFS = {
         # the infinity norm first, as rmsprop's second moment (the block path is for a signed first state)
         RuleDef("adamax", (StateDef("nu", "exp_inf", _V), StateDef("mu", "exp_avg", _M)),
                 slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), bias_correction=True, torch_name="Adamax"),
+        RuleDef("adadelta", (StateDef("nu", "square_avg", _V), StateDef("delta", "acc_delta", _V)),
+                slots=(("rho", "b2"), ("eps", "eps")), torch_name="Adadelta"),
     )
 }
 """Every rule by name, in kernel id order; a rule's id is its position, so new ones are appended."""
@@ -175,6 +177,8 @@ ARGS = {
         _a("betas", "Decay rates of the running averages.", "numbers in [0, 1)", "betas", "betas"),
         _a("alpha", "Smoothing constant of the running average of squared gradients (``square_avg``).",
            "a number in [0, 1]", "closed_unit", "alpha"),
+        _a("rho", "Decay rate of the running averages ``square_avg`` (of squared gradients) and ``acc_delta`` (of "
+           "squared updates).", "a number in [0, 1]", "closed_unit", "rho"),
         _a("centered", "Normalize by the estimated variance of the gradient: keeps ``grad_avg``, the running average "
            "of the gradient, and divides by ``sqrt(square_avg - grad_avg**2) + eps``.", "True or False", "flag",
            "centered", static=True),

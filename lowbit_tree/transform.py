@@ -1,7 +1,7 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
 The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`,
-:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`; each declared once in :mod:`lowbit_tree.rules`)
+:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`; each declared once in :mod:`lowbit_tree.rules`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
@@ -37,6 +37,7 @@ __all__ = [
     "ScaleByRmsState",
     "ScaleByRssState",
     "ScaleByAdamaxState",
+    "ScaleByAdadeltaState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
@@ -46,6 +47,7 @@ __all__ = [
     "scale_by_rms",
     "scale_by_rss",
     "scale_by_adamax",
+    "scale_by_adadelta",
     "flip_sign",
     "add_decayed_weights",
     "scale",
@@ -107,6 +109,14 @@ class ScaleByAdamaxState(NamedTuple):
     mu: Any  # the first moment (exp_avg)
 
     roles = rules.rule("adamax").roles(STEP)
+
+
+class ScaleByAdadeltaState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the running average of squared gradients (torch.optim.Adadelta's square_avg)
+    delta: Any  # the running average of squared updates (acc_delta)
+
+    roles = rules.rule("adadelta").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -613,6 +623,30 @@ def scale_by_adamax(
                           block_size=block_size, min_quant_size=min_quant_size)
 
 
+def scale_by_adadelta(
+    rho: float | torch.Tensor = 0.9,
+    eps: float | torch.Tensor = 1e-6,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.Adadelta's rule: ``v = rho*v + (1-rho)*g*g``, the update
+    ``u = sqrt(a + eps) / sqrt(v + eps) * g``, then ``a = rho*a + (1-rho)*u*u``.
+
+    Args:
+      rho: decay rate of ``nu`` (torch's ``"square_avg"``) and ``delta`` (``"acc_delta"``), both
+        non-negative (second moments).
+      eps: added inside both square roots (as torch.optim.Adadelta).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"square_avg"`` and ``"acc_delta"``.
+    Returns:
+      A transformation with state :class:`ScaleByAdadeltaState`.
+    """
+    return _declared_rule("adadelta", ScaleByAdadeltaState, {}, dict(rho=rho, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
     """``update + weight_decay * param`` (decoupled decay once scaled by ``-lr``).
 
@@ -724,4 +758,5 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
 
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
-                                      ScaleByRmsState, ScaleByRssState, ScaleByAdamaxState, ScaleByScheduleState])
+                                      ScaleByRmsState, ScaleByRssState, ScaleByAdamaxState, ScaleByAdadeltaState,
+                                      ScaleByScheduleState])

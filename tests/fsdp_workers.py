@@ -171,9 +171,12 @@ OPTIMIZERS = {
     "adamax8bit": "Adamax8bit",  # the infinity norm (unsigned) first, then exp_avg; L2 decay
     "adamax4bit": "Adamax4bit",
     "adamaxfp8": "AdamaxFp8",
+    "adadelta8bit": "Adadelta8bit",  # two unsigned states
+    "adadelta4bit": "Adadelta4bit",
+    "adadeltafp8": "AdadeltaFp8",
 }
 RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1)}
-FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8")
+FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8", "adadelta8bit", "adadelta4bit", "adadeltafp8")
 """The family's formats the extended FSDP2 and TP tests run (family_worker, test_tp)."""
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 

@@ -29,6 +29,8 @@ STEPS = 20
 FAMILY = {
     "Adamax": (lt.adamax, [{}, {"betas": (0.8, 0.99), "eps": 1e-6}, {"weight_decay": 0.1}, {"maximize": True},
                            {"weight_decay": 0.05, "maximize": True, "scheduler": True}]),
+    "Adadelta": (lt.adadelta, [{}, {"rho": 0.5, "eps": 1e-4}, {"weight_decay": 0.1}, {"maximize": True},
+                               {"weight_decay": 0.05, "maximize": True, "scheduler": True}]),
 }
 CASES = [(name, o) for name, (_, options) in FAMILY.items() for o in options]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in o.items()) or 'defaults'}" for name, o in CASES]
@@ -180,6 +182,10 @@ def reference_rule_step(spec, hyper, p, g, states, *, write):
             m = h["b1"] * olds[1] + h["omb1"] * gf
             u = (m * h["rbc1"]) / e
             news = [e, m]
+        elif spec.rule == "adadelta":
+            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+            u = (np.sqrt(olds[1] + h["eps"]) / np.sqrt(v + h["eps"])) * gf
+            news = [v, h["b2"] * olds[1] + h["omb2"] * (u * u)]
         else:
             raise AssertionError(spec.rule)
         if spec.decay:
@@ -194,8 +200,8 @@ def reference_rule_step(spec, hyper, p, g, states, *, write):
     return out, new_states
 
 
-RULES = [("adamax", {})]
-RULE_IDS = ["adamax"]
+RULES = [("adamax", {}), ("adadelta", {})]
+RULE_IDS = ["adamax", "adadelta"]
 LINK_SETS = [{}, {"decay": True, "lr": True}, {"maximize": True, "l2": True, "lr": True}]
 REF_SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64)]
 

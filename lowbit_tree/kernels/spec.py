@@ -27,6 +27,8 @@ exactly these operations; design.md, "Update rules"):
   decay is the ``lr`` link's schedule)
 - rule ``adamax`` (torch.optim.Adamax; states ``(e, m)``): ``e = max(b2*e, |g| + eps)`` (NaN if either
   is, as torch.maximum); ``m = b1*m + (1-b1)*g``; ``u = (m * (1/bc1)) / e``
+- rule ``adadelta`` (torch.optim.Adadelta; ``b2`` its rho; states ``(v, a)``): ``v = b2*v + (1-b2)*(g*g)``;
+  ``u = (sqrt(a + eps) / sqrt(v + eps)) * g``; ``a = b2*a + (1-b2)*(u*u)`` (``a`` of the old value first)
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its

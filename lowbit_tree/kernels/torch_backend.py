@@ -217,6 +217,10 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
         m = h.b1 * olds[1] + h.omb1 * g
         u = (m * h.rbc1) / e
         news = [e, m]
+    elif spec.rule == "adadelta":  # states (square_avg, acc_delta); b2: rho
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        u = (_exact_sqrt(olds[1] + h.eps) / _exact_sqrt(v + h.eps)) * g
+        news = [v, h.b2 * olds[1] + h.omb2 * (u * u)]
     else:
         b = h.b1 * olds[0] + g
         u = g + h.b1 * b if spec.nesterov else b
