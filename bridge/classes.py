@@ -50,7 +50,7 @@ from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
 from lowbit_tree.transform import (ScaleByAdadeltaState, ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState,
-                                  ScaleByLionState, ScaleByRmsState, ScaleByRssState, TraceState)
+                                  ScaleByLionState, ScaleByRAdamState, ScaleByRmsState, ScaleByRssState, TraceState)
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -61,6 +61,7 @@ __all__ = [
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
     "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
     "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8", "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8",
+    "RAdam", "RAdam8bit", "RAdam4bit", "RAdamFp8",
 ]
 
 
@@ -344,7 +345,8 @@ def _docstring(cls) -> str:
 
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
                 "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
-                "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState}
+                "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState,
+                "radam": ScaleByRAdamState}
 """Each rule's core state class (its ``roles`` are the rule's declared states)."""
 
 
@@ -654,4 +656,37 @@ class Adadelta4bit(Adadelta):
 
 class AdadeltaFp8(Adadelta):
     _summary = "Adadelta with float8 e4m3 states (each stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class RAdam(_Declared):
+    _spec = _Spec(
+        "radam", alias.radam,
+        (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("decoupled_weight_decay", False),
+         ("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False), *_STORAGE,
+         ("param_correction", False)),
+        keyword="foreach",
+        summary="torch.optim.RAdam (same signature, defaults, state names and math: Adam's moments; at step ``t`` the "
+                "update ``lr * exp_avg / (1 - beta1**t) * r * sqrt(1 - beta2**t) / (sqrt(exp_avg_sq) + eps)`` once "
+                "the variance is tractable (``rho_t > 5``; ``r`` the rectification), else ``lr * exp_avg / (1 - "
+                "beta1**t)``) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` and ``exp_avg_sq``.", "a pair of numbers in [0, 1)",
+                           "betas", "betas")),
+              ("eps", _A("eps", "Added to ``sqrt(exp_avg_sq)``, outside the root and before the bias correction (as "
+                         "torch.optim.RAdam).", "a number >= 0", "nonneg", "eps"))),
+    )
+
+
+class RAdam8bit(RAdam):
+    _summary = "RAdam with 8-bit states (``exp_avg_sq`` on the zero-free sqrt map, ``exp_avg`` on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class RAdam4bit(RAdam):
+    _summary = "RAdam with 4-bit states (arXiv 2309.01507's maps, block 128; ``exp_avg_sq`` per block)."
+    _default_format = "4bit"
+
+
+class RAdamFp8(RAdam):
+    _summary = "RAdam with float8 e4m3 states (``exp_avg_sq`` stored as its zero-free square root)."
     _default_format = "fp8"

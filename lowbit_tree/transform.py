@@ -1,7 +1,7 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
 The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`,
-:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`; each declared once in :mod:`lowbit_tree.rules`)
+:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`, :func:`scale_by_radam`; each declared once in :mod:`lowbit_tree.rules`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
@@ -38,6 +38,7 @@ __all__ = [
     "ScaleByRssState",
     "ScaleByAdamaxState",
     "ScaleByAdadeltaState",
+    "ScaleByRAdamState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
@@ -48,6 +49,7 @@ __all__ = [
     "scale_by_rss",
     "scale_by_adamax",
     "scale_by_adadelta",
+    "scale_by_radam",
     "flip_sign",
     "add_decayed_weights",
     "scale",
@@ -117,6 +119,14 @@ class ScaleByAdadeltaState(NamedTuple):
     delta: Any  # the running average of squared updates (acc_delta)
 
     roles = rules.rule("adadelta").roles(STEP)
+
+
+class ScaleByRAdamState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the second moment (torch.optim.RAdam's exp_avg_sq)
+    mu: Any  # the first moment (exp_avg)
+
+    roles = rules.rule("radam").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -647,6 +657,33 @@ def scale_by_adadelta(
                           block_size=block_size, min_quant_size=min_quant_size)
 
 
+def scale_by_radam(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.RAdam's rule (arXiv 1908.03265): Adam's moments; at step ``t`` the update is
+    ``m / (1 - b1**t) * r * sqrt(1 - b2**t) / (sqrt(v) + eps)`` once the variance is tractable
+    (``rho_t > 5``, ``r`` the rectification), else the bias-corrected ``m / (1 - b1**t)``
+    (``lowbit_tree.kernels.spec.radam_terms``, per step in float64).
+
+    Args:
+      b1, b2: decay rates of ``mu`` (torch's ``"exp_avg"``) and ``nu`` (``"exp_avg_sq"``).
+      eps: added to ``sqrt(v)``, outside the root and before the bias correction (as
+        torch.optim.RAdam).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"exp_avg"`` and ``"exp_avg_sq"``.
+    Returns:
+      A transformation with state :class:`ScaleByRAdamState`.
+    """
+    return _declared_rule("radam", ScaleByRAdamState, {}, dict(b1=b1, b2=b2, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
     """``update + weight_decay * param`` (decoupled decay once scaled by ``-lr``).
 
@@ -759,4 +796,4 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
                                       ScaleByRmsState, ScaleByRssState, ScaleByAdamaxState, ScaleByAdadeltaState,
-                                      ScaleByScheduleState])
+                                      ScaleByRAdamState, ScaleByScheduleState])

@@ -174,9 +174,14 @@ OPTIMIZERS = {
     "adadelta8bit": "Adadelta8bit",  # two unsigned states
     "adadelta4bit": "Adadelta4bit",
     "adadeltafp8": "AdadeltaFp8",
+    "radam8bit": "RAdam8bit",  # decoupled decay: steps 1-5 the bias-corrected m, then rectified
+    "radam4bit": "RAdam4bit",
+    "radamfp8": "RAdamFp8",
 }
-RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1)}
-FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8", "adadelta8bit", "adadelta4bit", "adadeltafp8")
+RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1),
+                "radam": dict(decoupled_weight_decay=True)}
+FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8", "adadelta8bit", "adadelta4bit", "adadeltafp8",
+                  "radam8bit", "radam4bit", "radamfp8")
 """The family's formats the extended FSDP2 and TP tests run (family_worker, test_tp)."""
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 

@@ -221,6 +221,12 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
         v = h.b2 * olds[0] + h.omb2 * (g * g)
         u = (_exact_sqrt(olds[1] + h.eps) / _exact_sqrt(v + h.eps)) * g
         news = [v, h.b2 * olds[1] + h.omb2 * (u * u)]
+    elif spec.rule == "radam":  # states (exp_avg_sq, exp_avg); cm, rect: spec.radam_terms
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        m = h.b1 * olds[1] + h.omb1 * g
+        num = m * h.cm
+        u = torch.where(h.rect != 0, num / (_exact_sqrt(v) + h.eps), num)
+        news = [v, m]
     else:
         b = h.b1 * olds[0] + g
         u = g + h.b1 * b if spec.nesterov else b
