@@ -1,4 +1,4 @@
-"""The rest of torch.optim's elementwise family (Adamax, Adadelta, RAdam, NAdam), each added as a
+"""The rest of torch.optim's elementwise family (Adamax, Adadelta, RAdam), each added as a
 declaration (lowbit_tree/rules.py) plus its math per backend, against independent references:
 torch.optim itself (float32 states within 1e-6 relative over 20 steps, with maximize, weight
 decay and an LR scheduler), its state dicts loading into ours and ours into it, our state dicts
