@@ -49,8 +49,8 @@ import torch
 from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
-from lowbit_tree.transform import (ScaleByAdamState, ScaleByAdEMAMixState, ScaleByLionState, ScaleByRmsState,
-                                  ScaleByRssState, TraceState)
+from lowbit_tree.transform import (ScaleByAdadeltaState, ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState,
+                                  ScaleByLionState, ScaleByRAdamState, ScaleByRmsState, ScaleByRssState, TraceState)
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -60,6 +60,8 @@ __all__ = [
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
     "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
+    "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8", "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8",
+    "RAdam", "RAdam8bit", "RAdam4bit", "RAdamFp8",
 ]
 
 
@@ -381,7 +383,9 @@ def _docstring(cls) -> str:
 
 
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
-                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState}
+                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
+                "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState,
+                "radam": ScaleByRAdamState}
 """Each rule's core state class (its ``roles`` are the rule's declared states)."""
 
 
@@ -630,4 +634,98 @@ class Adagrad4bit(Adagrad):
 
 class AdagradFp8(Adagrad):
     _summary = "Adagrad with a float8 e4m3 ``sum`` (stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class Adamax(_Declared):
+    _spec = _Spec(
+        "adamax", alias.adamax,
+        (("lr", 2e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("foreach", None),
+         ("maximize", False), ("differentiable", False), ("capturable", False), *_STORAGE, ("param_correction", False)),
+        keyword="maximize",
+        summary="torch.optim.Adamax (same signature, defaults, state names and math: ``exp_inf = max(beta2 * exp_inf, "
+                "|g| + eps)``, the update ``lr / (1 - beta1**t) * exp_avg / exp_inf`` at step ``t``; ``weight_decay`` "
+                "is L2 decay added to the gradient) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` (bias-corrected) and of the infinity norm "
+                           "``exp_inf``.", "a pair of numbers in [0, 1)", "betas", "betas")),
+              ("eps", _A("eps", "Added to ``|g|`` inside the maximum (as torch.optim.Adamax).", "a number >= 0",
+                         "nonneg", "eps"))),
+    )
+
+
+class Adamax8bit(Adamax):
+    _summary = "Adamax with 8-bit states (``exp_inf`` on the zero-free sqrt map, ``exp_avg`` on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class Adamax4bit(Adamax):
+    _summary = "Adamax with 4-bit states (arXiv 2309.01507's maps, block 128; ``exp_inf`` per block)."
+    _default_format = "4bit"
+
+
+class AdamaxFp8(Adamax):
+    _summary = "Adamax with float8 e4m3 states (``exp_inf`` stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class Adadelta(_Declared):
+    _spec = _Spec(
+        "adadelta", alias.adadelta,
+        (("lr", 1.0), ("rho", 0.9), ("eps", 1e-6), ("weight_decay", 0), ("foreach", None), ("capturable", False),
+         ("maximize", False), ("differentiable", False), *_STORAGE, ("param_correction", False)),
+        keyword="capturable",
+        summary="torch.optim.Adadelta (same signature, defaults, state names and math: ``square_avg = rho * "
+                "square_avg + (1 - rho) * g*g``, the update ``delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) "
+                "* g`` times ``lr``, ``acc_delta = rho * acc_delta + (1 - rho) * delta*delta``; ``weight_decay`` is L2 "
+                "decay added to the gradient) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("eps", _A("eps", "Added inside both square roots, ``sqrt(acc_delta + eps)`` and ``sqrt(square_avg + "
+                         "eps)`` (as torch.optim.Adadelta).", "a number >= 0", "nonneg", "eps")),),
+    )
+
+
+class Adadelta8bit(Adadelta):
+    _summary = "Adadelta with 8-bit states (both on the zero-free sqrt map)."
+    _default_format = "8bit"
+
+
+class Adadelta4bit(Adadelta):
+    _summary = "Adadelta with 4-bit states (arXiv 2309.01507's unsigned linear map, block 128)."
+    _default_format = "4bit"
+
+
+class AdadeltaFp8(Adadelta):
+    _summary = "Adadelta with float8 e4m3 states (each stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class RAdam(_Declared):
+    _spec = _Spec(
+        "radam", alias.radam,
+        (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("decoupled_weight_decay", False),
+         ("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False), *_STORAGE,
+         ("param_correction", False)),
+        keyword="foreach",
+        summary="torch.optim.RAdam (same signature, defaults, state names and math: Adam's moments; at step ``t`` the "
+                "update ``lr * exp_avg / (1 - beta1**t) * r * sqrt(1 - beta2**t) / (sqrt(exp_avg_sq) + eps)`` once "
+                "the variance is tractable (``rho_t > 5``; ``r`` the rectification), else ``lr * exp_avg / (1 - "
+                "beta1**t)``) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` and ``exp_avg_sq``.", "a pair of numbers in [0, 1)",
+                           "betas", "betas")),
+              ("eps", _A("eps", "Added to ``sqrt(exp_avg_sq)``, outside the root and before the bias correction (as "
+                         "torch.optim.RAdam).", "a number >= 0", "nonneg", "eps"))),
+    )
+
+
+class RAdam8bit(RAdam):
+    _summary = "RAdam with 8-bit states (``exp_avg_sq`` on the zero-free sqrt map, ``exp_avg`` on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class RAdam4bit(RAdam):
+    _summary = "RAdam with 4-bit states (arXiv 2309.01507's maps, block 128; ``exp_avg_sq`` per block)."
+    _default_format = "4bit"
+
+
+class RAdamFp8(RAdam):
+    _summary = "RAdam with float8 e4m3 states (``exp_avg_sq`` stored as its zero-free square root)."
     _default_format = "fp8"

@@ -62,6 +62,9 @@ class RuleDef:
     """``1/bc1`` and ``1/sqrt(bc2)`` from ``b1``, ``b2`` and the count (Adam's moments)."""
     slow_ema: bool = False
     """``1 - b3`` (AdEMAMix's slow EMA); otherwise the entry is 0."""
+    rectified: bool = False
+    """RAdam's variance rectification: the vector's ``cm`` and ``rect`` from ``b1``, ``b2`` and the
+    count (``kernels.spec.radam_terms``); otherwise they are 0."""
     torch_name: Optional[str] = None
     """The torch.optim class whose math and state names the rule follows (``None``: none has it)."""
 
@@ -121,6 +124,13 @@ RULE_DEFS = {
                 torch_name="RMSprop"),
         RuleDef("adagrad", (StateDef("sum", "sum", _V),),
                 slots=(("initial_accumulator_value", "b1"), ("eps", "eps")), torch_name="Adagrad"),
+        # the infinity norm first, as rmsprop's second moment (the block path is for a signed first state)
+        RuleDef("adamax", (StateDef("nu", "exp_inf", _V), StateDef("mu", "exp_avg", _M)),
+                slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), bias_correction=True, torch_name="Adamax"),
+        RuleDef("adadelta", (StateDef("nu", "square_avg", _V), StateDef("delta", "acc_delta", _V)),
+                slots=(("rho", "b2"), ("eps", "eps")), torch_name="Adadelta"),
+        RuleDef("radam", (StateDef("nu", "exp_avg_sq", _V), StateDef("mu", "exp_avg", _M)),
+                slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), rectified=True, torch_name="RAdam"),
     )
 }
 """Every rule by name, in kernel id order; a rule's id is its position, so new ones are appended."""
@@ -172,6 +182,11 @@ ARGS = {
         _a("betas", "Decay rates of the running averages.", "numbers in [0, 1)", "betas", "betas"),
         _a("alpha", "Smoothing constant of the running average of squared gradients (``square_avg``).",
            "a number in [0, 1]", "closed_unit", "alpha"),
+        _a("rho", "Decay rate of the running averages ``square_avg`` (of squared gradients) and ``acc_delta`` (of "
+           "squared updates).", "a number in [0, 1]", "closed_unit", "rho"),
+        _a("decoupled_weight_decay", "Apply ``weight_decay`` as decoupled decay, ``p - lr * (update + "
+           "weight_decay * p)`` (AdamW's), instead of L2 decay added to the gradient.", "True or False", "flag",
+           "decoupled_weight_decay", static=True),
         _a("centered", "Normalize by the estimated variance of the gradient: keeps ``grad_avg``, the running average "
            "of the gradient, and divides by ``sqrt(square_avg - grad_avg**2) + eps``.", "True or False", "flag",
            "centered", static=True),

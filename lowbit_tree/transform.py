@@ -1,7 +1,7 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
 The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`,
-:func:`scale_by_rms`, :func:`scale_by_rss`; each declared once in :mod:`lowbit_tree.rules`)
+:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`, :func:`scale_by_radam`; each declared once in :mod:`lowbit_tree.rules`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
@@ -37,6 +37,9 @@ __all__ = [
     "TraceState",
     "ScaleByRmsState",
     "ScaleByRssState",
+    "ScaleByAdamaxState",
+    "ScaleByAdadeltaState",
+    "ScaleByRAdamState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
@@ -45,6 +48,9 @@ __all__ = [
     "trace",
     "scale_by_rms",
     "scale_by_rss",
+    "scale_by_adamax",
+    "scale_by_adadelta",
+    "scale_by_radam",
     "flip_sign",
     "add_decayed_weights",
     "scale",
@@ -98,6 +104,30 @@ class ScaleByRssState(NamedTuple):
     sum: Any  # the running sum of squared gradients (torch.optim.Adagrad's sum)
 
     roles = rules.rule("adagrad").roles(STEP)
+
+
+class ScaleByAdamaxState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the exponentially weighted infinity norm (torch.optim.Adamax's exp_inf)
+    mu: Any  # the first moment (exp_avg)
+
+    roles = rules.rule("adamax").roles(STEP)
+
+
+class ScaleByAdadeltaState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the running average of squared gradients (torch.optim.Adadelta's square_avg)
+    delta: Any  # the running average of squared updates (acc_delta)
+
+    roles = rules.rule("adadelta").roles(STEP)
+
+
+class ScaleByRAdamState(NamedTuple):
+    count: torch.Tensor
+    nu: Any  # the second moment (torch.optim.RAdam's exp_avg_sq)
+    mu: Any  # the first moment (exp_avg)
+
+    roles = rules.rule("radam").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -551,6 +581,83 @@ def scale_by_rss(
                           state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
 
 
+def scale_by_adamax(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.Adamax's rule: ``e = max(b2*e, |g| + eps)``, ``m = b1*m + (1-b1)*g``, the update
+    ``(m / (1 - b1**t)) / e`` at step ``t``.
+
+    Args:
+      b1: decay rate of the first moment ``mu`` (torch's ``"exp_avg"``; bias-corrected).
+      b2: decay rate of the infinity norm ``nu`` (``"exp_inf"``; non-negative, stored as a second
+        moment).
+      eps: added to ``|g|`` inside the maximum (as torch.optim.Adamax).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"exp_avg"`` and ``"exp_inf"``.
+    Returns:
+      A transformation with state :class:`ScaleByAdamaxState`.
+    """
+    return _declared_rule("adamax", ScaleByAdamaxState, {}, dict(b1=b1, b2=b2, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
+def scale_by_adadelta(
+    rho: float | torch.Tensor = 0.9,
+    eps: float | torch.Tensor = 1e-6,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.Adadelta's rule: ``v = rho*v + (1-rho)*g*g``, the update
+    ``u = sqrt(a + eps) / sqrt(v + eps) * g``, then ``a = rho*a + (1-rho)*u*u``.
+
+    Args:
+      rho: decay rate of ``nu`` (torch's ``"square_avg"``) and ``delta`` (``"acc_delta"``), both
+        non-negative (second moments).
+      eps: added inside both square roots (as torch.optim.Adadelta).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"square_avg"`` and ``"acc_delta"``.
+    Returns:
+      A transformation with state :class:`ScaleByAdadeltaState`.
+    """
+    return _declared_rule("adadelta", ScaleByAdadeltaState, {}, dict(rho=rho, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
+def scale_by_radam(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.RAdam's rule (arXiv 1908.03265): Adam's moments; at step ``t`` the update is
+    ``m / (1 - b1**t) * r * sqrt(1 - b2**t) / (sqrt(v) + eps)`` once the variance is tractable
+    (``rho_t > 5``, ``r`` the rectification), else the bias-corrected ``m / (1 - b1**t)``
+    (``lowbit_tree.kernels.spec.radam_terms``, per step in float64).
+
+    Args:
+      b1, b2: decay rates of ``mu`` (torch's ``"exp_avg"``) and ``nu`` (``"exp_avg_sq"``).
+      eps: added to ``sqrt(v)``, outside the root and before the bias correction (as
+        torch.optim.RAdam).
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"exp_avg"`` and ``"exp_avg_sq"``.
+    Returns:
+      A transformation with state :class:`ScaleByRAdamState`.
+    """
+    return _declared_rule("radam", ScaleByRAdamState, {}, dict(b1=b1, b2=b2, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
+
+
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
     """``update + weight_decay * param`` (decoupled decay once scaled by ``-lr``).
 
@@ -662,4 +769,5 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
 
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
-                                      ScaleByRmsState, ScaleByRssState, ScaleByScheduleState])
+                                      ScaleByRmsState, ScaleByRssState, ScaleByAdamaxState, ScaleByAdadeltaState,
+                                      ScaleByRAdamState, ScaleByScheduleState])

@@ -167,8 +167,22 @@ OPTIMIZERS = {
     "rmsprop4bit": "RMSprop4bit",
     "adagrad8bit": "Adagrad8bit",  # one unsigned state; lr_decay and an initial accumulator value
     "adagradfp8": "AdagradFp8",
+    # the rest of torch.optim's elementwise family (test_fsdp / test_tp's extended tests)
+    "adamax8bit": "Adamax8bit",  # the infinity norm (unsigned) first, then exp_avg; L2 decay
+    "adamax4bit": "Adamax4bit",
+    "adamaxfp8": "AdamaxFp8",
+    "adadelta8bit": "Adadelta8bit",  # two unsigned states
+    "adadelta4bit": "Adadelta4bit",
+    "adadeltafp8": "AdadeltaFp8",
+    "radam8bit": "RAdam8bit",  # decoupled decay: steps 1-5 the bias-corrected m, then rectified
+    "radam4bit": "RAdam4bit",
+    "radamfp8": "RAdamFp8",
 }
-RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1)}
+RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1),
+                "radam": dict(decoupled_weight_decay=True)}
+FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8", "adadelta8bit", "adadelta4bit", "adadeltafp8",
+                  "radam8bit", "radam4bit", "radamfp8")
+"""The family's formats the extended FSDP2 and TP tests run (family_worker, test_tp)."""
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
 
@@ -491,6 +505,32 @@ def rules_exact_worker(rank, world, steps=4):
     for fmt in ("rmsprop8bit", "rmsprop4bit", "adagrad8bit", "adagradfp8"):
         opt = _exact_run(rank, world, fmt, steps)
         _check_quantized_like_global(opt, 1)
+
+
+def family_worker(rank, world, workdir, steps=3):
+    """Each of :data:`FAMILY_FORMATS` under FSDP2: fed the unsharded run's global gradients, params
+    and every gathered state bit for bit the unsharded optimizer's; then dcp.save after training
+    steps, dcp.load into a fresh model and optimizer: the same states bit for bit and the same
+    losses as the run that went on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    for fmt in FAMILY_FORMATS:
+        _check_quantized_like_global(_exact_run(rank, world, fmt, steps), 1)
+        _mark(rank, "family dcp", fmt)
+        path = os.path.join(workdir, f"family_{fmt}_{world}")
+        model = shard(make_model(), world)
+        opt = make_opt(model.parameters(), fmt)
+        for step in range(steps):
+            global_batch_step(model, opt, step, rank, world)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=path)
+        saved = full_states(opt)
+        losses = [global_batch_step(model, opt, step, rank, world) for step in range(steps, steps + 2)]
+        m2, o2 = _fresh(world, fmt)
+        _dcp_load(m2, o2, path)
+        assert_states_equal(full_states(o2), saved, what=f"{fmt} dcp round trip at {world} ranks")
+        assert [global_batch_step(m2, o2, step, rank, world) for step in range(steps, steps + 2)] == losses
 
 
 def parity_all_worker(rank, world):

@@ -65,6 +65,15 @@ def test_rmsprop_adagrad_fsdp_exact(world):
     W.launch(W.rules_exact_worker, world)
 
 
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_family_fsdp_exact_and_dcp(tmp_path, world):
+    """Adamax, Adadelta and RAdam in their low-bit formats (fsdp_workers.FAMILY_FORMATS)
+    under FSDP2 (uneven shards, an empty one at 3 ranks): params and gathered states bit for bit
+    those of one process; a DCP round trip gives the saved states and the same continuation."""
+    W.launch(W.family_worker, world, str(tmp_path))
+
+
 def test_hsdp_exact_for_every_record_kind():
     """HSDP on a 2x2 gloo mesh (replicated over one dim, sharded over the other): block, rank-1
     and low-rank records gather with ``full_tensor()`` to the unsharded optimizer's, bit for bit."""

@@ -23,6 +23,19 @@ def test_fsdp_plus_tp_2x2(tmp_path):
              str(tmp_path))
 
 
+@pytest.mark.extended
+def test_torch_family_tp_1d_and_2x2(tmp_path):
+    """The rest of torch.optim's elementwise family (fsdp_workers.FAMILY_FORMATS): 1-D TP at 2
+    ranks and FSDP2 + TP at 2x2, bit for bit against the unsharded run, DCP and full state dicts
+    round trips (tp_worker)."""
+    from fsdp_workers import FAMILY_FORMATS
+
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "2x2").mkdir()
+    W.launch(W.tp_worker, 2, (2,), ("tp",), FAMILY_FORMATS, str(tmp_path / "tp"))
+    W.launch(W.tp_worker, 4, (2, 2), ("dp", "tp"), FAMILY_FORMATS, str(tmp_path / "2x2"))
+
+
 def test_reshard_2x2_to_other_meshes_and_one_process(tmp_path):
     """Saved at (dp, tp) = (2, 2): fc2's columns in 2 x 20, blocks of 4. Loaded at (1, 2) the
     block sizes agree (exact); at (4, 1) and in one process fc2 uses blocks of 8: requantized,

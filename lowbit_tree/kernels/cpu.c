@@ -1302,6 +1302,10 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *             RMSPROP   v = b2*v + (1-b2)*(g*g); [centered: a = lerp(a, g, 1-b2), d = sqrt(v - a*a) + eps]
  *                       else d = sqrt(v) + eps; u = g/d, or [momentum] b = b1*b + g/d, u = b
  *             ADAGRAD   s = max(s, b1) + g*g; u = g / (sqrt(s) + eps)
+ *             ADAMAX    e = max(b2*e, |g| + eps) (NaN if either is); m = b1*m + (1-b1)*g; u = (m * (1/bc1)) / e
+ *             ADADELTA  v = b2*v + (1-b2)*(g*g); u = (sqrt(a + eps) / sqrt(v + eps)) * g; a = b2*a + (1-b2)*(u*u)
+ *             RADAM     v = b2*v + (1-b2)*(g*g); m = b1*m + (1-b1)*g; u = (m * cm) / (sqrt(v) + eps) if rect,
+ *                       else m * cm (cm, rect: spec.radam_terms)
  *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
  *   output    out = u (float32 update), or the param p + u rounded once to its
  *             dtype (to nearest even, or stochastically for bfloat16); with LBT_NEW_PARAM
@@ -1745,6 +1749,25 @@ static inline __attribute__((always_inline)) void rule_run(
             u = gi / (sqrtf(s) + eps);
             t0 = s;
             s0[k] = t0;
+        } else if (RULE == LBT_ADAMAX) { /* torch.optim.Adamax: e the infinity norm (first), m */
+            float e = amsgrad_max(b2 * OLD(0), fabsf(gi) + eps), m = b1 * OLD(1) + omb1 * gi;
+            u = (m * rbc1) / e;
+            t0 = e, t1 = m;
+            s0[k] = t0;
+            s1[k] = t1;
+        } else if (RULE == LBT_ADADELTA) { /* torch.optim.Adadelta: v square_avg, a acc_delta; b2 its rho */
+            float a0 = OLD(1), v = adam_second_moment(b2, omb2, OLD(0), gi);
+            u = (sqrtf(a0 + eps) / sqrtf(v + eps)) * gi;
+            t0 = v, t1 = adam_second_moment(b2, omb2, a0, u);
+            s0[k] = t0;
+            s1[k] = t1;
+        } else if (RULE == LBT_RADAM) { /* torch.optim.RAdam: v, m; cm, rect this step's (spec.radam_terms) */
+            const float cm = hyper[LBT_H_CM], rect = hyper[LBT_H_RECT];
+            float v = adam_second_moment(b2, omb2, OLD(0), gi), m = b1 * OLD(1) + omb1 * gi, num = m * cm;
+            u = rect != 0.0f ? num / (sqrtf(v) + eps) : num;
+            t0 = v, t1 = m;
+            s0[k] = t0;
+            s1[k] = t1;
         } else { /* momentum */
             float b = b1 * OLD(0) + gi;
             u = VAR ? gi + b1 * b : b;
@@ -1824,7 +1847,8 @@ static inline int job_variant(const lbt_job *J) {
     LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3) \
     LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)                                       \
     LBT_RUN3E(LBT_RMSPROP, 0) LBT_RUN3E(LBT_RMSPROP, 1) LBT_RUN3E(LBT_RMSPROP, 2) LBT_RUN3E(LBT_RMSPROP, 3) \
-    LBT_RUN3E(LBT_ADAGRAD, 0)
+    LBT_RUN3E(LBT_ADAGRAD, 0) LBT_RUN3E(LBT_ADAMAX, 0) LBT_RUN3E(LBT_ADADELTA, 0)                  \
+    LBT_RUN3E(LBT_RADAM, 0) LBT_RUN(LBT_RADAM, 0, 0, 0, 2) LBT_RUN(LBT_RADAM, 0, 0, 0, 4)
 /* the rules without a state transform or decoded states and without decoupled decay (L2 only):
  * the epilogues EPW 0, 1 (lr, in place) and 3 (lr, the update) */
 #define LBT_RUN3E(R, V) LBT_RUN(R, V, 0, 0, 0) LBT_RUN(R, V, 0, 0, 1) LBT_RUN(R, V, 0, 0, 3)

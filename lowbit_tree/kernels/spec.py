@@ -25,6 +25,12 @@ exactly these operations; design.md, "Update rules"):
   g*g`` (``max`` NaN if ``s`` is: the first step lifts a zero state to the initial value, later ones
   change nothing, as ``s >= b1`` once stepped); ``u = g / (sqrt(s) + eps)`` (the learning-rate
   decay is the ``lr`` link's schedule)
+- rule ``adamax`` (torch.optim.Adamax; states ``(e, m)``): ``e = max(b2*e, |g| + eps)`` (NaN if either
+  is, as torch.maximum); ``m = b1*m + (1-b1)*g``; ``u = (m * (1/bc1)) / e``
+- rule ``adadelta`` (torch.optim.Adadelta; ``b2`` its rho; states ``(v, a)``): ``v = b2*v + (1-b2)*(g*g)``;
+  ``u = (sqrt(a + eps) / sqrt(v + eps)) * g``; ``a = b2*a + (1-b2)*(u*u)`` (``a`` of the old value first)
+- rule ``radam`` (torch.optim.RAdam; states ``(v, m)``): ``v = b2*v + (1-b2)*(g*g)``; ``m = b1*m + (1-b1)*g``;
+  ``u = (m * cm) / (sqrt(v) + eps)`` if ``rect`` (is not 0), else ``u = m * cm`` (:func:`radam_terms`)
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
@@ -52,7 +58,7 @@ import torch
 from ..rules import RULE_DEFS, VARIANT_FLAGS
 
 __all__ = [
-    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "FLAGS", "flag_bits",
+    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "radam_terms", "FLAGS", "flag_bits",
     "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
 ]
 
@@ -61,11 +67,13 @@ RULES = tuple(RULE_DEFS)
 its index here."""
 RULE_IDS = {rule: i for i, rule in enumerate(RULES)}
 
-HYPER_NAMES = ("b1", "omb1", "b2", "omb2", "rbc1", "rsbc2", "eps", "lr", "wd", "l2", "b3", "omb3", "alpha")
+HYPER_NAMES = ("b1", "omb1", "b2", "omb2", "rbc1", "rsbc2", "eps", "lr", "wd", "l2", "b3", "omb3", "alpha", "cm",
+               "rect")
 """The hyperparameter vector, in order: ``b1`` (the momentum of momentum, muon and rmsprop;
 adagrad's initial accumulator value), ``1-b1``, ``b2`` (rmsprop's alpha), ``1-b2``, ``1/bc1``, ``1/sqrt(bc2)``, ``eps``, ``lr``, ``wd`` (decoupled decay), ``l2``
-(L2 decay), ``b3``, ``1-b3``, ``alpha`` (the last three: ademamix's slow EMA and its weight, 0
-for the other rules); which entry holds which of a rule's hyperparameters is the rule's declaration
+(L2 decay), ``b3``, ``1-b3``, ``alpha`` (these three: ademamix's slow EMA and its weight, 0
+for the other rules), ``cm`` and ``rect`` (radam's first-moment factor and whether the update is
+divided by the root this step: :func:`radam_terms`; 0 for the other rules); which entry holds which of a rule's hyperparameters is the rule's declaration
 (:attr:`lowbit_tree.rules.RuleDef.slots`). Every backend reads the vector by these names: the C kernel as
 ``hyper[LBT_H_<NAME>]`` (its header is generated from this tuple), the torch backend through
 :class:`Hyper`."""
@@ -186,6 +194,28 @@ class StepSpec:
         return self.l2 or self.decay
 
 
+def radam_terms(t, b1, b2, host: bool = True):
+    """RAdam's ``(cm, rect)`` at step ``t`` (from 1), as torch.optim.RAdam computes its terms in
+    float64: with ``rho_inf = 2 / (1 - b2) - 1`` and ``rho_t = rho_inf - 2 t b2**t / (1 - b2**t)``,
+    the update is rectified when ``rho_t > 5``: ``cm = r * sqrt(1 - b2**t) / (1 - b1**t)``, ``r`` the
+    rectification ``sqrt((rho_t - 4)(rho_t - 2) rho_inf / ((rho_inf - 4)(rho_inf - 2) rho_t))``, and
+    ``rect = 1``; otherwise ``cm = 1 / (1 - b1**t)`` and ``rect = 0`` (the update is the
+    bias-corrected first moment). ``host``: Python floats; else float64 tensors (``torch.where``, no
+    host sync)."""
+    bc1, bc2 = 1 - b1**t, 1 - b2**t
+    rho_inf = 2 / (1 - b2) - 1
+    rho_t = rho_inf - 2 * t * b2**t / bc2
+    if host:
+        if rho_t > 5:
+            r = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            return r * math.sqrt(bc2) / bc1, 1.0
+        return 1 / bc1, 0.0
+    ok = rho_t > 5
+    r2 = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
+    r = torch.where(ok, r2, torch.ones_like(r2)).sqrt()  # (the other branch's root may be of a negative)
+    return torch.where(ok, r * bc2.sqrt() / bc1, 1 / bc1), ok.to(torch.float64)
+
+
 def step_hyperparams(
     spec: StepSpec,
     *,
@@ -232,9 +262,10 @@ def step_hyperparams(
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
         b3f = float(b3)
+        cm, rect = radam_terms(c, b1f, b2f) if declared.rectified else (0.0, 0.0)
         vals = Hyper(b1=b1f, omb1=1.0 - b1f, b2=b2f, omb2=1.0 - b2f, rbc1=rbc1, rsbc2=rsbc2, eps=float(eps),
                      lr=float(lr), wd=float(weight_decay), l2=float(l2), b3=b3f,
-                     omb3=1.0 - b3f if declared.slow_ema else 0.0, alpha=float(alpha))
+                     omb3=1.0 - b3f if declared.slow_ema else 0.0, alpha=float(alpha), cm=cm, rect=rect)
         return torch.tensor(list(vals), dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
@@ -250,7 +281,13 @@ def step_hyperparams(
     else:
         rbc1 = rsbc2 = torch.zeros(1, dtype=torch.float64, device=dev)
     b3t = f64(b3)
-    omb3 = one - b3t if declared.slow_ema else torch.zeros(1, dtype=torch.float64, device=dev)
+    zero = torch.zeros(1, dtype=torch.float64, device=dev)
+    omb3 = one - b3t if declared.slow_ema else zero
+    if declared.rectified:
+        t = torch.as_tensor(count, device=dev).to(torch.float64).reshape(1) + 1
+        cm, rect = radam_terms(t, b1t, b2t, host=False)
+    else:
+        cm = rect = zero
     parts = Hyper(b1=b1t, omb1=one - b1t, b2=b2t, omb2=one - b2t, rbc1=rbc1, rsbc2=rsbc2, eps=f64(eps), lr=f64(lr),
-                  wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha))
+                  wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha), cm=cm, rect=rect)
     return torch.cat(list(parts)).to(torch.float32)

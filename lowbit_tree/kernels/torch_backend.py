@@ -212,6 +212,21 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
         s = torch.where(olds[0] < h.b1, h.b1, olds[0]) + g * g  # max, NaN kept (where picks a NaN state)
         u = g / (_exact_sqrt(s) + h.eps)
         news = [s]
+    elif spec.rule == "adamax":  # states (exp_inf, exp_avg)
+        e = torch.maximum(h.b2 * olds[0], g.abs() + h.eps)  # NaN if either is (cpu.c: amsgrad_max)
+        m = h.b1 * olds[1] + h.omb1 * g
+        u = (m * h.rbc1) / e
+        news = [e, m]
+    elif spec.rule == "adadelta":  # states (square_avg, acc_delta); b2: rho
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        u = (_exact_sqrt(olds[1] + h.eps) / _exact_sqrt(v + h.eps)) * g
+        news = [v, h.b2 * olds[1] + h.omb2 * (u * u)]
+    elif spec.rule == "radam":  # states (exp_avg_sq, exp_avg); cm, rect: spec.radam_terms
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        m = h.b1 * olds[1] + h.omb1 * g
+        num = m * h.cm
+        u = torch.where(h.rect != 0, num / (_exact_sqrt(v) + h.eps), num)
+        news = [v, m]
     else:
         b = h.b1 * olds[0] + g
         u = g + h.b1 * b if spec.nesterov else b
