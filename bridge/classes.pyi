@@ -32,6 +32,18 @@ __all__ = [
     'Adagrad8bit',
     'Adagrad4bit',
     'AdagradFp8',
+    'Adamax',
+    'Adamax8bit',
+    'Adamax4bit',
+    'AdamaxFp8',
+    'Adadelta',
+    'Adadelta8bit',
+    'Adadelta4bit',
+    'AdadeltaFp8',
+    'RAdam',
+    'RAdam8bit',
+    'RAdam4bit',
+    'RAdamFp8',
 ]
 
 class TorchOptimizerBase(LowBitOptimizer): ...
@@ -243,4 +255,95 @@ class Adagrad4bit(Adagrad):
     ...
 
 class AdagradFp8(Adagrad):
+    ...
+
+class Adamax(TorchOptimizerBase):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 0.002,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-08,
+        weight_decay: float = 0,
+        foreach: bool | None = None,
+        *,
+        maximize: bool = False,
+        differentiable: bool = False,
+        capturable: bool = False,
+        state_format: str | Mapping[str, str] | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        bf16_stochastic_round: bool = False,
+        skip_nonfinite: bool = False,
+        param_correction: bool = False,
+    ) -> None: ...
+
+class Adamax8bit(Adamax):
+    ...
+
+class Adamax4bit(Adamax):
+    ...
+
+class AdamaxFp8(Adamax):
+    ...
+
+class Adadelta(TorchOptimizerBase):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-06,
+        weight_decay: float = 0,
+        foreach: bool | None = None,
+        *,
+        capturable: bool = False,
+        maximize: bool = False,
+        differentiable: bool = False,
+        state_format: str | Mapping[str, str] | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        bf16_stochastic_round: bool = False,
+        skip_nonfinite: bool = False,
+        param_correction: bool = False,
+    ) -> None: ...
+
+class Adadelta8bit(Adadelta):
+    ...
+
+class Adadelta4bit(Adadelta):
+    ...
+
+class AdadeltaFp8(Adadelta):
+    ...
+
+class RAdam(TorchOptimizerBase):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 0.001,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-08,
+        weight_decay: float = 0,
+        decoupled_weight_decay: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        state_format: str | Mapping[str, str] | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        bf16_stochastic_round: bool = False,
+        skip_nonfinite: bool = False,
+        param_correction: bool = False,
+    ) -> None: ...
+
+class RAdam8bit(RAdam):
+    ...
+
+class RAdam4bit(RAdam):
+    ...
+
+class RAdamFp8(RAdam):
     ...
