@@ -1,0 +1,317 @@
+"""design.md is true of the code: every path, module, class, function and figure it names exists.
+
+What counts as a name, and how each is checked:
+
+- **The layer map** (design.md's first code block): each entry's files exist under its folder,
+  and each word of its description that looks like code (CamelCase, with a ``_``, or ALL_CAPS)
+  is an attribute of one of the entry's modules (for ``cpu.c``: a word of its text).
+- **Every other backticked span**, by its shape:
+
+  - a path (ends in ``/`` or a file suffix): exists from the root, or under one of ``SEARCH``;
+  - ``a.b.c`` whose head is one of our modules or classes, or an alias the docs use (``ALIASES``:
+    ``lt``, ``tx``, ``opt``), or another importable module (``torch.lerp``): resolved attribute
+    by attribute (a class's members include dataclass fields and ``self.x`` assignments);
+  - ``.b``: an attribute of the previous dotted span's head (`GroupPlan.current` / `.run`);
+  - a bare ``name``, ``name(...)`` or ``name=value``: defined in the project's code (a module,
+    class, function, assignment, parameter, keyword or identifier-like string constant under
+    ``CODE``; a word of ``cpu.c``), or in ``EXTERNAL``, each checked in the module it names;
+  - ``"text"``: a string constant of the code; ``--flag``: an option the code declares.
+
+  Not names, skipped: spans with any other character (math, expressions, shell), single letters
+  (math symbols: ``u``, ``E``, ``R``) and 7 or more hex digits (commits).
+- **The ABI's figures** design.md gives (the hyperparameter vector's length, the job row's layout)
+  equal ``kernels/spec.py``'s.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib
+import inspect
+import os
+import re
+
+import pytest
+
+from lowbit_tree.kernels import spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DESIGN = os.path.join(ROOT, "design.md")
+PACKAGES = ("lowbit_tree", "lowbit_tree.kernels", "bridge")
+SEARCH = ("lowbit_tree", "lowbit_tree/kernels", "bridge")
+CODE = ("lowbit_tree", "bridge", "tests", "benchmarks", "examples")
+C_SOURCE = os.path.join(ROOT, "lowbit_tree", "kernels", "cpu.c")
+ALIASES = {"lt": "lowbit_tree", "tx": "lowbit_tree.base:GradientTransformation",
+           "opt": "bridge.optimizer:LowBitOptimizer"}
+# Names of torch (and the C compiler) that design.md explains ours against: each checked where it lives.
+EXTERNAL = {
+    "_zeropower_via_newtonschulz": "torch.optim._muon",
+    "foreach_reduce": "torch.distributed.fsdp._fully_shard._fsdp_collectives",
+    "flatten_optimizer_state_dict": "torch.distributed.checkpoint.state_dict:_flatten_optim_state_dict",
+    "broadcast_from_rank0": "torch.distributed.checkpoint.state_dict:StateDictOptions",
+    "distribute_tensor": "torch.distributed.tensor",
+    "redistribute": "torch.distributed.tensor:DTensor",
+    "full_tensor": "torch.distributed.tensor:DTensor",
+    "_StridedShard": "torch.distributed.tensor.placement_types",
+    "set_optimizer_state_dict": "torch.distributed.checkpoint.state_dict",
+    "destroy_process_group": "torch.distributed",
+    "emulate_precision_casts": "torch._inductor.config",
+    "isnan": "torch", "abs": "torch", "differentiable": "torch.optim:Adam",
+    "fmaf": None, "_Static_assert": None,  # C: fmaf (math.h), _Static_assert (C11)
+}
+ACRONYMS = {"ABI", "CUDA", "FP8"}  # words of the map's prose that look like constants
+CODE_LIKE = re.compile(r"[A-Z][a-z0-9]+[A-Z]\w*|\w*_\w*|[A-Z][A-Z0-9]{2,}")
+IDENT = r"[A-Za-z_]\w*"
+DOTTED = re.compile(rf"^(\.?{IDENT}(?:\.{IDENT})*)(\((?:\.\.\.|[\w=., ]*)\))?$")
+KEYWORD = re.compile(rf"^({IDENT})=[\w.\"]+$")
+PATH = re.compile(r"^[\w./-]+(/|\.(py|pyi|c|md|sh|toml|json))$")
+SUFFIXES = (".py", ".pyi", ".c")
+
+
+def design() -> str:
+    with open(DESIGN, encoding="utf-8") as f:
+        return f.read()
+
+
+def map_block(text: str) -> str:
+    return text.split("```", 2)[1]
+
+
+def prose(text: str) -> str:
+    """design.md without its fenced blocks."""
+    return "".join(text.split("```")[0::2])
+
+
+def spans(text: str) -> list[str]:
+    return [s.strip() for s in re.findall(r"`([^`\n]+)`", prose(text))]
+
+
+@functools.cache
+def defined_names() -> frozenset:
+    """Every name the project's code defines (see the module docstring), and cpu.c's words."""
+    names = set()
+    for top in CODE:
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if not f.endswith(".py") or os.path.join(folder, f) == os.path.abspath(__file__):
+                    continue
+                names.add(f[:-3])
+                with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                    tree = ast.parse(fh.read())
+                for node in ast.walk(tree):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        names.add(node.name)
+                    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                        names.add(node.id)
+                    elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                        names.add(node.attr)
+                    elif isinstance(node, ast.arg):
+                        names.add(node.arg)
+                    elif isinstance(node, ast.keyword) and node.arg:
+                        names.add(node.arg)
+                    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                        if re.fullmatch(r"-{0,2}[\w-]+", node.value):
+                            names.add(node.value)
+    return frozenset(names) | c_words()
+
+
+@functools.cache
+def c_words() -> frozenset:
+    with open(C_SOURCE, encoding="utf-8") as f:
+        return frozenset(re.findall(IDENT, f.read()))
+
+
+def resolve(dotted: str):
+    """The object ``module[:attr.attr]`` names."""
+    module, _, attrs = dotted.partition(":")
+    obj = importlib.import_module(module)
+    for a in filter(None, attrs.split(".")):
+        obj = getattr(obj, a)
+    return obj
+
+
+def has_member(obj, name: str) -> bool:
+    """``obj.name`` exists: an attribute, or for a class a dataclass field or a ``self.name =``."""
+    if hasattr(obj, name):
+        return True
+    if not inspect.isclass(obj):
+        return False
+    if dataclasses.is_dataclass(obj) and name in {f.name for f in dataclasses.fields(obj)}:
+        return True
+    for cls in obj.__mro__:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{name}\s*(:[^=\n]+)?=[^=]", source):
+            return True
+    return False
+
+
+def head_object(head: str):
+    """The object a dotted span's first word names, or None when it names nothing of ours or importable."""
+    if head in ALIASES:
+        return resolve(ALIASES[head])
+    for pkg in tuple(p + "." for p in PACKAGES) + ("",):  # ours first: `dcp` is bridge.dcp
+        try:
+            return importlib.import_module(pkg + head)
+        except ModuleNotFoundError:
+            pass
+    for pkg in PACKAGES:
+        for name in getattr(importlib.import_module(pkg), "__all__", ()):
+            if name == head:
+                return getattr(importlib.import_module(pkg), name)
+    for module in list_modules():
+        obj = importlib.import_module(module).__dict__.get(head)
+        if inspect.isclass(obj):
+            return obj
+    return None
+
+
+@functools.cache
+def list_modules() -> tuple:
+    out = []
+    for pkg in ("lowbit_tree", "bridge"):
+        for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
+            for f in sorted(files):
+                if f.endswith(".py") and f != "__main__.py":
+                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3]
+                    out.append(rel.replace(os.sep, ".").removesuffix(".__init__"))
+    return tuple(out)
+
+
+def path_exists(path: str) -> bool:
+    return any(os.path.exists(os.path.join(ROOT, base, path)) for base in ("",) + SEARCH)
+
+
+def check_bare(name: str) -> str | None:
+    """Why the bare ``name`` is not one, or None."""
+    if name in defined_names():
+        return None
+    if name in EXTERNAL:
+        where = EXTERNAL[name]
+        if where is None:
+            return None
+        obj = resolve(where)
+        return None if has_member(obj, name) or obj.__name__.rpartition(".")[2] == name else f"{where} has no {name}"
+    return "defined nowhere in the code (nor in EXTERNAL)"
+
+
+def check_dotted(dotted: str, head: str | None) -> tuple[str | None, str | None]:
+    """(why ``dotted`` names nothing or None, the head a following ``.x`` span continues)."""
+    parts = dotted.split(".")
+    if dotted.startswith("."):
+        if head is None:
+            return f"{dotted}: no dotted span before it to continue", None
+        parts = [head] + parts[1:]
+    obj = head_object(parts[0])
+    if obj is None:
+        if len(parts) == 1:
+            return check_bare(parts[0]), None
+        return f"{parts[0]!r} is no module, class or alias of ours, nor an importable module", None
+    for a in parts[1:]:
+        if not has_member(obj, a):
+            return f"{getattr(obj, '__name__', obj)} has no {a!r}", parts[0]
+        obj = getattr(obj, a, None)
+    return None, parts[0]
+
+
+def check_span(span: str, head: str | None) -> tuple[str | None, str | None]:
+    if len(span) == 1 or re.fullmatch(r"[0-9a-f]{7,40}", span):
+        return None, head
+    if PATH.match(span) and ("/" in span or span.endswith((".py", ".pyi", ".c", ".md", ".sh"))):
+        return (None if path_exists(span) else "no such path"), head
+    if span.startswith('"') and span.endswith('"') and '"' not in span[1:-1]:
+        return (None if span[1:-1] in defined_names() else "no such string constant in the code"), head
+    if re.fullmatch(r"--[\w-]+", span):
+        return (None if span in defined_names() else "no code declares this option"), head
+    if m := KEYWORD.match(span):
+        return check_bare(m.group(1)), head
+    if m := DOTTED.match(span):
+        why, new_head = check_dotted(m.group(1), head)
+        return why, new_head if "." in m.group(1) else head
+    return None, head  # not a name: math, an expression, a shell line
+
+
+def map_entries(text: str) -> list[tuple[str, list[str], str]]:
+    """(folder, files, description) of each entry of the layer map."""
+    out, folders = [], {}
+    for line in map_block(text).splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        first = line.split()[0]
+        if first.endswith("/"):
+            parent = max((i for i in folders if i < indent), default=None)
+            folders = {i: f for i, f in folders.items() if i < indent}
+            folders[indent] = (folders[parent] + "/" if parent is not None else "") + first.rstrip("/")
+            assert os.path.isdir(os.path.join(ROOT, folders[indent])), f"design.md's map names {first}: no such folder"
+            continue
+        m = re.match(r"\s*((?:[\w]+\.(?:py|pyi|c),? ?)+)\s*(.*)$", line)
+        assert m, f"design.md's map: {line.strip()!r} is not 'files  description'"
+        folder = folders[max(i for i in folders if i < indent)]
+        out.append((folder, [f.strip() for f in m.group(1).split(",") if f.strip()], m.group(2)))
+    return out
+
+
+def expand_suffixes(m: re.Match) -> str:
+    """``scale_by_adam / _lion`` -> ``scale_by_adam scale_by_lion``."""
+    stem = m.group(0).split(" / ")[0].rpartition("_")[0]
+    return " ".join([m.group(0).split(" / ")[0]] + [stem + s for s in m.group(2).split(" / ")[1:]])
+
+
+def test_the_maps_stay_short():
+    """design.md is the map and README.md the front door; more prose goes to docs/guide/."""
+    assert os.path.getsize(DESIGN) <= 25_000
+    assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 16_000
+
+
+def test_every_entry_of_the_layer_map_exists_and_defines_what_it_lists():
+    wrong = []
+    for folder, files, description in map_entries(design()):
+        objects = []
+        for f in files:
+            path = os.path.join(ROOT, folder, f)
+            if not os.path.exists(path):
+                wrong.append(f"{folder}/{f}: no such file")
+            elif f.endswith(".py"):
+                objects.append(importlib.import_module(f"{folder}/{f[:-3]}".replace("/", ".")))
+        words = re.findall(IDENT, re.sub(r"(\w+)_\w+((?: / _\w+)+)", expand_suffixes, description))
+        package = importlib.import_module(folder.replace("/", "."))
+        classes = [getattr(o, w) for o in objects for w in words if inspect.isclass(getattr(o, w, None))]
+        for w in words:
+            if not CODE_LIKE.fullmatch(w) or w in ACRONYMS:
+                continue
+            in_c = any(f.endswith(".c") for f in files) and w in c_words()
+            public = w in getattr(package, "__all__", ())
+            if not (in_c or public or any(hasattr(o, w) for o in objects + classes)):
+                wrong.append(f"{folder}/{', '.join(files)}: {w!r} is not defined there")
+    assert not wrong, "design.md's layer map names what is not in the code:\n" + "\n".join(wrong)
+
+
+def test_every_backticked_name_exists():
+    wrong, head = [], None
+    for span in spans(design()):
+        why, head = check_span(span, head)
+        if why:
+            wrong.append(f"`{span}`: {why}")
+    assert not wrong, "design.md names what is not in the code:\n" + "\n".join(wrong)
+
+
+def test_the_abi_figures_are_spec_py_s():
+    text = design()
+    vector = re.findall(r"the (\d+)-float hyperparameter vector", text)
+    row = re.findall(r"(\d+) int64, then (\d+) per state, up to (\d+) states", text)
+    assert vector and row, "design.md no longer gives the ABI's figures: drop this test's patterns with them"
+    assert {int(n) for n in vector} == {spec.NHYPER}
+    assert {tuple(map(int, r)) for r in row} == {(len(spec.JOB_HEADER), len(spec.STATE_FIELDS), spec.STATE_SLOTS)}
+
+
+@pytest.mark.parametrize("span, wrong", [
+    ("transform._run_rule", True), ("transform.run_rule", False), ("kernels/plan.py", False),
+    ("kernels/nothing.py", True), ("KernelPlan.run", False), ("KernelPlan.nothing", True),
+    ("no_such_function_anywhere", True), ("torch.lerp", False), ("torch.no_such_op", True),
+])
+def test_the_checker_tells_a_stale_name_from_a_live_one(span, wrong):
+    assert (check_span(span, None)[0] is not None) is wrong
