@@ -12,7 +12,8 @@ from .tree_utils import broadcast_mask, map_leaves
 __all__ = ["chain", "named_chain", "partition", "PartitionState"]
 
 
-def _kind(t: GradientTransformation) -> tuple[str | None, dict]:
+def _link_tag(t: GradientTransformation) -> tuple[str | None, dict]:
+    """``(tag, info)``: which fusable link ``t`` is (``"rule"``, ``"lr"``, ``"sr"``, ...), or None."""
     return getattr(t.update, "lowbit_link", (None, {}))
 
 
@@ -39,37 +40,37 @@ def _fused_segment(transforms) -> _FusedSegment | None:
     L2 decay), ``[add_decayed_weights] [scale_by_learning_rate] [stochastic_rounding |
     param_correction]`` after it (decoupled decay, learning rate, the rounding of a param
     written in place). ``identity`` links in between are passed over."""
-    kinds = [_kind(t)[0] for t in transforms]
-    rules = [i for i, k in enumerate(kinds) if k == "rule"]
+    tags = [_link_tag(t)[0] for t in transforms]
+    rules = [i for i, k in enumerate(tags) if k == "rule"]
     if not rules:
         return None
     r = rules[0]
     found = {}
 
-    def back(j, kind):
-        while j >= 0 and kinds[j] == "identity":
+    def back(j, tag):
+        while j >= 0 and tags[j] == "identity":
             j -= 1
-        if j >= 0 and kinds[j] == kind:
-            found["l2" if kind == "decay" else kind] = j
+        if j >= 0 and tags[j] == tag:
+            found["l2" if tag == "decay" else tag] = j
             return j - 1
         return j
 
     j = back(back(r - 1, "decay"), "flip")
     start = j + 1
-    while start < r and kinds[start] == "identity":
+    while start < r and tags[start] == "identity":
         start += 1
 
-    def ahead(k, kind, *others):
+    def ahead(k, tag, *others):
         m = k
-        while m < len(kinds) and kinds[m] == "identity":
+        while m < len(tags) and tags[m] == "identity":
             m += 1
-        if m < len(kinds) and kinds[m] in (kind, *others):
-            found[kind] = m
+        if m < len(tags) and tags[m] in (tag, *others):
+            found[tag] = m
             return m + 1
         return k
 
     end = ahead(ahead(ahead(r + 1, "decay"), "lr"), "sr", "corr")
-    if "sr" in found and found["sr"] != len(kinds) - 1:  # fused only as the chain's last link
+    if "sr" in found and found["sr"] != len(tags) - 1:  # fused only as the chain's last link
         end = found.pop("sr")
     return _FusedSegment(start, r, end, found.get("flip"), found.get("l2"), found.get("decay"), found.get("lr"),
                          found.get("sr"))
@@ -141,7 +142,7 @@ def _init_chain(transforms):
 
 
 def _info(transforms, i) -> dict:
-    return _kind(transforms[i])[1]
+    return _link_tag(transforms[i])[1]
 
 
 def _run_fused(segment: _FusedSegment, transforms, updates, state, new_states, params, extra: dict):
@@ -175,7 +176,7 @@ def _plan_fused(segment: _FusedSegment, transforms, state, params, may_write: bo
     sr = correction = None
     if segment.sr is not None and write:
         given = _info(transforms, segment.sr)["in_plan"](state[segment.sr])
-        if _kind(transforms[segment.sr])[0] == "corr":
+        if _link_tag(transforms[segment.sr])[0] == "corr":
             correction = given
         else:
             sr = given
