@@ -3,8 +3,10 @@
 What counts as a name, and how each is checked:
 
 - **The layer map** (design.md's first code block): each entry's files exist under its folder,
-  and each word of its description that looks like code (CamelCase, with a ``_``, or ALL_CAPS)
-  is an attribute of one of the entry's modules (for ``cpu.c``: a word of its text).
+  and each word of its description that looks like code (CamelCase, with a ``_``, or ALL_CAPS;
+  ``ACRONYMS`` aside) is an attribute of one of the entry's modules or of a class it names, or
+  public in its package (for ``cpu.c``: a word of its text). A module of ours that imports an
+  absent extra (e.g. Triton) is read from its source instead.
 - **Every other backticked span**, by its shape:
 
   - a path (ends in ``/`` or a file suffix): exists from the root, or under one of ``SEARCH``;
@@ -92,9 +94,7 @@ def defined_names() -> frozenset:
                 if not f.endswith(".py") or os.path.join(folder, f) == os.path.abspath(__file__):
                     continue
                 names.add(f[:-3])
-                with open(os.path.join(folder, f), encoding="utf-8") as fh:
-                    tree = ast.parse(fh.read())
-                for node in ast.walk(tree):
+                for node in ast.walk(module_ast(os.path.join(folder, f))):
                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                         names.add(node.name)
                     elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -128,6 +128,8 @@ def resolve(dotted: str):
 
 def has_member(obj, name: str) -> bool:
     """``obj.name`` exists: an attribute, or for a class a dataclass field or a ``self.name =``."""
+    if isinstance(obj, Unimportable):
+        return name in obj.names
     if hasattr(obj, name):
         return True
     if not inspect.isclass(obj):
@@ -144,36 +146,61 @@ def has_member(obj, name: str) -> bool:
     return False
 
 
+class Unimportable:
+    """A module of ours that imports an absent extra (e.g. Triton): its names, read from its source."""
+
+    def __init__(self, name: str, names: set):
+        self.__name__, self.names = name, names
+
+
+def import_or_read(name: str):
+    """The module ``name``; an :class:`Unimportable` where it needs an absent extra; None if none."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        path = os.path.join(ROOT, *name.split(".")) + ".py"
+        if name.startswith(e.name or "?") or not os.path.exists(path):
+            return None
+        return Unimportable(name, file_names(path, []))
+
+
 def head_object(head: str):
     """The object a dotted span's first word names, or None when it names nothing of ours or importable."""
     if head in ALIASES:
         return resolve(ALIASES[head])
     for pkg in tuple(p + "." for p in PACKAGES) + ("",):  # ours first: `dcp` is bridge.dcp
-        try:
-            return importlib.import_module(pkg + head)
-        except ModuleNotFoundError:
-            pass
+        if (module := import_or_read(pkg + head)) is not None:
+            return module
     for pkg in PACKAGES:
         for name in getattr(importlib.import_module(pkg), "__all__", ()):
             if name == head:
                 return getattr(importlib.import_module(pkg), name)
-    for module in list_modules():
-        obj = importlib.import_module(module).__dict__.get(head)
-        if inspect.isclass(obj):
-            return obj
+    if head in class_homes():
+        return getattr(importlib.import_module(class_homes()[head]), head)
     return None
 
 
 @functools.cache
-def list_modules() -> tuple:
-    out = []
+def class_homes() -> dict:
+    """``{class name: module}`` of the classes our packages define (read, not imported: a module
+    that needs an absent extra, e.g. Triton, stays unimported)."""
+    out = {}
     for pkg in ("lowbit_tree", "bridge"):
         for folder, _, files in os.walk(os.path.join(ROOT, pkg)):
             for f in sorted(files):
-                if f.endswith(".py") and f != "__main__.py":
-                    rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3]
-                    out.append(rel.replace(os.sep, ".").removesuffix(".__init__"))
-    return tuple(out)
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                    for node in module_ast(path).body:
+                        if isinstance(node, ast.ClassDef):
+                            out.setdefault(node.name, module)
+    return out
+
+
+@functools.cache
+def module_ast(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
 
 
 def path_exists(path: str) -> bool:
@@ -203,8 +230,13 @@ def check_dotted(dotted: str, head: str | None) -> tuple[str | None, str | None]
             return check_bare(parts[0]), None
         return f"{parts[0]!r} is no module, class or alias of ours, nor an importable module", None
     for a in parts[1:]:
+        if inspect.ismodule(obj) and not hasattr(obj, a) and import_or_read(f"{obj.__name__}.{a}") is not None:
+            obj = import_or_read(f"{obj.__name__}.{a}")  # a submodule its package does not import
+            continue
         if not has_member(obj, a):
             return f"{getattr(obj, '__name__', obj)} has no {a!r}", parts[0]
+        if isinstance(obj, Unimportable):
+            break  # its names' own attributes are not read
         obj = getattr(obj, a, None)
     return None, parts[0]
 
@@ -260,25 +292,47 @@ def test_the_maps_stay_short():
     assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 16_000
 
 
+def file_names(path: str, words: list) -> set:
+    """The names a file of the map defines: a module's attributes and those of its classes among
+    ``words``; read from its source where it imports an absent extra (e.g. Triton); cpu.c's words."""
+    if path.endswith(".c"):
+        return set(c_words())
+    module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+    try:
+        obj = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name.split(".")[0] in ("lowbit_tree", "bridge"):
+            raise
+        names = set()
+        for node in module_ast(path).body:
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            names |= {a.asname or a.name.split(".")[0] for a in getattr(node, "names", ()) if hasattr(a, "name")}
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            if isinstance(node, ast.ClassDef) and node.name in words:
+                names |= {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        return names
+    names = set(dir(obj))
+    for w in words:
+        if inspect.isclass(getattr(obj, w, None)):
+            names |= set(dir(getattr(obj, w)))
+    return names
+
+
 def test_every_entry_of_the_layer_map_exists_and_defines_what_it_lists():
     wrong = []
     for folder, files, description in map_entries(design()):
-        objects = []
+        words = re.findall(IDENT, re.sub(r"(\w+)_\w+((?: / _\w+)+)", expand_suffixes, description))
+        defined = set(getattr(importlib.import_module(folder.replace("/", ".")), "__all__", ()))
         for f in files:
             path = os.path.join(ROOT, folder, f)
-            if not os.path.exists(path):
+            if os.path.exists(path):
+                defined |= file_names(path, words)
+            else:
                 wrong.append(f"{folder}/{f}: no such file")
-            elif f.endswith(".py"):
-                objects.append(importlib.import_module(f"{folder}/{f[:-3]}".replace("/", ".")))
-        words = re.findall(IDENT, re.sub(r"(\w+)_\w+((?: / _\w+)+)", expand_suffixes, description))
-        package = importlib.import_module(folder.replace("/", "."))
-        classes = [getattr(o, w) for o in objects for w in words if inspect.isclass(getattr(o, w, None))]
         for w in words:
-            if not CODE_LIKE.fullmatch(w) or w in ACRONYMS:
-                continue
-            in_c = any(f.endswith(".c") for f in files) and w in c_words()
-            public = w in getattr(package, "__all__", ())
-            if not (in_c or public or any(hasattr(o, w) for o in objects + classes)):
+            if CODE_LIKE.fullmatch(w) and w not in ACRONYMS and w not in defined:
                 wrong.append(f"{folder}/{', '.join(files)}: {w!r} is not defined there")
     assert not wrong, "design.md's layer map names what is not in the code:\n" + "\n".join(wrong)
 
