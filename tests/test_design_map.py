@@ -351,8 +351,9 @@ def test_the_abi_figures_are_spec_py_s():
     vector = re.findall(r"the (\d+)-float hyperparameter vector", text)
     row = re.findall(r"(\d+) int64, then (\d+) per state, up to (\d+) states", text)
     assert vector and row, "design.md no longer gives the ABI's figures: drop this test's patterns with them"
-    assert {int(n) for n in vector} == {spec.NHYPER}
-    assert {tuple(map(int, r)) for r in row} == {(len(spec.JOB_HEADER), len(spec.STATE_FIELDS), spec.STATE_SLOTS)}
+    assert {int(n) for n in vector} == {spec.NHYPER}, f"design.md's vector length is not spec.NHYPER ({spec.NHYPER})"
+    want = (len(spec.JOB_HEADER), len(spec.STATE_FIELDS), spec.STATE_SLOTS)
+    assert {tuple(map(int, r)) for r in row} == {want}, f"design.md's job row is not spec.py's: {want}"
 
 
 @pytest.mark.parametrize("span, wrong", [
