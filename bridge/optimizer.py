@@ -26,7 +26,8 @@ import torch
 
 import lowbit_tree as lt
 from lowbit_tree.moments import check_state_format
-from lowbit_tree.wrappers import STATIC_HYPERPARAMS, inject_hyperparams
+from lowbit_tree.rules import STATIC_ARGS
+from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
 from .distributed import is_dtensor, local_grad, to_local
@@ -191,7 +192,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if isinstance(v, bool) or v is None or isinstance(v, str):
                 static[k] = v
             elif isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1):
-                if k in STATIC_HYPERPARAMS:  # numbers that choose shapes or code
+                if k in STATIC_ARGS:  # numbers that choose shapes or code
                     static[k] = v
                 else:
                     numeric[k] = v

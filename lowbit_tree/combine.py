@@ -12,11 +12,12 @@ from .tree_utils import broadcast_mask, map_leaves
 __all__ = ["chain", "named_chain", "partition", "PartitionState"]
 
 
-def _kind(t: GradientTransformation) -> tuple[str | None, dict]:
+def _link_tag(t: GradientTransformation) -> tuple[str | None, dict]:
+    """``(tag, info)``: which fusable link ``t`` is (``"rule"``, ``"lr"``, ``"sr"``, ...), or None."""
     return getattr(t.update, "lowbit_link", (None, {}))
 
 
-class _Plan(NamedTuple):
+class _FusedSegment(NamedTuple):
     """Which links of a chain run inside its first rule's kernel: links
     ``[start, end)``, the rule at ``rule``; ``flip``, ``l2``, ``decay``, ``lr``,
     ``sr``: the index of each fused link, or None (``sr``: the link that rounds a param
@@ -33,45 +34,46 @@ class _Plan(NamedTuple):
     sr: int | None
 
 
-def _fusion_plan(transforms) -> _Plan | None:
+def _fused_segment(transforms) -> _FusedSegment | None:
     """The elementwise links next to the first update rule, in the orders the
     kernel computes them: ``[flip_sign] [add_decayed_weights]`` before it (maximize,
     L2 decay), ``[add_decayed_weights] [scale_by_learning_rate] [stochastic_rounding |
     param_correction]`` after it (decoupled decay, learning rate, the rounding of a param
     written in place). ``identity`` links in between are passed over."""
-    kinds = [_kind(t)[0] for t in transforms]
-    rules = [i for i, k in enumerate(kinds) if k == "rule"]
+    tags = [_link_tag(t)[0] for t in transforms]
+    rules = [i for i, k in enumerate(tags) if k == "rule"]
     if not rules:
         return None
     r = rules[0]
     found = {}
 
-    def back(j, kind):
-        while j >= 0 and kinds[j] == "identity":
+    def back(j, tag):
+        while j >= 0 and tags[j] == "identity":
             j -= 1
-        if j >= 0 and kinds[j] == kind:
-            found["l2" if kind == "decay" else kind] = j
+        if j >= 0 and tags[j] == tag:
+            found["l2" if tag == "decay" else tag] = j
             return j - 1
         return j
 
     j = back(back(r - 1, "decay"), "flip")
     start = j + 1
-    while start < r and kinds[start] == "identity":
+    while start < r and tags[start] == "identity":
         start += 1
 
-    def ahead(k, kind, *others):
+    def ahead(k, tag, *others):
         m = k
-        while m < len(kinds) and kinds[m] == "identity":
+        while m < len(tags) and tags[m] == "identity":
             m += 1
-        if m < len(kinds) and kinds[m] in (kind, *others):
-            found[kind] = m
+        if m < len(tags) and tags[m] in (tag, *others):
+            found[tag] = m
             return m + 1
         return k
 
     end = ahead(ahead(ahead(r + 1, "decay"), "lr"), "sr", "corr")
-    if "sr" in found and found["sr"] != len(kinds) - 1:  # fused only as the chain's last link
+    if "sr" in found and found["sr"] != len(tags) - 1:  # fused only as the chain's last link
         end = found.pop("sr")
-    return _Plan(start, r, end, found.get("flip"), found.get("l2"), found.get("decay"), found.get("lr"), found.get("sr"))
+    return _FusedSegment(start, r, end, found.get("flip"), found.get("l2"), found.get("decay"), found.get("lr"),
+                         found.get("sr"))
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -79,13 +81,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
     The first update rule (:func:`~lowbit_tree.scale_by_adam`, ``scale_by_lion``,
     ``trace``) runs together with the elementwise links next to it in one kernel
-    call (``_fusion_plan``): the same float operations as running them
+    call (``_fused_segment``): the same float operations as running them
     one after the other, without their passes over memory. The links' states
     advance as if they had run. In the in-place form (``plan``), a chain whose rule
     is fused up to its last link (learning rate, optional stochastic rounding) writes
     the params in the same kernel.
     """
-    fplan = _fusion_plan(transforms)
+    segment = _fused_segment(transforms)
     last = len(transforms) - 1
 
     def check(state):
@@ -97,9 +99,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_states = list(state)
         i = 0
         while i <= last:
-            if fplan is not None and i == fplan.start:
-                updates = _run_fused(fplan, transforms, updates, state, new_states, params, extra)
-                i = fplan.end
+            if segment is not None and i == segment.start:
+                updates = _run_fused(segment, transforms, updates, state, new_states, params, extra)
+                i = segment.end
                 continue
             updates, new_states[i] = transforms[i].update(updates, state[i], params, **extra)
             i += 1
@@ -110,9 +112,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         steps = []
         i = 0
         while i <= last:
-            if fplan is not None and i == fplan.start:
-                steps.extend(_plan_fused(fplan, transforms, state, params, write and fplan.end > last, leaf_offset))
-                i = fplan.end
+            if segment is not None and i == segment.start:
+                may_write = write and segment.end > last
+                steps.extend(_plan_fused(segment, transforms, state, params, may_write, leaf_offset))
+                i = segment.end
                 continue
             what = f"link {i} of the chain"
             steps.append(plan_of(transforms[i], what)(state[i], params, write=write and i == last,
@@ -139,57 +142,57 @@ def _init_chain(transforms):
 
 
 def _info(transforms, i) -> dict:
-    return _kind(transforms[i])[1]
+    return _link_tag(transforms[i])[1]
 
 
-def _run_fused(plan: _Plan, transforms, updates, state, new_states, params, extra: dict):
-    """Run links ``[plan.start, plan.end)`` as one kernel call (the pure form; a stochastic
+def _run_fused(segment: _FusedSegment, transforms, updates, state, new_states, params, extra: dict):
+    """Run links ``[segment.start, segment.end)`` as one kernel call (the pure form; a stochastic
     rounding link, fused only when params are written in place, runs on its own)."""
     from .transform import Fusion
 
     lr = None
-    if plan.lr is not None:
-        lr, new_states[plan.lr] = _info(transforms, plan.lr)["in_update"](state[plan.lr])
+    if segment.lr is not None:
+        lr, new_states[segment.lr] = _info(transforms, segment.lr)["in_update"](state[segment.lr])
     fusion = Fusion(
-        maximize=plan.flip is not None,
-        l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
-        decay=None if plan.decay is None else _info(transforms, plan.decay)["weight_decay"],
+        maximize=segment.flip is not None,
+        l2=None if segment.l2 is None else _info(transforms, segment.l2)["weight_decay"],
+        decay=None if segment.decay is None else _info(transforms, segment.decay)["weight_decay"],
         lr=lr,
     )
-    fused_update = _info(transforms, plan.rule)["fused_update"]
-    updates, new_states[plan.rule] = fused_update(updates, state[plan.rule], params, fusion)
-    if plan.sr is not None:
-        updates, new_states[plan.sr] = transforms[plan.sr].update(updates, state[plan.sr], params, **extra)
+    fused_update = _info(transforms, segment.rule)["fused_update"]
+    updates, new_states[segment.rule] = fused_update(updates, state[segment.rule], params, fusion)
+    if segment.sr is not None:
+        updates, new_states[segment.sr] = transforms[segment.sr].update(updates, state[segment.sr], params, **extra)
     return updates
 
 
-def _plan_fused(plan: _Plan, transforms, state, params, may_write: bool, leaf_offset: int) -> list:
-    """The steps of links ``[plan.start, plan.end)`` in place: the rule's plan with the links
+def _plan_fused(segment: _FusedSegment, transforms, state, params, may_write: bool, leaf_offset: int) -> list:
+    """The steps of links ``[segment.start, segment.end)`` in place: the rule's plan with the links
     fused, then (if params are not written in the kernel) the stochastic-rounding link's own."""
     from .transform import Fusion
 
-    lr = None if plan.lr is None else _info(transforms, plan.lr)["in_plan"](state[plan.lr])
+    lr = None if segment.lr is None else _info(transforms, segment.lr)["in_plan"](state[segment.lr])
     write = may_write and lr is not None
     sr = correction = None
-    if plan.sr is not None and write:
-        given = _info(transforms, plan.sr)["in_plan"](state[plan.sr])
-        if _kind(transforms[plan.sr])[0] == "corr":
+    if segment.sr is not None and write:
+        given = _info(transforms, segment.sr)["in_plan"](state[segment.sr])
+        if _link_tag(transforms[segment.sr])[0] == "corr":
             correction = given
         else:
             sr = given
     fusion = Fusion(
-        maximize=plan.flip is not None,
-        l2=None if plan.l2 is None else _info(transforms, plan.l2)["weight_decay"],
-        decay=None if plan.decay is None else _info(transforms, plan.decay)["weight_decay"],
+        maximize=segment.flip is not None,
+        l2=None if segment.l2 is None else _info(transforms, segment.l2)["weight_decay"],
+        decay=None if segment.decay is None else _info(transforms, segment.decay)["weight_decay"],
         lr=lr,
         sr_key=sr,
         correction=correction,
     )
-    fused_plan = _info(transforms, plan.rule)["fused_plan"]
-    steps = [fused_plan(state[plan.rule], params, fusion, write=write, leaf_offset=leaf_offset)]
-    if plan.sr is not None and not write:
-        steps.append(plan_of(transforms[plan.sr], "the rounding link")(
-            state[plan.sr], params, write=False, leaf_offset=leaf_offset))
+    fused_plan = _info(transforms, segment.rule)["fused_plan"]
+    steps = [fused_plan(state[segment.rule], params, fusion, write=write, leaf_offset=leaf_offset)]
+    if segment.sr is not None and not write:
+        steps.append(plan_of(transforms[segment.sr], "the rounding link")(
+            state[segment.sr], params, write=False, leaf_offset=leaf_offset))
     return steps
 
 

@@ -9,8 +9,7 @@ else derives from the tables here:
   variants of which rule, whether the moments are bias-corrected, the hyperparameter vector's
   slots a rule reads;
 - the core (``transform.py``): each state class's ``roles`` (:meth:`RuleDef.roles`) and the
-  arguments that choose states or code, never injected (:data:`STATIC_ARGS`,
-  ``wrappers.STATIC_HYPERPARAMS``);
+  arguments that choose states or code, never injected (:data:`STATIC_ARGS`);
 - the bridge (``bridge/classes.py``): each named class's constructor arguments, defaults,
   param-group keys, the alias arguments they become, their checks and the Args section of the
   class's docstring (:data:`ARGS`, ``args_section``), so the API reference says what every
@@ -241,7 +240,7 @@ STATIC_ARGS = frozenset(
     + list(VARIANT_FLAGS)
 )
 """The core arguments that shape the state or the code, never injected as tensors by
-``inject_hyperparams`` (``wrappers.STATIC_HYPERPARAMS``)."""
+``inject_hyperparams``."""
 
 
 def _default_text(value) -> str:

@@ -12,7 +12,7 @@ from .rules import STATIC_ARGS
 from .base import HYPERPARAMS, STEP, GradientTransformation, init_count, plan_of
 from .tree_utils import broadcast_mask, map_leaves
 
-__all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState", "STATIC_HYPERPARAMS"]
+__all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState"]
 
 
 class MaskedState(NamedTuple):
@@ -67,11 +67,6 @@ class InjectHyperparamsState(NamedTuple):
     roles = {"count": STEP, "hyperparams": HYPERPARAMS}
 
 
-STATIC_HYPERPARAMS = STATIC_ARGS
-"""Arguments that shape the state or the code: always passed through unchanged (declared with the
-rules and their arguments: :data:`lowbit_tree.rules.STATIC_ARGS`)."""
-
-
 def inject_hyperparams(
     factory: Callable[..., GradientTransformation],
     static_args: Iterable[str] = (),
@@ -89,11 +84,11 @@ def inject_hyperparams(
     not a new program, so nothing recompiles. The factory is called once per device:
     its transformation closes over 0-d tensors that each step overwrites with the
     state's values (numbers change, structure never does). Arguments named in
-    ``static_args`` or ``STATIC_HYPERPARAMS``, and non-numeric ones
+    ``static_args`` or :data:`~lowbit_tree.rules.STATIC_ARGS`, and non-numeric ones
     (str, bool, None, trees), are passed through unchanged. Arguments left at
     their defaults are not injected (as in optax).
     """
-    static_names = STATIC_HYPERPARAMS | frozenset(static_args)
+    static_names = STATIC_ARGS | frozenset(static_args)
     signature = inspect.signature(factory)
 
     def wrapped(*args, **kwargs) -> GradientTransformation:

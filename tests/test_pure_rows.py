@@ -85,12 +85,12 @@ def test_a_new_structure_builds_again_and_a_layout_the_rows_refuse_gives_way():
 
 
 def test_a_transformations_update_reuses_its_rows():
-    from lowbit_tree.combine import _kind
+    from lowbit_tree.combine import _link_tag
 
     gen = torch.Generator().manual_seed(3)
     params = [torch.randn(s, generator=gen) for s in SHAPES]
     link = lt.scale_by_adam(state_format="8bit", min_quant_size=64)
-    pure_rows = _kind(link)[1]["pure_rows"]
+    pure_rows = _link_tag(link)[1]["pure_rows"]
     state = link.init(params)
     for _ in range(3):
         _, state = link.update([torch.randn(p.shape, generator=gen) for p in params], state, params)
