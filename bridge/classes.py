@@ -267,7 +267,7 @@ def _annotation(name: str, arg: rules.Arg, default) -> str:
     return out
 
 
-def _signature(spec: _Spec) -> inspect.Signature:
+def declared_signature(spec: _Spec) -> inspect.Signature:
     """A declared class's constructor signature: ``params``, then the declaration's arguments in
     order with their defaults and types (:func:`_annotation`), keyword-only from ``spec.keyword``
     on. ``bridge/classes.pyi`` writes it out for static tools (:mod:`bridge.stub`)."""
@@ -283,7 +283,7 @@ def _signature(spec: _Spec) -> inspect.Signature:
 
 def _constructor(spec: _Spec):
     """The ``__init__`` a declared class gets: its signature is the declaration's."""
-    signature = _signature(spec)
+    signature = declared_signature(spec)
 
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
@@ -369,7 +369,7 @@ def _docstring(cls) -> str:
     own = cls.__dict__.get("_summary") or (spec.summary if spec is not None else (cls.__doc__ or ""))
     if spec is None:
         return own
-    signature = _signature(spec)  # the declaration's, whatever __init__ a subclass writes
+    signature = declared_signature(spec)  # the declaration's, whatever __init__ a subclass writes
     names = [n for n in signature.parameters if n not in ("self", "params")]
     example = {state_names(*cls._state_types)[0]: "8bit"}
     docs = {n: spec.arg(n) for n in names}

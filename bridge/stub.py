@@ -1,7 +1,7 @@
 """Writes ``bridge/classes.pyi``, the named classes' typed constructors, from their declarations.
 
 The classes' ``__init__`` is built at import from each :class:`~bridge.classes._Spec`
-(``classes._signature``: each argument typed from its declared allowed values and its default),
+(``classes.declared_signature``: each argument typed from its declared allowed values and its default),
 which static tools cannot run; the stub writes the same signature out, so mypy, pyright and IDEs
 see every argument and its type. It is generated, never edited:
 ``tests/test_typing.py`` fails when it differs from what this module renders.
@@ -27,7 +27,7 @@ def _public_base(cls) -> type:
 
 
 def _init(cls) -> list[str]:
-    signature = classes._signature(cls._spec)
+    signature = classes.declared_signature(cls._spec)
     lines = ["    def __init__(", "        self,", "        params: ParamsT,"]
     star = False
     for p in list(signature.parameters.values())[2:]:
