@@ -35,32 +35,26 @@ def _is_zero(x) -> bool:
     return not isinstance(x, torch.Tensor) and not callable(x) and x == 0
 
 
-def _finish(*txs, stochastic_round: bool, seed: int, maximize: bool = False,
-            param_correction: bool = False) -> GradientTransformation:
-    """The chain of ``txs`` (with :func:`flip_sign` first for ``maximize``, and the
-    stochastic-rounding or param-correction link last): one kernel call per step when the
-    links sit next to the rule (see :func:`~lowbit_tree.chain`)."""
+def _optimizer(rule: GradientTransformation, learning_rate: ScalarOrSchedule | None, *, before: tuple = (),
+               after: tuple = (), maximize: bool = False, stochastic_round: bool, seed: int,
+               param_correction: bool) -> GradientTransformation:
+    """An optimizer from its recipe, the one shape every alias has: :func:`flip_sign` first for
+    ``maximize``, the links ``before`` the rule (L2 decay of the gradient), the rule, the links
+    ``after`` it (decoupled decay), :func:`scale_by_learning_rate` (``None``: the rule applies its
+    own, as Muon's), and the stochastic-rounding or param-correction link last. One kernel call per
+    step when the links sit next to the rule (see :func:`~lowbit_tree.chain`)."""
     if stochastic_round and param_correction:
         raise ValueError("stochastic_round and param_correction are two ways to keep small updates of a "
                          "bfloat16 param; choose one (param_correction keeps a 16-bit-mantissa master value)")
     head = (flip_sign(),) if maximize else ()
+    lr = () if learning_rate is None else (scale_by_learning_rate(learning_rate),)
     tail = (stochastic_rounding(seed),) if stochastic_round else ((correction_link(),) if param_correction else ())
-    return chain(*head, *txs, *tail)
+    return chain(*head, *before, rule, *after, *lr, *tail)
 
 
-def _decoupled(rule: GradientTransformation, learning_rate, weight_decay, mask, *, stochastic_round: bool, seed: int,
-               param_correction: bool = False,
-               maximize: bool) -> GradientTransformation:
-    """``rule`` then decoupled decay then the learning rate: ``p - lr * (rule's update + wd * p)``."""
-    return _finish(
-        rule,
-        add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        param_correction=param_correction,
-        maximize=maximize,
-    )
+def _l2(weight_decay) -> tuple:
+    """torch.optim's ``weight_decay`` as L2 decay of the gradient: no link when it is the number 0."""
+    return () if _is_zero(weight_decay) else (add_decayed_weights(weight_decay),)
 
 
 def adam(
@@ -83,19 +77,10 @@ def adam(
     """Adam as torch.optim.Adam: ``chain([flip_sign], [add_decayed_weights], scale_by_adam,
     scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient
     (after the sign flip of ``maximize``, as torch does)."""
-    l2 = () if _is_zero(weight_decay) else (add_decayed_weights(weight_decay),)  # no link: the old state layout
-    return _finish(
-        *l2,
-        scale_by_adam(
-            b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
-            min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
-        ),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        param_correction=param_correction,
-        maximize=maximize,
-    )
+    rule = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
+                         min_quant_size=min_quant_size, rank1_normalization=rank1_normalization)
+    return _optimizer(rule, learning_rate, before=_l2(weight_decay),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def adamw(
@@ -120,13 +105,10 @@ def adamw(
 
     ``mask``: tree of bools (or ``params -> tree``) choosing the decayed leaves.
     """
-    rule = scale_by_adam(
-        b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
-        min_quant_size=min_quant_size, rank1_normalization=rank1_normalization,
-    )
-    return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
-                      param_correction=param_correction,
-                      maximize=maximize)
+    rule = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, state_format=state_format, block_size=block_size,
+                         min_quant_size=min_quant_size, rank1_normalization=rank1_normalization)
+    return _optimizer(rule, learning_rate, after=(add_decayed_weights(weight_decay, mask),),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def ademamix(
@@ -153,13 +135,11 @@ def ademamix(
     """AdEMAMix (arXiv 2409.03137) with decoupled decay, as bitsandbytes' ``AdEMAMix``:
     ``p - lr * ((m_hat + alpha * s) / (sqrt(v_hat) + eps) + wd * p)``; ``t_alpha`` and
     ``t_beta3`` warm ``alpha`` and ``b3`` up (``ademamix_warmups``)."""
-    rule = scale_by_ademamix(
-        b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format, block_size=block_size,
-        min_quant_size=min_quant_size, slow_state_format=slow_state_format,
-    )
-    return _decoupled(rule, learning_rate, weight_decay, mask, stochastic_round=stochastic_round, seed=seed,
-                      param_correction=param_correction,
-                      maximize=maximize)
+    rule = scale_by_ademamix(b1, b2, b3, alpha, eps, t_alpha=t_alpha, t_beta3=t_beta3, state_format=state_format,
+                             block_size=block_size, min_quant_size=min_quant_size,
+                             slow_state_format=slow_state_format)
+    return _optimizer(rule, learning_rate, after=(add_decayed_weights(weight_decay, mask),),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def lion(
@@ -178,15 +158,10 @@ def lion(
     seed: int = 0,
 ) -> GradientTransformation:
     """Lion (arXiv 2302.06675) with decoupled decay: ``p - lr * (sign(...) + wd * p)``."""
-    return _finish(
-        scale_by_lion(b1, b2, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size),
-        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay, mask),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        param_correction=param_correction,
-        maximize=maximize,
-    )
+    rule = scale_by_lion(b1, b2, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
+    decay = identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay, mask)  # a slot either way
+    return _optimizer(rule, learning_rate, after=(decay,),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def sgd(
@@ -212,17 +187,11 @@ def sgd(
     if nesterov and not keep:
         raise ValueError("nesterov momentum needs momentum > 0")
     check_state_format(state_format, state_names(TraceState))  # checked even when no buffer is kept
-    return _finish(
-        identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay),
-        identity() if not keep else trace(
-            momentum, nesterov, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size
-        ),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round,
-        seed=seed,
-        param_correction=param_correction,
-        maximize=maximize,
-    )
+    rule = identity() if not keep else trace(momentum, nesterov, state_format=state_format, block_size=block_size,
+                                             min_quant_size=min_quant_size)
+    l2 = identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay)  # a slot either way
+    return _optimizer(rule, learning_rate, before=(l2,),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def muon(
@@ -248,17 +217,10 @@ def muon(
     learning rate and decoupled decay (torch's param step: ``p * (1 - lr * wd) - lr * ratio *
     NS(momentum)``). For a whole model, :func:`~lowbit_tree.partition` it with :func:`adamw`
     for the other params (embeddings, norms, biases, head)."""
-    return _finish(
-        scale_by_muon(momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, learning_rate=learning_rate,
-                      weight_decay=weight_decay, state_format=state_format, block_size=block_size,
-                      min_quant_size=min_quant_size, momentum_rank=momentum_rank, orthogonalize=orthogonalize),
-        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction,
-    )
-
-
-def _l2(weight_decay) -> tuple:
-    """torch.optim's ``weight_decay`` as L2 decay of the gradient: no link when it is the number 0."""
-    return () if _is_zero(weight_decay) else (add_decayed_weights(weight_decay),)
+    rule = scale_by_muon(momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn, learning_rate=learning_rate,
+                         weight_decay=weight_decay, state_format=state_format, block_size=block_size,
+                         min_quant_size=min_quant_size, momentum_rank=momentum_rank, orthogonalize=orthogonalize)
+    return _optimizer(rule, None, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def rmsprop(
@@ -282,13 +244,10 @@ def rmsprop(
     scale_by_rms, scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient.
     States ``square_avg``, ``momentum_buffer`` (when ``momentum`` is not the number 0, or
     ``has_momentum``) and ``grad_avg`` (``centered``)."""
-    return _finish(
-        *_l2(weight_decay),
-        scale_by_rms(alpha, eps, momentum, centered=centered, has_momentum=has_momentum, state_format=state_format,
-                     block_size=block_size, min_quant_size=min_quant_size),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
-    )
+    rule = scale_by_rms(alpha, eps, momentum, centered=centered, has_momentum=has_momentum, state_format=state_format,
+                        block_size=block_size, min_quant_size=min_quant_size)
+    return _optimizer(rule, learning_rate, before=_l2(weight_decay),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def _decayed_lr(learning_rate: ScalarOrSchedule, lr_decay):
@@ -322,13 +281,10 @@ def adagrad(
     """Adagrad as torch.optim.Adagrad: ``chain([flip_sign], [add_decayed_weights], scale_by_rss,
     scale_by_learning_rate)`` with step ``t`` (from 1) scaled by ``lr / (1 + (t - 1) * lr_decay)``;
     ``weight_decay`` is L2 decay added to the gradient. One state, ``sum``."""
-    return _finish(
-        *_l2(weight_decay),
-        scale_by_rss(initial_accumulator_value, eps, state_format=state_format, block_size=block_size,
-                     min_quant_size=min_quant_size),
-        scale_by_learning_rate(_decayed_lr(learning_rate, lr_decay)),
-        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
-    )
+    rule = scale_by_rss(initial_accumulator_value, eps, state_format=state_format, block_size=block_size,
+                        min_quant_size=min_quant_size)
+    return _optimizer(rule, _decayed_lr(learning_rate, lr_decay), before=_l2(weight_decay),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def adamax(
@@ -349,12 +305,9 @@ def adamax(
     """Adamax as torch.optim.Adamax: ``chain([flip_sign], [add_decayed_weights], scale_by_adamax,
     scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the gradient. States
     ``exp_avg`` and ``exp_inf``."""
-    return _finish(
-        *_l2(weight_decay),
-        scale_by_adamax(b1, b2, eps, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
-    )
+    rule = scale_by_adamax(b1, b2, eps, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
+    return _optimizer(rule, learning_rate, before=_l2(weight_decay),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def adadelta(
@@ -374,12 +327,9 @@ def adadelta(
     """Adadelta as torch.optim.Adadelta: ``chain([flip_sign], [add_decayed_weights],
     scale_by_adadelta, scale_by_learning_rate)``; ``weight_decay`` is L2 decay added to the
     gradient. States ``square_avg`` and ``acc_delta``."""
-    return _finish(
-        *_l2(weight_decay),
-        scale_by_adadelta(rho, eps, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size),
-        scale_by_learning_rate(learning_rate),
-        stochastic_round=stochastic_round, seed=seed, param_correction=param_correction, maximize=maximize,
-    )
+    rule = scale_by_adadelta(rho, eps, state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
+    return _optimizer(rule, learning_rate, before=_l2(weight_decay),
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
 
 
 def radam(
@@ -404,8 +354,6 @@ def radam(
     ``exp_avg`` and ``exp_avg_sq``."""
     rule = scale_by_radam(b1, b2, eps, state_format=state_format, block_size=block_size,
                           min_quant_size=min_quant_size)
-    if decoupled_weight_decay:
-        return _decoupled(rule, learning_rate, weight_decay, None, stochastic_round=stochastic_round, seed=seed,
-                          param_correction=param_correction, maximize=maximize)
-    return _finish(*_l2(weight_decay), rule, scale_by_learning_rate(learning_rate), stochastic_round=stochastic_round,
-                   seed=seed, param_correction=param_correction, maximize=maximize)
+    before, after = ((), (add_decayed_weights(weight_decay),)) if decoupled_weight_decay else (_l2(weight_decay), ())
+    return _optimizer(rule, learning_rate, before=before, after=after,
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)

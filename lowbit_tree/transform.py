@@ -358,19 +358,8 @@ def scale_by_lion(
 ) -> GradientTransformation:
     """Lion's sign update (arXiv 2302.06675); one state, the momentum (signed format).
     ``state_format``: as :func:`scale_by_adam`; the state's name is ``"exp_avg"``."""
-    fmt = moments.state_formats(state_format, state_names(ScaleByLionState))["exp_avg"]
-
-    def init(params):
-        mu = map_leaves(
-            lambda p: moments.init_moment(p, fmt, signed=True, block_size=block_size, min_quant_size=min_quant_size),
-            params,
-        )
-        return ScaleByLionState(init_count(params), mu)
-
-    def rebuild(state, new):
-        return ScaleByLionState(state.count + 1, new[0])
-
-    return _rule_link(kernels.StepSpec("lion"), lambda state: (state.mu,), rebuild, dict(b1=b1, b2=b2), _count, init)
+    return _declared_rule("lion", ScaleByLionState, {}, dict(b1=b1, b2=b2), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size)
 
 
 def ademamix_warmups(count, b1, b3, alpha, t_alpha: int | None, t_beta3: int | None):

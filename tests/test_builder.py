@@ -1,0 +1,136 @@
+"""Every public rule of ``lowbit_tree`` is made by the one declared-rule builder
+(``transform._declared_rule``) from its ``RuleDef`` (issue 45, "One builder").
+
+The rules are found by introspection, never listed: every function in ``lowbit_tree.__all__``
+that returns a :class:`~lowbit_tree.GradientTransformation` (combinators, which take
+transformations, are left out: their rules are their arguments') is called and its state made;
+a state whose ``roles`` are a declared rule's (``RuleDef.roles``) marks a rule. The rules still
+built by hand are :data:`HAND_BUILT`, and the test holds that list to exactly the hand-built set,
+so it fails both when a new hand-built rule appears and when one is converted without the list
+being updated.
+"""
+import inspect
+
+import pytest
+import torch
+
+import lowbit_tree
+from lowbit_tree import rules, transform
+from lowbit_tree.base import GradientTransformation
+
+HAND_BUILT = {
+    # Adam's second moments may be rank-1 records (init_moment(rank1=...), rank1_normalization);
+    # the builder makes every state with the block layout only.
+    "scale_by_adam",
+    # AdEMAMix's b3 and alpha are functions of the count (t_alpha / t_beta3 warm-ups); the builder
+    # takes its hyperparameters as a dict, fixed for every step.
+    "scale_by_ademamix",
+    # TraceState has no step count (torch.optim.SGD keeps none); the builder makes and advances one.
+    "trace",
+    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update.
+    "scale_by_muon",
+}
+"""The public rules not (yet) made by the builder, each with what the builder lacks for it."""
+
+EXAMPLE_ARGS = {"learning_rate": 1e-2, "momentum": 0.9, "step_size": 0.5, "max_norm": 1.0}
+"""A value for each required argument of a public transformation (by argument name)."""
+
+
+def made_by_builder(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` is a rule that ``transform._declared_rule`` built: its ``init`` is the
+    builder's own (the builder's body is not marked otherwise; its functions' qualified names are
+    the mark)."""
+    return tx.init.__qualname__.startswith(f"{transform._declared_rule.__name__}.<locals>.")
+
+
+def _rule_of(state):
+    """The declared rule whose states ``state`` holds (``None``: not a rule's state)."""
+    roles = getattr(type(state), "roles", None)
+    if not isinstance(roles, dict):
+        return None
+    own = {k: v for k, v in roles.items() if k != "count"}
+    return next((d.name for d in rules.RULE_DEFS.values() if d.roles() == own), None)
+
+
+def _rule_states(state) -> list:
+    """The rule states inside ``state`` (a chain's tuple of link states, nested)."""
+    if _rule_of(state) is not None:
+        return [state]
+    if isinstance(state, tuple) and not hasattr(state, "_fields"):
+        return [s for part in state for s in _rule_states(part)]
+    return []
+
+
+def _is_combinator(fn) -> bool:
+    return any("GradientTransformation" in str(p.annotation) for p in inspect.signature(fn).parameters.values())
+
+
+def _public_transformations() -> dict:
+    """``{name: transformation}`` for every public function of lowbit_tree returning one."""
+    out = {}
+    for name in lowbit_tree.__all__:
+        fn = getattr(lowbit_tree, name)
+        if not inspect.isfunction(fn) or _is_combinator(fn):
+            continue
+        sig = inspect.signature(fn)
+        if sig.return_annotation not in ("GradientTransformation", GradientTransformation):
+            continue
+        required = [p.name for p in sig.parameters.values() if p.default is p.empty
+                    and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        missing = [p for p in required if p not in EXAMPLE_ARGS]
+        assert not missing, f"lowbit_tree.{name} needs {missing}: give them a value in EXAMPLE_ARGS"
+        out[name] = fn(**{p: EXAMPLE_ARGS[p] for p in required})
+    return out
+
+
+PARAMS = {"w": torch.zeros(16, 8)}  # 2-D: Muon takes matrices only
+
+
+@pytest.fixture(scope="module")
+def public():
+    return {name: (tx, tx.init(PARAMS)) for name, tx in _public_transformations().items()}
+
+
+def test_the_walk_finds_every_declared_rule(public):
+    """Every declared rule's states are made by some public building block the walk reaches (a walk
+    that found none would pass everything)."""
+    found = {frozenset(type(state).roles.items()) - {("count", lowbit_tree.STEP)}
+             for _, state in public.values() if _rule_of(state) is not None}
+    for d in rules.RULE_DEFS.values():
+        assert frozenset(d.roles().items()) in found, f"no public building block makes the {d.name} rule's states"
+
+
+def test_every_rule_is_built_by_the_builder_or_a_listed_exception(public):
+    rules_by_name = {name: tx for name, (tx, state) in public.items() if _rule_of(state) is not None}
+    hand_built = {name for name, tx in rules_by_name.items() if not made_by_builder(tx)}
+    assert hand_built - HAND_BUILT == set(), (
+        f"{sorted(hand_built - HAND_BUILT)} build their rule by hand: build it with transform._declared_rule "
+        f"from its RuleDef")
+    assert HAND_BUILT - hand_built == set(), (
+        f"{sorted(HAND_BUILT - hand_built)} are built by the builder now (or are gone): take them out of HAND_BUILT")
+
+
+def test_aliases_take_their_rules_from_the_public_blocks(public):
+    """A chain's rule (an alias's) is one a public building block makes: no alias builds a rule
+    of its own."""
+    block_types = {type(state) for _, (_, state) in public.items() if _rule_of(state) is not None}
+    for name, (_, state) in public.items():
+        if _rule_of(state) is not None:
+            continue
+        for s in _rule_states(state):
+            assert type(s) in block_types, f"lowbit_tree.{name} holds a {type(s).__name__} no building block makes"
+
+
+def test_made_by_builder_tells_the_two_apart():
+    """The mark can fail: a rule put together by hand from the same parts is not the builder's."""
+    built = transform._declared_rule("lion", transform.ScaleByLionState, {}, dict(b1=0.9, b2=0.99),
+                                     state_format="fp32", block_size=None, min_quant_size=4096)
+    assert made_by_builder(built)
+
+    def init(params):
+        return transform.ScaleByLionState(torch.zeros((), dtype=torch.int32), params)
+
+    by_hand = transform._rule_link(transform.kernels.StepSpec("lion"), lambda s: (s.mu,),
+                                   lambda s, new: s._replace(count=s.count + 1, mu=new[0]), dict(b1=0.9, b2=0.99),
+                                   lambda s: s.count, init)
+    assert not made_by_builder(by_hand)
