@@ -39,6 +39,7 @@ from .schedule import (
     warmup_cosine_decay_schedule,
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
+from .soap_transform import ScaleBySoapState, scale_by_soap, soap, soap_report
 from .alias import adagrad, adam, adamw, ademamix, lion, muon, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
@@ -56,11 +57,11 @@ __all__ = [
     "GradientTransformation", "Schedule", "EmptyState", "identity", "in_place", "state_roles", "STEP", "SEED",
     "HYPERPARAMS",
     "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss", "trace",
-    "newton_schulz",
+    "newton_schulz", "scale_by_soap", "soap_report",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
     # aliases
-    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad",
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "soap",
     # applying updates
     "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
@@ -70,7 +71,7 @@ __all__ = [
     # state: reports and checkpoints
     "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
     # state types
-    "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState",
+    "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleBySoapState", "ScaleByRmsState",
     "ScaleByRssState", "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
     "ParamCorrectionState",
