@@ -197,9 +197,11 @@ class _Leaf:
         """``(steps, m, v, basis, eigenvalues, coupling, failures)`` in the stored kinds; with
         ``inplace`` written into the ``old`` tensors."""
         m_like, v_like, basis_like, coupling_like = self.like
-        m = records.store(self.m, m_like)
-        v = records.store(self.v, v_like)
-        basis = tuple(None if q is None else records.store(q, b) for q, b in zip(self.q, basis_like))
+        # contiguous: a QR's column-major result would take other BLAS paths than the in-place
+        # form's copy into the old tensor, and the two forms must give the same bits
+        m = records.store(self.m.contiguous(), m_like)
+        v = records.store(self.v.contiguous(), v_like)
+        basis = tuple(None if q is None else records.store(q.contiguous(), b) for q, b in zip(self.q, basis_like))
         eig, coupling = [], []
         for s, c in zip(self.s, coupling_like):
             if s is None:
@@ -208,7 +210,7 @@ class _Leaf:
                 continue
             diag, off = _split(s)
             eig.append(diag)
-            coupling.append(records.store(off, c))
+            coupling.append(records.store(off.contiguous(), c))
         new = (torch.tensor(self.steps, dtype=torch.int32), m, v, basis, tuple(eig), tuple(coupling),
                torch.tensor(self.failures, dtype=torch.int32))
         if not inplace:

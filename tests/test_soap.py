@@ -169,3 +169,107 @@ def test_float32_soap_matches_a_float64_reference_over_20_steps_with_refreshes(p
     assert all(r.failures == 0 for r in soap_mod.soap_report(state))
     assert soap_mod.soap_report(state)[2].rotated == (True, False)
     assert soap_mod.soap_report(state)[1].rotated == (precondition_1d,)
+
+
+# ----------------------------------------------------------------------------- purity, in place, edges
+def _tensors(tree):
+    import optree
+    return [t for t in optree.tree_leaves(tree, none_is_leaf=False) if isinstance(t, torch.Tensor)]
+
+
+def _run(tx, params, grads):
+    state = tx.init(params)
+    for g in grads:
+        upd, state = tx.update(g, state, params)
+        params = lt.apply_updates(params, upd)
+    return params, state
+
+
+@pytest.mark.parametrize("precond_format,state_format", [("fp32", "fp32"), ("8bit", "8bit"), ("4bit", "4bit")])
+def test_update_is_pure_and_the_in_place_plan_gives_the_same_bits(precond_format, state_format):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 80), (7,), (70, 8)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    tx = lt.soap(0.01, precondition_frequency=2, max_precond_dim=64, state_format=state_format,
+                 precond_format=precond_format, min_quant_size=64)
+    state = tx.init(params)
+    live = tx.init(params)
+    p_live = [p.clone() for p in params]
+    step = tx.plan(live, p_live)
+    for g in grads:
+        before = [t.clone() for t in _tensors((params, g, state))]
+        upd, new = tx.update(g, state, params)
+        after = _tensors((params, g, state))
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "update modified an input"
+        params = lt.apply_updates(params, upd)
+        state = new
+        for p, u in zip(p_live, step(list(g))):  # the plan's params advance in place
+            p.add_(u)
+        for p, q in zip(params, p_live):
+            assert torch.equal(p, q)
+    for a, b in zip(_tensors(state), _tensors(live)):
+        assert torch.equal(a, b)
+
+
+def test_zero_gradients_build_a_reversed_identity_basis_and_only_decay_moves_params():
+    params = [torch.randn(4, 4), torch.randn(3)]
+    tx = lt.soap(0.1, weight_decay=0.5)
+    zeros = [torch.zeros_like(p) for p in params]
+    upd, state = tx.update(zeros, tx.init(params), params)
+    assert all(torch.equal(u, torch.zeros_like(u)) for u in upd)
+    assert torch.equal(state.basis[0][0], torch.eye(4).flip(1))
+    upd, state = tx.update(zeros, state, params)
+    for p, u in zip(params, upd):
+        torch.testing.assert_close(p + u, p * (1 - 0.1 * 0.5), rtol=0, atol=1e-6)
+    assert [r.failures for r in soap_mod.soap_report(state)] == [0, 0]
+
+
+def test_a_non_finite_factor_keeps_the_basis_and_counts_a_failure():
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(4, 6, generator=gen), torch.randn(5, 5, generator=gen)]
+    tx = lt.soap(0.01, precondition_frequency=1)
+    state = tx.init(params)
+    bad = torch.randn(4, 6, generator=gen)
+    bad[1, 2] = float("nan")
+    good = torch.randn(5, 5, generator=gen)
+    upd, state = tx.update([bad, good], state, params)
+    assert torch.equal(state.basis[0][0], torch.eye(4).flip(1)) and torch.equal(state.basis[0][1], torch.eye(6).flip(1))
+    rows = soap_mod.soap_report(state)
+    assert [r.failures for r in rows] == [2, 0]
+    upd, state = tx.update([torch.randn(4, 6, generator=gen), good], state, params)  # a refresh every step
+    assert [r.failures for r in soap_mod.soap_report(state)] == [4, 0]
+    # the moments never saw the NaN (the first gradient only builds): Adam steps in the kept basis, while
+    # the factor stays non-finite and every refresh keeps the basis
+    assert torch.isfinite(upd[0]).all() and torch.isfinite(upd[1]).all()
+    assert torch.isnan(state.eigenvalues[0][0]).any()
+
+
+def test_an_eigh_that_fails_in_float32_retries_in_float64_then_keeps_the_basis(monkeypatch):
+    real = torch.linalg.eigh
+    calls = []
+
+    def eigh(m):
+        calls.append(m.dtype)
+        if m.dtype == torch.float32 or len(calls) > 2:
+            raise torch.linalg.LinAlgError("forced")
+        return real(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(3, 3, generator=gen)]
+    tx = lt.soap(0.01)
+    _, state = tx.update([torch.randn(3, 3, generator=gen)], tx.init(params), params)
+    assert calls == [torch.float32, torch.float64] * 2  # dim 0 in float64; dim 1 fails in both
+    q = state.basis[0][0]
+    torch.testing.assert_close(q.T @ q, torch.eye(3), rtol=0, atol=1e-6)
+    assert torch.equal(state.basis[0][1], torch.eye(3).flip(1))
+    assert soap_mod.soap_report(state)[0].failures == 1
+
+
+@pytest.mark.parametrize("name,value", [("b1", 1.0), ("precondition_frequency", 0), ("max_precond_dim", 1.5),
+                                        ("data_format", "nhwc"), ("precond_format", "2bit"), ("bjorck_steps", -1),
+                                        ("normalize_grads", 1), ("eps", -1.0)])
+def test_bad_arguments_are_refused_by_name(name, value):
+    with pytest.raises(ValueError, match=name):
+        lt.soap(**{name: value})
