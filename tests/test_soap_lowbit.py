@@ -1,0 +1,70 @@
+"""Low-bit SOAP: state bytes a param, the decoded bases' orthogonality, and quality against fp32
+SOAP on a small least-squares problem (seeded)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit_tree as lt
+from lowbit_tree import records
+from lowbit_tree.soap_transform import DEFAULT_BJORCK_STEPS, PRECOND_BLOCK_SIZE, bjorck
+
+LOWBIT = {"fp32": dict(), "8bit": dict(state_format="8bit", precond_format="8bit"),
+          "4bit": dict(state_format="nf4", precond_format="4bit")}
+
+
+def _bytes_per_param(shape, **kw) -> float:
+    p = torch.empty(shape, device="meta")
+    return lt.state_report(lt.soap(**kw).init([p]))[-1].nbytes / p.numel()
+
+
+@pytest.mark.parametrize("shape,fp32,bit8,bit4", [((2048, 2048), 24.004, 6.285, 3.383),
+                                                  ((2048, 512), 42.010, 11.072, 5.926)])
+def test_state_bytes_a_param(shape, fp32, bit8, bit4):
+    """fp32 is the reference's size (moments 8, and per factor n^2 floats twice); SOAP4bit stays
+    under 4 bytes a param on a square 2048 matrix (issue 47's target)."""
+    got = [_bytes_per_param(shape, **LOWBIT[k]) for k in ("fp32", "8bit", "4bit")]
+    assert got == pytest.approx([fp32, bit8, bit4], abs=1e-3)
+    if shape == (2048, 2048):
+        assert got[2] <= 4.0
+
+
+def test_quantized_bases_are_block_records_and_decode_orthogonal():
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(96, 96, generator=gen)]
+    for fmt, code_format in (("8bit", "dynamic8"), ("4bit", "normal4")):
+        tx = lt.soap(precond_format=fmt)
+        _, state = tx.update([torch.randn(96, 96, generator=gen)], tx.init(params), params)
+        q = state.basis[0][0]
+        assert records.kind_of(q) is records.BLOCK and q.format == code_format and q.block_size == PRECOND_BLOCK_SIZE
+        assert state.eigenvalues[0][0].dtype == torch.float32
+        decoded = records.load(q)
+        eye = torch.eye(96)
+        raw = (decoded.T @ decoded - eye).abs().max().item()
+        fixed = bjorck(decoded, DEFAULT_BJORCK_STEPS[fmt])
+        assert raw > 1e-3 and (fixed.T @ fixed - eye).abs().max().item() < 2e-6
+
+
+def _least_squares(kw, steps=150, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(256, 64, generator=gen) * torch.linspace(0.2, 3.0, 64)
+    w_true = torch.randn(64, 64, generator=gen)
+    y = a @ w_true
+    w = torch.zeros(64, 64)
+    tx = lt.soap(0.05, weight_decay=0.0, precondition_frequency=5, min_quant_size=1024, **kw)
+    state = tx.init([w])
+    for _ in range(steps):
+        g = a.T @ (a @ w - y) / len(a)
+        upd, state = tx.update([g], state, [w])
+        w = w + upd[0]
+    return ((a @ w - y) ** 2).mean().item() / (y ** 2).mean().item()
+
+
+def test_low_bit_soap_nears_the_loss_of_fp32_soap_on_least_squares():
+    """Relative residuals after 150 steps (2026-12-04): fp32 0.046, 8-bit 0.069, 4-bit 0.116 (its
+    ``exp_avg`` on the dynamic 4-bit map instead of normal-float: 0.35; 4-bit factors with fp32
+    moments: 0.031). Near the optimum the moments' rounding is what shows."""
+    fp32 = _least_squares(LOWBIT["fp32"])
+    assert fp32 < 0.06
+    for k, slack in (("8bit", 1.6), ("4bit", 3.0)):
+        assert _least_squares(LOWBIT[k]) < fp32 * slack, k
