@@ -27,6 +27,7 @@ from .classes import (
     RMSpropFp8,
 )
 from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
+from .soap import SOAP, SOAP4bit, SOAP8bit
 from . import dcp  # bridge.dcp.load_optimizer after a plain `import bridge`
 from .in_backward import StepInBackward, step_in_backward
 from .master import load_master_params, master_params
@@ -39,5 +40,6 @@ __all__ = [
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8",
     "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
+    "SOAP", "SOAP8bit", "SOAP4bit",
     "step_in_backward", "StepInBackward", "master_params", "load_master_params",
 ]
