@@ -105,6 +105,10 @@ class ScaleBySoapState(NamedTuple):
              "basis": "eigenbasis", "eigenvalues": "eigenvalues", "coupling": "coupling", "failures": FAILURE}
 
 
+LEAF_FIELDS = ("steps", "exp_avg", "exp_avg_sq", "basis", "eigenvalues", "coupling", "failures")
+"""The fields of :class:`ScaleBySoapState` that hold one entry per leaf, in order (all but ``count``)."""
+
+
 class SoapLeafReport(NamedTuple):
     """One leaf's preconditioner: its ``shape``, which dimensions are ``rotated``, the gradients
     it has seen (``steps``) and the refreshes that kept an old basis (``failures``)."""
@@ -439,7 +443,7 @@ def scale_by_soap(
 
     def run(updates, state, params, inplace: bool):
         g_leaves, treespec = flatten(updates)
-        fields = [treespec.flatten_up_to(getattr(state, f)) for f in ScaleBySoapState._fields[1:]]
+        fields = [treespec.flatten_up_to(getattr(state, f)) for f in LEAF_FIELDS]
         if learning_rate is not None and params is None:
             raise ValueError("scale_by_soap(learning_rate=...) needs params: call update(updates, state, params)")
         p_leaves = treespec.flatten_up_to(params) if params is not None else [None] * len(g_leaves)
