@@ -26,7 +26,7 @@ when the basis changes). Per leaf and per gradient, as it does:
 ``merge_dims`` (the reference's folding of small dimensions) is not implemented, so
 ``data_format``, which only matters there, is accepted and checked but changes nothing.
 
-**How the factors are kept** (design.md, "SOAP"): not ``GG_d`` itself but its coordinates in
+**How the factors are kept** (docs/guide/soap.md): not ``GG_d`` itself but its coordinates in
 its own eigenbasis, ``S_d = Q_d^T GG_d Q_d`` (nearly diagonal: its off-diagonal is what a
 refresh rotates away). Stored are ``Q_d`` (``basis``), ``diag(S_d)`` in float32
 (``eigenvalues``: the eigenvalue estimates the refresh sorts by) and ``S_d`` with a zero diagonal

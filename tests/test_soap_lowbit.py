@@ -68,3 +68,23 @@ def test_low_bit_soap_nears_the_loss_of_fp32_soap_on_least_squares():
     assert fp32 < 0.06
     for k, slack in (("8bit", 1.6), ("4bit", 3.0)):
         assert _least_squares(LOWBIT[k]) < fp32 * slack, k
+
+
+@pytest.mark.parametrize("fmt", list(LOWBIT))
+def test_a_state_saves_and_loads_with_weights_only(fmt):
+    import io
+
+    gen = torch.Generator().manual_seed(6)
+    params = [torch.randn(80, 96, generator=gen), torch.randn(9, generator=gen)]
+    tx = lt.soap(precondition_frequency=2, min_quant_size=1024, **LOWBIT[fmt])
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update([torch.randn(p.shape, generator=gen) for p in params], state, params)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    g = [torch.randn(p.shape, generator=gen) for p in params]
+    a, _ = tx.update(g, state, params)
+    b, _ = tx.update(g, loaded, params)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
