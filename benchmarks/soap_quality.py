@@ -14,10 +14,10 @@ Variants:
   adamw          lt.adamw, fp32 states, lr 1e-3 (its own tuned lr on this task is not searched)
   soap           lt.soap, fp32 moments and factors (the reference's representation size)
   soap8          state_format="8bit", precond_format="8bit"
-  soap4          state_format="nf4" (normal4 exp_avg, rank-1 4-bit exp_avg_sq), precond_format="4bit"
+  soap4          bridge.SOAP4bit's: exp_avg "nf4", exp_avg_sq "8bit", precond_format="4bit"
+  soap4-v4       state_format="nf4": exp_avg_sq rank-1 4-bit too
   soap4-dyn      state_format="4bit": exp_avg on the dynamic 4-bit map
   soap4-m8       4-bit factors, 8-bit moments
-  soap4-v8       4-bit factors, exp_avg "nf4", exp_avg_sq "8bit"
   soap4-m8v4     4-bit factors, exp_avg "8bit", exp_avg_sq rank-1 4-bit
   soap4-nobj     soap4 without Bjorck steps
 
@@ -39,12 +39,12 @@ VARIANTS = {
     "adamw": None,
     "soap": dict(state_format="fp32", precond_format="fp32"),
     "soap8": dict(state_format="8bit", precond_format="8bit"),
-    "soap4": dict(state_format="nf4", precond_format="4bit"),
+    "soap4": dict(state_format={"exp_avg": "nf4", "exp_avg_sq": "8bit"}, precond_format="4bit"),
+    "soap4-v4": dict(state_format="nf4", precond_format="4bit"),
     "soap4-dyn": dict(state_format="4bit", precond_format="4bit"),
     "soap4-m8": dict(state_format="8bit", precond_format="4bit"),
-    "soap4-v8": dict(state_format={"exp_avg": "nf4", "exp_avg_sq": "8bit"}, precond_format="4bit"),
     "soap4-m8v4": dict(state_format={"exp_avg": "8bit", "exp_avg_sq": "4bit"}, precond_format="4bit"),
-    "soap4-nobj": dict(state_format="nf4", precond_format="4bit", bjorck_steps=0),
+    "soap4-nobj": dict(state_format={"exp_avg": "nf4", "exp_avg_sq": "8bit"}, precond_format="4bit", bjorck_steps=0),
 }
 
 

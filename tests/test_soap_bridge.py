@@ -11,7 +11,7 @@ import bridge
 import lowbit_tree as lt
 
 CLASSES = {"fp32": (bridge.SOAP, dict()), "8bit": (bridge.SOAP8bit, dict(state_format="8bit", precond_format="8bit")),
-           "4bit": (bridge.SOAP4bit, dict(state_format="nf4", precond_format="4bit"))}
+           "4bit": (bridge.SOAP4bit, dict(state_format={"exp_avg": "nf4", "exp_avg_sq": "8bit"}, precond_format="4bit"))}
 SHAPES = [(40, 72), (72,), (8, 20), (6, 3, 4)]
 OPTS = dict(lr=0.01, precondition_frequency=3, max_precond_dim=64, min_quant_size=256)
 
