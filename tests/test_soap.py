@@ -273,3 +273,22 @@ def test_an_eigh_that_fails_in_float32_retries_in_float64_then_keeps_the_basis(m
 def test_bad_arguments_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=name):
         lt.soap(**{name: value})
+
+
+def test_the_direction_chains_with_decay_and_learning_rate_links():
+    """``scale_by_soap()`` without a learning rate is the direction; chained with
+    ``scale_by_learning_rate`` (and no decay) it gives ``soap``'s params up to rounding order."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(6, 6, generator=gen), torch.randn(5, generator=gen)]
+    tx = lt.chain(lt.scale_by_soap(precondition_frequency=2), lt.add_decayed_weights(0.0),
+                  lt.scale_by_learning_rate(0.01))
+    ref = lt.soap(lambda count: 0.01, weight_decay=0.0, precondition_frequency=2)  # a schedule, too
+    s1, s2, p1, p2 = tx.init(params), ref.init(params), params, params
+    for _ in range(5):
+        gs = [torch.randn(p.shape, generator=gen) for p in params]
+        u1, s1 = tx.update(gs, s1, p1)
+        u2, s2 = ref.update(gs, s2, p2)
+        p1, p2 = lt.apply_updates(p1, u1), lt.apply_updates(p2, u2)
+    for a, b, p in zip(p1, p2, params):
+        assert not torch.equal(a, p)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
