@@ -332,7 +332,8 @@ def scale_by_soap(
         :func:`~lowbit_tree.scale_by_adam`'s (default ``"fp32"``; a mapping names ``exp_avg`` /
         ``exp_avg_sq``; 4-bit second moments are rank-1 normalized).
       precond_format: ``"fp32"``, ``"8bit"`` or ``"4bit"``: the bases and couplings
-        (:data:`PRECOND_FORMATS`); eigenvalues are float32 in every format.
+        (:data:`PRECOND_FORMATS`) of ``n x n >= min_quant_size``; smaller ones and the
+        eigenvalues are float32 in every format.
       bjorck_steps: Bjorck iterations after decoding a quantized basis (``None``:
         :data:`DEFAULT_BJORCK_STEPS`; float32 bases take none).
     Returns:
@@ -349,7 +350,7 @@ def scale_by_soap(
         return float(b2) if shampoo_beta is None or shampoo_beta < 0 else float(shampoo_beta)
 
     def square(n: int, device) -> Any:
-        if block_format is None:
+        if block_format is None or not moments.should_quantize((n, n), min_quant_size):
             return torch.zeros((n, n), dtype=torch.float32, device=device)
         return records.BLOCK.zeros((n, n), {"format": block_format, "block_size": PRECOND_BLOCK_SIZE}, device)
 

@@ -89,3 +89,10 @@ def test_a_state_saves_and_loads_with_weights_only(fmt):
     a, _ = tx.update(g, state, params)
     b, _ = tx.update(g, loaded, params)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_factors_under_min_quant_size_stay_float32():
+    p = torch.empty(100, 50, device="meta")
+    state = lt.soap(precond_format="4bit", min_quant_size=4096).init([p])
+    assert records.is_record(state.basis[0][0]) and records.is_record(state.coupling[0][0])  # 100 * 100
+    assert state.basis[0][1].dtype == torch.float32 and state.coupling[0][1].dtype == torch.float32  # 50 * 50
