@@ -22,6 +22,7 @@ Variants:
   soap4-nobj     soap4 without Bjorck steps
 
     python benchmarks/soap_quality.py --bytes
+    python benchmarks/soap_quality.py --time     # ms a step, interleaved, medians of 3
     python benchmarks/soap_quality.py --steps 300 --seeds 0,1,2
 """
 from __future__ import annotations
@@ -67,6 +68,26 @@ def bytes_per_param(variant: str, shape: tuple) -> float:
     return total / p.numel()
 
 
+def step_times(shape: tuple, steps: int, rounds: int) -> dict:
+    """Median seconds a step (over ``rounds`` interleaved rounds of ``steps`` steps, the first,
+    building step excluded) of each optimizer on one matrix, preconditioner refreshes amortized
+    (frequency 10)."""
+    gen = torch.Generator().manual_seed(0)
+    p = [torch.randn(shape, generator=gen)]
+    grads = [[torch.randn(shape, generator=gen)] for _ in range(steps)]
+    names = ("adamw", "adamw8", "soap", "soap8", "soap4")
+    txs = {v: (lt.adamw(1e-3, state_format="8bit") if v == "adamw8" else make(v, 1e-3, 0.01, 10)) for v in names}
+    states = {v: tx.update(grads[0], tx.init(p), p)[1] for v, tx in txs.items()}
+    times = {v: [] for v in names}
+    for _ in range(rounds):
+        for v in names:
+            t0 = time.perf_counter()
+            for g in grads:
+                _, states[v] = txs[v].update(g, states[v], p)
+            times[v].append((time.perf_counter() - t0) / steps)
+    return {v: statistics.median(t) for v, t in times.items()}
+
+
 def run(variant: str, seed: int, args, data) -> float:
     from bridge.demo import Batches, CharGPT, eval_batches, evaluate, loss_fn
 
@@ -93,6 +114,7 @@ def run(variant: str, seed: int, args, data) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", action="store_true")
+    ap.add_argument("--time", action="store_true", help="step time of each optimizer on one 1024 x 1024 matrix")
     ap.add_argument("--variants", default="adamw,soap,soap8,soap4")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--steps", type=int, default=300)
@@ -111,6 +133,12 @@ def main(argv=None) -> int:
         print(f"{'optimizer':<10}" + "".join(f"{f'{a}x{b}':>12}" for a, b in shapes))
         for v in ("adamw", "adamw8", "soap", "soap8", "soap4"):
             print(f"{v:<10}" + "".join(f"{bytes_per_param(v, s):>12.3f}" for s in shapes))
+        return 0
+    if args.time:
+        t = step_times((1024, 1024), 20, 3)
+        print(f"{'optimizer':<10} {'ms/step':>9} {'vs adamw':>9}  (1024 x 1024, {torch.get_num_threads()} threads)")
+        for v, s in t.items():
+            print(f"{v:<10} {1e3 * s:>9.2f} {s / t['adamw']:>9.1f}")
         return 0
     from bridge.demo import load_corpus
 
