@@ -215,6 +215,8 @@ class _Leaf:
         self.m, self.v = _load(m), _load(v)
         self.q = [None if b is None else bjorck(_load(b), bjorck_steps if records.is_record(b) else 0)
                   for b in basis]
+        self.new_basis = [False] * len(basis)  # a basis built or refreshed this step; an unchanged one keeps
+        # its stored codes (re-encoding its rectified decode every step would walk it away from its value)
         self.s = [None if e is None else _joined(e.float(), _load(c)) for e, c in zip(eig, coupling)]
 
     def stored(self, inplace: bool, old: tuple) -> tuple:
@@ -225,7 +227,8 @@ class _Leaf:
         # form's copy into the old tensor, and the two forms must give the same bits
         m = _store(self.m.contiguous(), m_like)
         v = _store(self.v.contiguous(), v_like)
-        basis = tuple(None if q is None else _store(q.contiguous(), b) for q, b in zip(self.q, basis_like))
+        basis = tuple(None if q is None else _store(q.contiguous(), b) if new else b
+                      for q, b, new in zip(self.q, basis_like, self.new_basis))
         eig, coupling = [], []
         for s, c in zip(self.s, coupling_like):
             if s is None:
@@ -388,7 +391,7 @@ def scale_by_soap(
             if new is None:
                 leaf.failures += 1
                 new = torch.flip(torch.eye(gg.shape[0], dtype=torch.float32, device=gg.device), [1])
-            leaf.q[d] = new
+            leaf.q[d], leaf.new_basis[d] = new, True
             leaf.s[d] = new.T @ gg @ new
 
     def refresh(leaf: _Leaf) -> None:
@@ -409,7 +412,7 @@ def scale_by_soap(
             leaf.v = leaf.v.index_select(d, order)
             leaf.m = _rotate(leaf.m, d, r)
             leaf.s[d] = r.T @ s @ r
-            leaf.q[d] = new
+            leaf.q[d], leaf.new_basis[d] = new, True
 
     def step_leaf(g, p, leaf: _Leaf, lr, wd) -> Optional[torch.Tensor]:
         g = g.float()

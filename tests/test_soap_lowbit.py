@@ -96,3 +96,16 @@ def test_factors_under_min_quant_size_stay_float32():
     state = lt.soap(precond_format="4bit", min_quant_size=4096).init([p])
     assert records.is_record(state.basis[0][0]) and records.is_record(state.coupling[0][0])  # 100 * 100
     assert state.basis[0][1].dtype == torch.float32 and state.coupling[0][1].dtype == torch.float32  # 50 * 50
+
+
+def test_a_quantized_basis_keeps_its_codes_between_refreshes():
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.randn(70, 70, generator=gen)]
+    tx = lt.soap(precondition_frequency=3, precond_format="4bit")
+    state = tx.init(params)
+    codes = []
+    for _ in range(5):  # gradient 1 builds; Adam step 3 (gradient 4) refreshes
+        _, state = tx.update([torch.randn(70, 70, generator=gen)], state, params)
+        codes.append(state.basis[0][0].codes.clone())
+    assert torch.equal(codes[0], codes[1]) and torch.equal(codes[1], codes[2])
+    assert not torch.equal(codes[2], codes[3]) and torch.equal(codes[3], codes[4])
