@@ -293,3 +293,26 @@ def test_the_direction_chains_with_decay_and_learning_rate_links():
     for a, b, p in zip(p1, p2, params):
         assert not torch.equal(a, p)
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("precond_format", ["fp32", "8bit", "4bit"])
+def test_a_scalar_an_empty_param_and_a_missing_gradient(precond_format):
+    """A 0-d param runs Adam, an empty one steps to nothing, a leaf without a gradient keeps its
+    state and its step count."""
+    gen = torch.Generator().manual_seed(10)
+    params = [torch.randn((), generator=gen), torch.zeros(0, 5), torch.randn(3, 4, generator=gen)]
+    tx = lt.soap(precondition_frequency=1, precond_format=precond_format, min_quant_size=1)
+    state = tx.init(params)
+    for i in range(3):
+        gs = [torch.randn(p.shape, generator=gen) for p in params]
+        if i == 1:
+            gs[2] = None
+            kept = [t.clone() for t in _tensors((state.exp_avg[2], state.basis[2], state.coupling[2]))]
+        upd, state = tx.update(gs, state, params)
+        if i == 1:
+            assert upd[2] is None
+            now = _tensors((state.exp_avg[2], state.basis[2], state.coupling[2]))
+            assert all(torch.equal(a, b) for a, b in zip(kept, now))
+        params = lt.apply_updates(params, upd)
+    assert [r.steps for r in soap_mod.soap_report(state)] == [3, 3, 2]
+    assert torch.isfinite(params[0]) and params[1].shape == (0, 5)
