@@ -39,6 +39,7 @@ from .classes import (
     RMSpropFp8,
 )
 from .muon import Muon, Muon4bit, Muon8bit, muon_param_groups
+from .soap import SOAP, SOAP4bit, SOAP8bit
 from . import dcp  # bridge.dcp.load_optimizer after a plain `import bridge`
 from .in_backward import StepInBackward, step_in_backward
 from .master import load_master_params, master_params
@@ -53,5 +54,6 @@ __all__ = [
     "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8", "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8",
     "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8",
     "RAdam", "RAdam8bit", "RAdam4bit", "RAdamFp8", "Muon", "Muon8bit", "Muon4bit", "muon_param_groups",
+    "SOAP", "SOAP8bit", "SOAP4bit",
     "step_in_backward", "StepInBackward", "master_params", "load_master_params",
 ]

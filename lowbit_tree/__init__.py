@@ -45,6 +45,7 @@ from .schedule import (
     warmup_cosine_decay_schedule,
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
+from .soap_transform import ScaleBySoapState, scale_by_soap, soap, soap_report
 from .alias import adadelta, adagrad, adam, adamax, adamw, ademamix, lion, muon, radam, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
@@ -64,11 +65,11 @@ __all__ = [
     "HYPERPARAMS",
     "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss",
     "scale_by_adamax", "scale_by_adadelta", "scale_by_radam", "trace",
-    "newton_schulz",
+    "newton_schulz", "scale_by_soap", "soap_report",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
     # aliases
-    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam",
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam", "soap",
     # applying updates
     "UpdateStep", "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
@@ -79,7 +80,7 @@ __all__ = [
     "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
     # state types
     "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState",
-    "ScaleByRssState", "ScaleByAdamaxState", "ScaleByAdadeltaState", "ScaleByRAdamState",
+    "ScaleByRssState", "ScaleByAdamaxState", "ScaleByAdadeltaState", "ScaleByRAdamState", "ScaleBySoapState",
     "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
     "ParamCorrectionState",

@@ -1,0 +1,121 @@
+"""bridge.SOAP / SOAP8bit / SOAP4bit: the same bits as the functional core, every state a tensor,
+state-dict round trips (weights_only), skip_nonfinite, refusals by name."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import bridge
+import lowbit_tree as lt
+
+CLASSES = {"fp32": (bridge.SOAP, dict()), "8bit": (bridge.SOAP8bit, dict(state_format="8bit", precond_format="8bit")),
+           "4bit": (bridge.SOAP4bit, dict(state_format={"exp_avg": "nf4", "exp_avg_sq": "8bit"}, precond_format="4bit"))}
+SHAPES = [(40, 72), (72,), (8, 20), (6, 3, 4)]
+OPTS = dict(lr=0.01, precondition_frequency=3, max_precond_dim=64, min_quant_size=256)
+
+
+def _params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _grads(steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(steps)]
+
+
+def _train(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+def test_the_class_steps_as_the_functional_core(fmt):
+    cls, kw = CLASSES[fmt]
+    params = _params()
+    opt = cls(params, **OPTS)
+    grads = _grads(8)
+    _train(opt, params, grads)
+    ref = [p.detach().clone() for p in _params()]
+    tx = lt.soap(OPTS["lr"], precondition_frequency=3, max_precond_dim=64, min_quant_size=256, **kw)
+    state = tx.init(ref)
+    for gs in grads:
+        upd, state = tx.update(gs, state, ref)
+        ref = lt.apply_updates(ref, upd)
+    for p, r in zip(params, ref):
+        assert torch.equal(p.detach(), r)
+    for p in params:
+        values = opt.state[p]
+        assert all(isinstance(v, torch.Tensor) for v in values.values())
+        assert int(values["step"]) == 8 and int(values["soap_step"]) == 8
+    names = set(opt.state[params[0]])
+    assert names == {"step", "soap_step", "precond_failures", "exp_avg", "exp_avg_sq", "eigenbasis_0",
+                     "eigenvalues_0", "coupling_0"}  # 72 > max_precond_dim: dimension 1 keeps its coordinates
+    if fmt != "fp32":
+        assert isinstance(opt.state[params[0]]["eigenbasis_0"], bridge.QState)
+    rows = opt.soap_report()
+    assert [r.rotated for r in rows] == [(True, False), (False,), (True, True), (True, True, True)]
+    assert opt.state_report()[-1].nbytes > 0
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+def test_a_state_dict_round_trip_resumes_bit_for_bit(fmt):
+    cls, _ = CLASSES[fmt]
+    grads = _grads(10)
+    params = _params()
+    opt = cls(params, **OPTS)
+    _train(opt, params, grads)
+    resumed = _params()
+    first = cls(resumed, **OPTS)
+    _train(first, resumed, grads[:5])
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    again = cls(resumed, **OPTS)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    _train(again, resumed, grads[5:])
+    for p, q in zip(params, resumed):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_state_dict_of_another_format_is_refused_before_anything_changes():
+    params = _params()
+    opt = bridge.SOAP8bit(params, **OPTS)
+    _train(opt, params, _grads(2))
+    other = bridge.SOAP(params, **OPTS)
+    _train(other, params, _grads(1))
+    before = {k: v.clone() for k, v in other.state[params[0]].items()}
+    with pytest.raises(ValueError, match="state_format='8bit'"):
+        other.load_state_dict(opt.state_dict())
+    assert all(torch.equal(before[k], v) for k, v in other.state[params[0]].items())
+    sd = other.state_dict()
+    sd["state"][0]["eigenbasis_0"] = sd["state"][0]["eigenbasis_0"][:-1]
+    with pytest.raises(ValueError, match="param 0's eigenbasis_0"):
+        other.load_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in other.state[params[0]].items())
+
+
+def test_skip_nonfinite_skips_the_whole_step():
+    params = _params()
+    opt = bridge.SOAP(params, skip_nonfinite=True, **OPTS)
+    grads = _grads(3)
+    _train(opt, params, grads[:2])
+    before = [p.detach().clone() for p in params]
+    states = {k: v.clone() for k, v in opt.state[params[2]].items()}
+    bad = [g.clone() for g in grads[2]]
+    bad[3][0, 0, 0] = float("inf")
+    _train(opt, params, [bad])
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(torch.equal(states[k], v) for k, v in opt.state[params[2]].items())
+
+
+@pytest.mark.parametrize("kw,name", [(dict(merge_dims=True), "merge_dims"), (dict(precond_format="2bit"), "precond_format"),
+                                     (dict(precondition_frequency=0), "precondition_frequency"),
+                                     (dict(lr=-1.0), "lr")])
+def test_bad_arguments_are_refused_by_name(kw, name):
+    with pytest.raises(ValueError, match=f"SOAP.*{name}"):
+        bridge.SOAP(_params(), **kw)
