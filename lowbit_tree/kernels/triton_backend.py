@@ -1,0 +1,228 @@
+"""The Triton backend (``LOWBIT_TREE_BACKEND=triton``): launches :mod:`.triton_step`'s kernel
+over a step's leaves, one launch per static combination (rule, variant, state kinds and block
+sizes, param / gradient dtype, links, write, stochastic rounding), over a table of the leaves'
+addresses built once per combination (:class:`TritonLaunch`, as the native kernel's job rows).
+
+On a CUDA device it compiles for the GPU; on CPU tensors it runs under Triton's interpreter
+(``TRITON_INTERPRET=1`` set before triton is imported), which is how CI checks the bits.
+Imported only when this backend is chosen: the core never needs triton.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from ..formats import FORMATS, get_format
+from ..qtensor import QTensor, row_layout
+from ..record_base import Record
+from ..rounding import rounding_hash
+from . import tables
+from .spec import RULES, StepSpec
+from . import triton_step as ts
+
+__all__ = ["run_step", "TritonLaunch", "launch_key", "format_tables", "LAUNCHES", "FORMAT_IDS", "tile_length",
+           "MAX_TILE"]
+
+FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}
+"""A format's row in the format table."""
+
+MAX_TILE = 4096
+"""The longest tile one program steps: the block sizes' least common multiple must fit."""
+
+_DT = {torch.float32: ts.DT_F32, torch.bfloat16: ts.DT_BF16, torch.float16: ts.DT_F16}
+
+LAUNCHES = [0]
+"""Kernel launches so far (tests count them)."""
+
+
+@functools.lru_cache(maxsize=8)
+def format_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(len(FORMATS), FMT_STRIDE)`` (decoded values, thresholds padded with +inf,
+    divisor, last index, sqrt, unsigned) and uint8 ``(len(FORMATS), 256)`` (index -> stored
+    byte), from :mod:`.tables` (the thresholds every backend rounds against)."""
+    ftab = torch.full((len(FORMATS), ts.FMT_STRIDE), math.inf, dtype=torch.float32)
+    etab = torch.zeros((len(FORMATS), 256), dtype=torch.uint8)
+    for name, i in FORMAT_IDS.items():
+        f, t = FORMATS[name], tables.cpu_code_table(name)
+        ftab[i, :256] = t.decode
+        ftab[i, 256:256 + t.last] = t.thresholds[: t.last]
+        ftab[i, 512:516] = torch.tensor([f.scale_divisor, t.last, float(f.sqrt), float(not f.signed)])
+        etab[i, : t.last + 1] = t.encode
+    return ftab.to(device), etab.to(device)
+
+
+def _kind(s) -> tuple[int, int]:
+    """(slot kind, block size) of a state leaf."""
+    if isinstance(s, QTensor):
+        return (ts.KIND_Q4 if get_format(s.format).bits == 4 else ts.KIND_Q8), int(s.block_size)
+    if isinstance(s, Record):
+        raise NotImplementedError(f"the triton backend has no kernel for {type(s).__name__} records (rank-1 and "
+                                  "low-rank states); use LOWBIT_TREE_BACKEND=native on CPU or compiled")
+    if isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16):
+        return (ts.KIND_F32 if s.dtype is torch.float32 else ts.KIND_BF16), 0
+    raise TypeError(f"the triton backend takes QTensor records and float32 / bfloat16 states, got "
+                    f"{type(s).__name__} {getattr(s, 'dtype', '')}")
+
+
+def tile_length(block_sizes: Sequence[int]) -> int:
+    """Elements of one row a program steps: a multiple of every block size and of 2, about
+    1024 where the block sizes are powers of two (a reshape finds the block maxima), about 128
+    otherwise (a mask per block and element does)."""
+    quant = [b for b in block_sizes if b]
+    if not quant:
+        return 1024
+    lcm = 2
+    for b in quant:
+        lcm = lcm * b // math.gcd(lcm, b)
+    if lcm > MAX_TILE:
+        raise ValueError(f"block sizes {tuple(quant)} have no common tile of at most {MAX_TILE} elements (their "
+                         "least common multiple is {lcm}); the triton backend needs states whose block sizes "
+                         "divide a common tile: choose block sizes that are powers of two")
+    pow2 = all(b & (b - 1) == 0 for b in quant)
+    return lcm * max(1, (1024 if pow2 else 128) // lcm)
+
+
+def launch_key(spec: StepSpec, p: Optional[torch.Tensor], g: torch.Tensor, states: Sequence, write: bool,
+               stochastic: bool) -> tuple:
+    """The static combination a leaf compiles to (its launch groups with the others of the same key)."""
+    kinds = [_kind(s) for s in states]
+    return (tuple(kinds), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic)
+
+
+def _constexprs(spec: StepSpec, key: tuple) -> dict:
+    kinds, pdt, gdt, write, stochastic = key
+    kinds = list(kinds) + [(0, 0)] * (3 - len(kinds))
+    L = tile_length([b for _, b in kinds])
+    tile = triton_next_pow2(L)
+    var = {"adam": int(spec.amsgrad), "rmsprop": int(spec.has_momentum) | (2 if spec.centered else 0)}.get(
+        spec.rule, int(spec.nesterov))
+    out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt, MAXIMIZE=spec.maximize,
+               L2=spec.l2, DECAY=spec.decay, LR=spec.lr, WRITE=write, SR=stochastic, L=L, TILE=tile)
+    for i, (k, b) in enumerate(kinds):
+        out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
+        out[f"NB{i}"] = triton_next_pow2(-(-tile // b)) if b else 1
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class _Slot(NamedTuple):
+    src: torch.Tensor
+    dst: torch.Tensor
+    scale_in: Optional[torch.Tensor]
+    scale_out: Optional[torch.Tensor]
+    fmt: int
+
+
+class TritonLaunch:
+    """One kernel launch over leaves of one static combination: the int64 address table and the
+    program -> leaf map, built once; :meth:`run` launches with a hyperparameter vector."""
+
+    def __init__(self, spec: StepSpec, key: tuple, leaves: Sequence[tuple]):
+        """``leaves``: ``(p, g, out, slots, sr_hash)`` each, ``out`` the update buffer or the
+        param written in place, ``slots`` :class:`_Slot` per state."""
+        self.spec, self.key = spec, key
+        self.constexprs = _constexprs(spec, key)
+        L = self.constexprs["L"]
+        dev = leaves[0][1].device
+        rows_tab, owners, start = [], [], 0
+        self.keep = []  # the tensors whose addresses the table holds
+        for i, (p, g, out, slots, sr_hash) in enumerate(leaves):
+            quantized = any(s.scale_in is not None for s in slots)
+            rows, R = row_layout(g.shape) if quantized else (1, g.numel())
+            tpr = -(-R // L)
+            row = [R, tpr, start, _addr(p), _addr(g), _addr(out), sr_hash, 0]
+            for s in slots:
+                row += [_addr(s.src), _addr(s.dst), _addr(s.scale_in), _addr(s.scale_out), s.fmt, 0]
+            row += [0] * (ts.LEAF_ROW - len(row))
+            rows_tab.append(row)
+            owners.append(torch.full((rows * tpr,), i, dtype=torch.int32))
+            start += rows * tpr
+            self.keep.append((p, g, out, slots))
+        self.table = torch.tensor(rows_tab, dtype=torch.int64, device=dev)
+        self.tile_leaf = torch.cat(owners).to(dev)
+        self.programs = start
+        self.ftab, self.etab = format_tables(dev)
+
+    def run(self, hyper: torch.Tensor) -> None:
+        if self.programs == 0:
+            return
+        hyper = hyper.to(device=self.table.device, dtype=torch.float32).contiguous()
+        LAUNCHES[0] += 1
+        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab,
+                                         **self.constexprs, enable_fp_fusion=False)
+
+
+def _addr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check(spec: StepSpec) -> None:
+    if spec.rule not in ts.TRITON_RULES:
+        from . import dispatch  # the backends that have it, from the declaration (spec.RULES)
+        have = [b for b in dispatch.BACKENDS if spec.rule in _backend_rules(b)]
+        raise NotImplementedError(f"the triton backend has no kernel for the {spec.rule} rule; the backends that "
+                                  f"have it: {', '.join(have)} (LOWBIT_TREE_BACKEND)")
+
+
+def _backend_rules(backend: str) -> tuple:
+    return ts.TRITON_RULES if backend == "triton" else RULES  # native and torch: every declared rule
+
+
+def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bool = False, inplace: bool = False,
+             sr_key: Optional[torch.Tensor] = None) -> tuple[list, list]:
+    """:func:`.dispatch.run_step` on the triton backend: the same arguments and results (leaves
+    are :class:`.dispatch.StepLeaf`), one launch per static combination."""
+    _check(spec)
+    outs: list = [None] * len(leaves)
+    news: list = [None] * len(leaves)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        p, g = leaf.param, leaf.grad
+        if leaf.correction is not None:
+            raise NotImplementedError("param_correction is not in the triton kernel yet; use "
+                                      "LOWBIT_TREE_BACKEND=native (CPU) or compiled")
+        if len(leaf.states) != spec.nstates:
+            raise ValueError(f"the {spec.rule} rule takes {spec.nstates} states per leaf, got {len(leaf.states)}")
+        if (spec.needs_param or write) and (p is None or p.shape != g.shape):
+            raise ValueError(f"{spec} needs a param of the gradient's shape {tuple(g.shape)}")
+        if write and not p.is_contiguous():
+            raise ValueError("the triton backend writes contiguous params in place only")
+        stochastic = bool(write and sr_key is not None and p.dtype is torch.bfloat16)
+        if g.numel() == 0:
+            outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
+            news[i] = tuple(s if inplace else s.clone() for s in leaf.states)
+            continue
+        key = launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write, stochastic)
+        slots, new = [], []
+        for s in leaf.states:
+            if isinstance(s, QTensor):
+                codes = s.codes.view(torch.uint8)
+                if inplace:
+                    slots.append(_Slot(codes, codes, s.scale, s.scale, FORMAT_IDS[s.format]))
+                    new.append(s)
+                else:
+                    c2, s2 = torch.empty_like(codes), torch.empty_like(s.scale)
+                    slots.append(_Slot(codes, c2, s.scale, s2, FORMAT_IDS[s.format]))
+                    new.append(s.with_parts({"codes": c2.view(s.codes.dtype), "scale": s2}))
+            else:
+                src = s.contiguous()
+                dst = src if inplace and src is s else torch.empty_like(src)
+                slots.append(_Slot(src, dst, None, None, 0))
+                new.append(s if inplace else dst)
+                if inplace and dst is not s:
+                    raise ValueError("the triton backend steps non-contiguous states in place only as copies")
+        out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        sr_hash = rounding_hash(sr_key, leaf.index) if stochastic else 0
+        pin = p.contiguous() if p is not None and (spec.needs_param or write) else None
+        groups.setdefault(key, []).append((pin, g.contiguous(), out, slots, sr_hash))
+        outs[i] = None if write else out
+        news[i] = tuple(new)
+    for key, items in groups.items():
+        TritonLaunch(spec, key, items).run(hyper)
+    return outs, news
