@@ -158,6 +158,12 @@ class TritonLaunch:
                                          **self.constexprs, enable_fp_fusion=False)
 
 
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(ts.step_kernel, InterpretedFunction)
+
+
 def _addr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -179,6 +185,9 @@ def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bo
     """:func:`.dispatch.run_step` on the triton backend: the same arguments and results (leaves
     are :class:`.dispatch.StepLeaf`), one launch per static combination."""
     _check(spec)
+    if any(leaf.grad.device.type == "cpu" for leaf in leaves) and not _interpreted():
+        raise RuntimeError("the triton backend steps CPU tensors only under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported (or use LOWBIT_TREE_BACKEND=native)")
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
     groups: dict = {}

@@ -1,0 +1,224 @@
+"""The Triton backend's step equals the native kernel's and the numpy reference's, bit for bit,
+under Triton's interpreter on CPU (``TRITON_INTERPRET=1``): every declared rule and variant x
+every state format (float32 params, one fused-link set each), the param dtypes with stochastic
+rounding on a set of rules, zero / extreme / non-finite gradients, one launch per static
+combination, and the errors for what the kernel does not have.
+
+The interpreter executes the kernel's float32 operations with numpy (IEEE division and square
+root, whatever the GPU would do); what the GPU compiles is checked by
+``benchmarks/triton_compile.py`` (PTX scan)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel's module is imported (its @triton.jit)
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")]
+triton = pytest.importorskip("triton")
+
+import lowbit_tree as lt  # noqa: E402
+from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams  # noqa: E402
+from lowbit_tree.rules import RULE_DEFS  # noqa: E402
+
+from test_kernels_step import LINKS, clone_state, make_case, np_fma, reference_step, same  # noqa: E402
+
+NATIVE = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+RULES = [(name, v) for name, d in RULE_DEFS.items()
+         for v in ([{}] if not d.variants else
+                   [{}] + [{f: True} for f in d.variants] + ([dict.fromkeys(d.variants, True)]
+                                                              if len(d.variants) > 1 else []))]
+"""Every declared rule and variant (both of RMSprop's together too), from the declaration."""
+RULE_IDS = ["-".join([r] + sorted(v)) for r, v in RULES]
+FORMATS = ["8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"]
+# an odd block size (the mask path of the block maxima), partial blocks of a power of two, and a
+# row of a default block size with its tail
+SHAPES = [((5, 16), 7), ((3, 2, 129), 64), ((2, 301), None)]
+REFERENCE_RULES = ("adam", "lion", "momentum", "ademamix", "muon")  # test_kernels_step.reference_step's
+
+
+def _interpreter_fma_rounds_once() -> bool:
+    """Triton's interpreter rounded ``tl.fma`` twice (``x * y + z`` in numpy) until triton pull
+    request 11424; the probe's product is cancelled by its addend, so only a fused fma is non-zero."""
+    from triton.runtime import interpreter
+
+    x, y = np.array([1.4142135], np.float32), np.array([1.7320508], np.float32)
+    z = -(x * y)
+    b = interpreter.InterpreterBuilder()
+    got = b.create_fma(*(interpreter.TensorHandle(a, triton.language.float32) for a in (x, y, z))).data
+    return bool((got == np_fma(x, y, z)).all() and got[0] != 0)
+
+
+@pytest.fixture(autouse=True)
+def exact_fma(monkeypatch):
+    """A correctly rounded fma for the interpreter where its own is not (older triton)."""
+    if not _interpreter_fma_rounds_once():
+        from triton.runtime import interpreter
+
+        def create_fma(self, x, y, z):
+            return interpreter.TensorHandle(np_fma(*np.broadcast_arrays(x.data, y.data, z.data)), z.dtype.scalar)
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fma", create_fma)
+    yield
+
+
+def _check(rule, variant, fmt, dtype, links_list, shapes, seed=0):
+    """triton == native (== the numpy reference where it has the rule) on every case: update
+    and in-place param write, pure and in place."""
+    for li, links in enumerate(links_list):
+        for si, (shape, bs) in enumerate(shapes):
+            spec, states, p, g, hyper = make_case(rule, variant, links, fmt, dtype, shape, bs, seed + 10 * li + si)
+            for write in ([False, True] if spec.lr else [False]):
+                key = torch.tensor([5, 11]) if write and dtype is torch.bfloat16 else None
+                results = {}
+                for backend in ("native", "triton"):
+                    for inplace in (False, True):
+                        pp, ss = p.clone(), tuple(clone_state(s) for s in states)
+                        outs, news = run_step(spec, hyper, [StepLeaf(pp, g, ss, 3)], write=write, inplace=inplace,
+                                              sr_key=key, backend=backend)
+                        if inplace:
+                            assert all(a is b for a, b in zip(news[0], ss))
+                        else:
+                            assert all(same(a, clone_state(b)) for a, b in zip(ss, states))  # untouched
+                        results[backend, inplace] = (pp if write else outs[0], news[0])
+                where = (rule, variant, fmt, dtype, links, shape, bs, write)
+                want_out, want_states = results["native", False]
+                if rule in REFERENCE_RULES:
+                    ref_out, ref_states = reference_step(spec, hyper, p, g, states, write=write, sr_key=key, index=3)
+                    assert same(want_out, ref_out) and all(map(same, want_states, ref_states)), where
+                for k, (out, new) in results.items():
+                    assert same(out, want_out), (k, where)
+                    assert all(same(a, b) for a, b in zip(new, want_states)), (k, where)
+
+
+@NATIVE
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
+def test_triton_step_matches_native_and_reference(rule, variant, fmt):
+    """float32 params; the fused-link sets taken in turn over the combinations."""
+    k = RULES.index((rule, variant)) + FORMATS.index(fmt)
+    _check(rule, variant, fmt, torch.float32, [LINKS[k % len(LINKS)]], SHAPES[:2] if fmt in ("fp32", "bf16")
+           else SHAPES, seed=k)
+
+
+DTYPE_CASES = [("adam", {}, "8bit"), ("adam", {"amsgrad": True}, "4bit"), ("lion", {}, "fp8"), ("muon", {}, "nf4"),
+               ("rmsprop", {"has_momentum": True, "centered": True}, "8bit_bnb"), ("ademamix", {}, "bf16"),
+               ("adagrad", {}, "8bit"), ("momentum", {"nesterov": True}, "fp32")]
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rule,variant,fmt", DTYPE_CASES, ids=[f"{r}-{f}" for r, _, f in DTYPE_CASES])
+def test_triton_param_dtypes_and_stochastic_rounding(rule, variant, fmt, dtype):
+    """bfloat16 (to nearest and stochastically: the same counter-based stream) and float16
+    params, every fused-link set."""
+    _check(rule, variant, fmt, dtype, LINKS, SHAPES[1:2])
+
+
+@NATIVE
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
+def test_triton_nonfinite_and_extreme_gradients(fmt):
+    """Zero, huge, tiny (subnormal), infinite and NaN gradients: NaN scales and codes as native."""
+    spec = StepSpec("adam", amsgrad=True, decay=True, lr=True)
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(3, 70, generator=gen)
+    g[0, :5] = torch.tensor([0.0, 1e30, -1e30, 1e-40, -3e-39])
+    g[1, 3], g[1, 9], g[2, 64] = float("inf"), float("-inf"), float("nan")
+    g[2, :64] = 0.0  # a block of zero gradients: zero scales
+    _, states, p, _, hyper = make_case("adam", {"amsgrad": True}, {}, fmt, torch.float32, (3, 70), 32, 1)
+    got = {}
+    for backend in ("native", "triton"):
+        pp, ss = p.clone(), tuple(clone_state(s) for s in states)
+        run_step(spec, hyper, [StepLeaf(pp, g, ss)], write=True, inplace=True, backend=backend)
+        got[backend] = (pp, ss)
+    assert same(got["native"][0], got["triton"][0])
+    assert all(map(same, got["native"][1], got["triton"][1]))
+    assert torch.isnan(got["triton"][0]).any()  # the NaN reached the param, as on native
+
+
+def test_one_launch_per_static_combination():
+    """Five leaves of two static combinations (8-bit and 4-bit states): two launches, and the
+    same bits as one call per leaf."""
+    from lowbit_tree.kernels import triton_backend
+
+    spec = StepSpec("adam", decay=True, lr=True)
+    leaves, singles = [], []
+    for i, (fmt, shape) in enumerate([("8bit", (4, 300)), ("4bit", (9, 33)), ("8bit", (700,)), ("4bit", (2, 5)),
+                                      ("8bit", (3, 3, 3))]):
+        _, states, p, g, hyper = make_case("adam", {}, {"decay": True, "lr": True}, fmt, torch.float32, shape, None, i)
+        leaves.append(StepLeaf(p.clone(), g, tuple(clone_state(s) for s in states), i))
+        singles.append(StepLeaf(p.clone(), g, tuple(clone_state(s) for s in states), i))
+    before = triton_backend.LAUNCHES[0]
+    outs, news = run_step(spec, hyper, leaves, backend="triton")
+    assert triton_backend.LAUNCHES[0] - before == 2
+    for i, leaf in enumerate(singles):
+        o, n = run_step(spec, hyper, [leaf], backend="triton")
+        assert same(o[0], outs[i]) and all(map(same, n[0], news[i]))
+
+
+def test_a_rule_without_a_kernel_names_the_backends_that_have_it(monkeypatch):
+    from lowbit_tree.kernels import triton_step
+
+    monkeypatch.setattr(triton_step, "TRITON_RULES", tuple(r for r in triton_step.TRITON_RULES if r != "lion"))
+    _, states, p, g, hyper = make_case("lion", {}, {}, "8bit", torch.float32, (2, 8), None, 0)
+    with pytest.raises(NotImplementedError, match="no kernel for the lion rule; the backends that have it: "
+                                                  "native, compiled, eager"):
+        run_step(StepSpec("lion"), hyper, [StepLeaf(p, g, states)], backend="triton")
+
+
+def test_the_kernel_has_every_declared_rule():
+    from lowbit_tree.kernels import triton_step
+
+    assert set(triton_step.TRITON_RULES) == set(RULE_DEFS)
+
+
+def test_rank1_records_are_refused_with_the_fix():
+    from lowbit_tree.rank1 import rank1_quantize
+
+    x = torch.rand(4, 6)
+    states = (lt.quantize(torch.randn(4, 6), "4bit", 128, signed=True), rank1_quantize(x))
+    with pytest.raises(NotImplementedError, match="rank-1 and low-rank states.*LOWBIT_TREE_BACKEND=native"):
+        run_step(StepSpec("adam"), step_hyperparams(StepSpec("adam")), [StepLeaf(None, torch.randn(4, 6), states)],
+                 backend="triton")
+
+
+def test_interpreter_fma_is_correctly_rounded():
+    """The fixture's fma (or triton's own, since pull request 11424) rounds once."""
+    from triton.runtime import interpreter
+
+    x, y = np.array([1.4142135], np.float32), np.array([1.7320508], np.float32)
+    z = -(x * y)
+    got = interpreter.InterpreterBuilder().create_fma(
+        *(interpreter.TensorHandle(a, triton.language.float32) for a in (x, y, z))).data
+    assert got[0] != 0 and got[0] == np_fma(x, y, z)[0]
+
+
+@NATIVE
+def test_functional_adamw8bit_under_triton_equals_native(monkeypatch):
+    """The functional optimizer (its in-place plan and its pure update) under the triton backend."""
+    params = {"w": torch.randn(6, 40), "b": torch.randn(40)}
+    grads = [{k: torch.randn(v.shape) for k, v in params.items()} for _ in range(3)]
+    from lowbit_tree.kernels import triton_backend
+
+    results, launches = {}, triton_backend.LAUNCHES[0]
+    for backend in ("native", "triton"):
+        monkeypatch.setenv("LOWBIT_TREE_BACKEND", backend)
+        tx = lt.adamw(1e-2, weight_decay=0.1, state_format="8bit", min_quant_size=0, block_size=32)
+        p = {k: v.clone() for k, v in params.items()}
+        state = tx.init(p)
+        for g in grads:
+            u, state = tx.update(g, state, p)
+            p = lt.apply_updates(p, u)
+        results[backend] = (p, state)
+    assert triton_backend.LAUNCHES[0] - launches == 3  # one a step: both leaves' states are 8-bit
+    assert all(same(results["native"][0][k], results["triton"][0][k]) for k in params)
+    import optree
+
+    leaves = [optree.tree_leaves(results[b][1], namespace="lowbit_tree") for b in ("native", "triton")]
+    assert len(leaves[0]) == len(leaves[1])
+    assert all(same(a, b) for a, b in zip(*leaves))
