@@ -20,7 +20,7 @@ from ..qtensor import QTensor, row_layout
 from ..record_base import Record
 from ..rounding import rounding_hash
 from . import tables
-from .spec import RULES, StepSpec
+from .spec import FLAGS, RULES, StepSpec
 from . import triton_step as ts
 
 __all__ = ["run_step", "TritonLaunch", "launch_key", "format_tables", "LAUNCHES", "FORMAT_IDS", "tile_length",
@@ -99,12 +99,18 @@ def _constexprs(spec: StepSpec, key: tuple) -> dict:
     tile = triton_next_pow2(L)
     var = {"adam": int(spec.amsgrad), "rmsprop": int(spec.has_momentum) | (2 if spec.centered else 0)}.get(
         spec.rule, int(spec.nesterov))
-    out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt, MAXIMIZE=spec.maximize,
-               L2=spec.l2, DECAY=spec.decay, LR=spec.lr, WRITE=write, SR=stochastic, L=L, TILE=tile)
+    out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt,
+               P=write or spec.needs_param, WRITE=write, SR=stochastic, L=L, TILE=tile)
     for i, (k, b) in enumerate(kinds):
         out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
         out[f"NB{i}"] = triton_next_pow2(-(-tile // b)) if b else 1
     return out
+
+
+def link_bits(spec: StepSpec) -> int:
+    """The fused links as the kernel's runtime flags: maximize 1, l2 2, decay 4, lr 8 (the first
+    four of ``spec.FLAGS``, in their order there)."""
+    return sum(1 << i for i, name in enumerate(FLAGS[:4]) if getattr(spec, name))
 
 
 def triton_next_pow2(n: int) -> int:
@@ -128,6 +134,7 @@ class TritonLaunch:
         param written in place, ``slots`` :class:`_Slot` per state."""
         self.spec, self.key = spec, key
         self.constexprs = _constexprs(spec, key)
+        self.links = link_bits(spec)
         L = self.constexprs["L"]
         dev = leaves[0][1].device
         rows_tab, owners, start = [], [], 0
@@ -154,7 +161,7 @@ class TritonLaunch:
             return
         hyper = hyper.to(device=self.table.device, dtype=torch.float32).contiguous()
         LAUNCHES[0] += 1
-        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab,
+        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links,
                                          **self.constexprs, enable_fp_fusion=False)
 
 

@@ -209,13 +209,12 @@ def _lerp(a, c, w):
 
 
 @triton.jit
-def step_kernel(leaves, tile_leaf, hyper, ftab, etab,
+def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
                 RULE: tl.constexpr, VAR: tl.constexpr, NS: tl.constexpr,
                 K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
                 NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
-                PDT: tl.constexpr, GDT: tl.constexpr,
-                MAXIMIZE: tl.constexpr, L2: tl.constexpr, DECAY: tl.constexpr, LR: tl.constexpr,
+                PDT: tl.constexpr, GDT: tl.constexpr, P: tl.constexpr,
                 WRITE: tl.constexpr, SR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0)
     leaf = tl.load(tile_leaf + pid).to(tl.int64)
@@ -244,15 +243,12 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab,
     wd = tl.load(hyper + 8)
     l2 = tl.load(hyper + 9)
 
-    NEEDS_P: tl.constexpr = WRITE or L2 or DECAY
     p = tl.zeros((TILE,), tl.float32)
-    if NEEDS_P:
+    if P:
         p = _load_plain(tl.load(row_ptr + 3), offs, valid, PDT)
     g = _load_plain(tl.load(row_ptr + 4), offs, valid, GDT)
-    if MAXIMIZE:
-        g = -g
-    if L2:
-        g = g + l2 * p
+    g = tl.where((links & 1) != 0, -g, g)  # the fused links: runtime flags (spec.FLAGS' order)
+    g = tl.where((links & 2) != 0, g + l2 * p, g)
 
     x0 = _load_state(s0, row, R, j0, cols, valid, ftab, K0, BS0, TILE)
     if NS > 1:
@@ -330,10 +326,8 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab,
         n1 = x1
         n2 = x2
 
-    if DECAY:
-        u = u + wd * p
-    if LR:
-        u = nlr * u
+    u = tl.where((links & 4) != 0, u + wd * p, u)
+    u = tl.where((links & 8) != 0, nlr * u, u)
     if WRITE:
         y = p + u
         if PDT == 1 and SR:
