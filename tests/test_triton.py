@@ -215,10 +215,43 @@ def test_functional_adamw8bit_under_triton_equals_native(monkeypatch):
             u, state = tx.update(g, state, p)
             p = lt.apply_updates(p, u)
         results[backend] = (p, state)
-    assert triton_backend.LAUNCHES[0] - launches == 3  # one a step: both leaves' states are 8-bit
+    assert triton_backend.LAUNCHES[0] - launches == 6  # two a step: w's 8-bit states, b's float32 (1-D) ones
     assert all(same(results["native"][0][k], results["triton"][0][k]) for k in params)
     import optree
 
     leaves = [optree.tree_leaves(results[b][1], namespace="lowbit_tree") for b in ("native", "triton")]
     assert len(leaves[0]) == len(leaves[1])
     assert all(same(a, b) for a, b in zip(*leaves))
+
+
+def test_the_ptx_scan_finds_what_would_change_the_bits():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from triton_compile import scan_ptx
+
+    assert scan_ptx("\tdiv.rn.f32 %f1, %f2, %f3;\n\tsqrt.rn.f32 %f4, %f1;", fma_allowed=False) == []
+    assert scan_ptx("\tdiv.full.f32 %f1, %f2, %f3;\n\tsqrt.approx.ftz.f32 %f4, %f1;", False) == [
+        "div.full", "sqrt.approx"]
+    assert scan_ptx("\tfma.rn.f32 %f1, %f2, %f3, %f4;", fma_allowed=False) == ["fma (the source writes none)"]
+    assert scan_ptx("\tfma.rn.f32 %f1, %f2, %f3, %f4;", fma_allowed=True) == []
+
+
+def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """One variant through the compile script (a process without the interpreter): PTX clean,
+    registers from the cubin; Muon's lerps are fmas, AdamW has none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "benchmarks/triton_compile.py", "--arch", "90", "--jobs", "1", "--cache",
+                        str(tmp_path), "--only", "^(adam 8bit f32 write|muon 4bit f32 write)$"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in r.stdout.splitlines() if "| 90 |" in line}
+    assert set(rows) == {"adam 8bit f32 write", "muon 4bit f32 write"}
+    assert int(rows["adam 8bit f32 write"][4]) == 0 and int(rows["muon 4bit f32 write"][4]) > 0  # fma column
+    assert "PTX scan: clean" in r.stdout
