@@ -255,3 +255,45 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert set(rows) == {"adam 8bit f32 write", "muon 4bit f32 write"}
     assert int(rows["adam 8bit f32 write"][4]) == 0 and int(rows["muon 4bit f32 write"][4]) > 0  # fma column
     assert "PTX scan: clean" in r.stdout
+
+
+@NATIVE
+@pytest.mark.parametrize("write", [True, False], ids=["write", "update"])
+def test_a_kernel_plan_launches_once_per_static_combination_over_tables_built_once(write):
+    """A KernelPlan (the bridge's and ``step_``'s in-place step) of five leaves in two static
+    combinations: two launches a step, the launches' tables built at the first step only, bfloat16
+    params rounded stochastically, the same bits as the native plan."""
+    from lowbit_tree.kernels import triton_backend
+    from lowbit_tree.kernels.plan import KernelPlan
+
+    links = {"decay": True, "lr": True}
+    spec = StepSpec("adam", **links)
+    cases = [("8bit", (4, 300), torch.float32), ("4bit", (9, 33), torch.bfloat16), ("8bit", (700,), torch.float32),
+             ("4bit", (2, 5), torch.bfloat16), ("8bit", (3, 3, 3), torch.float32)]
+    made = [make_case("adam", {}, links, fmt, dt, shape, None, i) for i, (fmt, shape, dt) in enumerate(cases)]
+    hyper = made[0][4]
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(p.shape, generator=gen).to(p.dtype) for _, _, p, _, _ in made] for _ in range(2)]
+    key = torch.tensor([1, 2]) if write else None
+    got = {}
+    for backend in ("native", "triton"):
+        params = [p.clone() for _, _, p, _, _ in made]
+        states = [tuple(clone_state(s) for s in st) for _, st, _, _, _ in made]
+        plan = KernelPlan(spec, params, states, list(range(len(made))), write=write, backend=backend)
+        outs = []
+        for step, gs in enumerate(grads):
+            before = triton_backend.LAUNCHES[0]
+            outs.append(plan.run(gs, hyper, key))
+            if backend == "triton":
+                assert triton_backend.LAUNCHES[0] - before == 2
+                if step == 0:
+                    held = [steps for _, steps in plan._compiled]
+                else:
+                    assert [steps for _, steps in plan._compiled] == held  # built once
+        got[backend] = (params, states, outs)
+    for a, b in zip(got["native"][0], got["triton"][0]):
+        assert same(a, b)
+    for sa, sb in zip(got["native"][1], got["triton"][1]):
+        assert all(map(same, sa, sb))
+    for oa, ob in zip(got["native"][2], got["triton"][2]):
+        assert all(map(same, oa, ob))

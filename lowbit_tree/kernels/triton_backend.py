@@ -23,7 +23,7 @@ from . import tables
 from .spec import FLAGS, RULES, StepSpec
 from . import triton_step as ts
 
-__all__ = ["run_step", "TritonLaunch", "launch_key", "format_tables", "LAUNCHES", "FORMAT_IDS", "tile_length",
+__all__ = ["run_step", "TritonLaunch", "TritonSteps", "launch_key", "format_tables", "LAUNCHES", "FORMAT_IDS", "tile_length",
            "MAX_TILE"]
 
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}
@@ -127,7 +127,8 @@ class _Slot(NamedTuple):
 
 class TritonLaunch:
     """One kernel launch over leaves of one static combination: the int64 address table and the
-    program -> leaf map, built once; :meth:`run` launches with a hyperparameter vector."""
+    program -> leaf map, built once; :meth:`set_leaf` rewrites a leaf's gradient, output and
+    rounding hash (a new step's), :meth:`run` launches with a hyperparameter vector."""
 
     def __init__(self, spec: StepSpec, key: tuple, leaves: Sequence[tuple]):
         """``leaves``: ``(p, g, out, slots, sr_hash)`` each, ``out`` the update buffer or the
@@ -150,19 +151,88 @@ class TritonLaunch:
             rows_tab.append(row)
             owners.append(torch.full((rows * tpr,), i, dtype=torch.int32))
             start += rows * tpr
-            self.keep.append((p, g, out, slots))
-        self.table = torch.tensor(rows_tab, dtype=torch.int64, device=dev)
+            self.keep.append([p, g, out, slots])
+        self.host = torch.tensor(rows_tab, dtype=torch.int64)
+        self.table = self.host if dev.type == "cpu" else self.host.to(dev)
         self.tile_leaf = torch.cat(owners).to(dev)
         self.programs = start
         self.ftab, self.etab = format_tables(dev)
+        self._dirty = False
+
+    def set_leaf(self, i: int, g: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 sr_hash: Optional[int] = None) -> None:
+        """Leaf ``i``'s gradient (contiguous, of the shape and dtype it was built with), its
+        update buffer (``None``: the one it has, or the param written in place) and its
+        stochastic-rounding hash for the next launch."""
+        h = self.host[i]
+        h[4] = g.data_ptr()
+        self.keep[i][1] = g
+        if out is not None:
+            h[5] = out.data_ptr()
+            self.keep[i][2] = out
+        if sr_hash is not None:
+            h[6] = sr_hash
+        self._dirty = self.table is not self.host
 
     def run(self, hyper: torch.Tensor) -> None:
         if self.programs == 0:
             return
+        if self._dirty:
+            self.table.copy_(self.host, non_blocking=True)
+            self._dirty = False
         hyper = hyper.to(device=self.table.device, dtype=torch.float32).contiguous()
         LAUNCHES[0] += 1
         ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links,
                                          **self.constexprs, enable_fp_fusion=False)
+
+
+class TritonSteps:
+    """The triton backend's leaves of a :class:`~.plan.KernelPlan`: states and params stepped in
+    place, one :class:`TritonLaunch` per static combination built once; each :meth:`run` writes
+    the step's gradient addresses (and update buffers, rounding hashes) into the tables and
+    launches (``torch_backend.CompiledSteps``' interface)."""
+
+    def __init__(self, spec: StepSpec, leaves: Sequence[tuple], *, write: bool, sr: bool):
+        """``leaves``: ``(param, grad, states, index, correction)`` each (no correction)."""
+        _check(spec)
+        self.spec, self.write, self.sr = spec, write, sr
+        self.indices = [leaf[3] for leaf in leaves]
+        groups: dict = {}
+        for j, (p, g, states, index, corr) in enumerate(leaves):
+            if corr is not None:
+                raise NotImplementedError("param_correction is not in the triton kernel yet")
+            stochastic = bool(write and sr and p.dtype is torch.bfloat16)
+            pin = p if (spec.needs_param or write) else None
+            key = launch_key(spec, pin, g, states, write, stochastic)
+            out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            slots = [_inplace_slot(s) for s in states]
+            groups.setdefault(key, []).append((j, (pin, g.contiguous(), out, slots, 0), stochastic))
+        self.launches = []  # (launch, [(leaf position, row, stochastic)])
+        for key, items in groups.items():
+            launch = TritonLaunch(spec, key, [it for _, it, _ in items])
+            self.launches.append((launch, [(j, r, st) for r, (j, _, st) in enumerate(items)]))
+
+    def run(self, grads: Sequence[torch.Tensor], hyper: torch.Tensor, sr_key: Optional[torch.Tensor]) -> list:
+        outs: list = [None] * len(grads)
+        for launch, members in self.launches:
+            for j, r, stochastic in members:
+                g = grads[j].contiguous()
+                out = None if self.write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+                h = rounding_hash(sr_key, self.indices[j]) if stochastic and sr_key is not None else None
+                launch.set_leaf(r, g, out, h)
+                outs[j] = out
+            launch.run(hyper)
+        return outs
+
+
+def _inplace_slot(s) -> "_Slot":
+    if isinstance(s, QTensor):
+        codes = s.codes.view(torch.uint8)
+        return _Slot(codes, codes, s.scale, s.scale, FORMAT_IDS[s.format])
+    _kind(s)  # the error for what the kernel does not take
+    if not s.is_contiguous():
+        raise ValueError("the triton backend steps contiguous states in place")
+    return _Slot(s, s, None, None, 0)
 
 
 def _interpreted() -> bool:
