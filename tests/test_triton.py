@@ -297,3 +297,22 @@ def test_a_kernel_plan_launches_once_per_static_combination_over_tables_built_on
         assert all(map(same, sa, sb))
     for oa, ob in zip(got["native"][2], got["triton"][2]):
         assert all(map(same, oa, ob))
+
+
+BRIDGE_CASES = [0, 6, 16]  # AdamW 8-bit with decay; bfloat16 params rounded stochastically; SGD fp8 nesterov
+
+
+@pytest.mark.parametrize("case", BRIDGE_CASES)
+def test_bridge_equals_functional_under_triton(case, monkeypatch):
+    """tests/test_bridge_is_core.py's check (four steps of a bridge class against the functional
+    core, bit for bit) with every step on the triton backend, on smaller params."""
+    import test_bridge_is_core as core
+
+    from lowbit_tree.kernels import triton_backend
+
+    monkeypatch.setenv("LOWBIT_TREE_BACKEND", "triton")
+    monkeypatch.setattr(core, "SHAPES", [(4, 300), (7,), (2, 3, 200)])  # few rows: the interpreter's time
+    before = triton_backend.LAUNCHES[0]
+    name, kw = core.CASES[case]
+    core.test_bridge_equals_functional_core(name, kw, skip_nonfinite=False)
+    assert triton_backend.LAUNCHES[0] - before >= 8  # both sides' four steps ran on triton
