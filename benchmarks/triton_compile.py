@@ -124,7 +124,7 @@ def compile_one(args: tuple) -> dict:
     key = hashlib.sha256(source + json.dumps([cx, arch, triton.__version__], sort_keys=True).encode()).hexdigest()
     entry = Path(cache) / f"{key}.json"
     if entry.exists():
-        return dict(json.loads(entry.read_text()), cached=True)
+        return dict(json.loads(entry.read_text()), name=name, arch=arch, cached=True)
     t0 = time.perf_counter()
     sig = dict(SIGNATURE, **{k: "constexpr" for k in cx})
     try:
