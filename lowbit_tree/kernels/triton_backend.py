@@ -245,16 +245,17 @@ def _addr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def backend_rules() -> dict:
+    """The rules each backend (``dispatch.BACKENDS``, a test holds them equal) steps: native and
+    torch every declared rule (``spec.RULES``), triton its kernel's."""
+    return {"native": RULES, "compiled": RULES, "eager": RULES, "triton": ts.TRITON_RULES}
+
+
 def _check(spec: StepSpec) -> None:
     if spec.rule not in ts.TRITON_RULES:
-        from . import dispatch  # the backends that have it, from the declaration (spec.RULES)
-        have = [b for b in dispatch.BACKENDS if spec.rule in _backend_rules(b)]
+        have = [b for b, rules in backend_rules().items() if spec.rule in rules]
         raise NotImplementedError(f"the triton backend has no kernel for the {spec.rule} rule; the backends that "
                                   f"have it: {', '.join(have)} (LOWBIT_TREE_BACKEND)")
-
-
-def _backend_rules(backend: str) -> tuple:
-    return ts.TRITON_RULES if backend == "triton" else RULES  # native and torch: every declared rule
 
 
 def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bool = False, inplace: bool = False,
