@@ -7,7 +7,7 @@ spills, shared memory and bytes moved per param element.
 A variant is one constexpr combination of ``lowbit_tree/kernels/triton_step.py``'s kernel
 (``triton_backend.launch_key``): every declared rule and variant x every state format (each
 state in its format's default block size) with float32 params written in place, plus bfloat16
-params (stochastic rounding) and the float32 update (the functional form) for each rule with
+params (stochastic rounding; the int8 param correction) and the float32 update (the functional form) for each rule with
 8-bit states. The fused links are runtime flags: one variant serves every link set.
 
 Fails (exit 1) on a compile error or, in any variant's PTX, on ``div.full`` / ``div.approx``
@@ -51,6 +51,7 @@ def variants() -> list[tuple[str, dict, str, dict]]:
         for fmt in ("8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"):
             out.append((rule, v, fmt, dict(pdt="f32", write=True)))
         out.append((rule, v, "8bit", dict(pdt="bf16", write=True, sr=True)))
+        out.append((rule, v, "8bit", dict(pdt="bf16", write=True, corr=True)))
         out.append((rule, v, "8bit", dict(pdt="f32", write=False)))
     return out
 
@@ -72,7 +73,7 @@ def constexprs(rule: str, variant: dict, fmt: str, opts: dict) -> dict:
             f = FORMATS[STATE_FORMATS[fmt][0 if signed else 1]]
             kinds.append((ts.KIND_Q4 if f.bits == 4 else ts.KIND_Q8, f.default_block_size))
     dt = {"f32": ts.DT_F32, "bf16": ts.DT_BF16}[opts["pdt"]]
-    key = (tuple(kinds), dt, dt, opts["write"], opts.get("sr", False))
+    key = (tuple(kinds), dt, dt, opts["write"], opts.get("sr", False), opts.get("corr", False))
     del torch
     return tb._constexprs(spec, key)
 
@@ -82,6 +83,7 @@ def bytes_per_param(cx: dict) -> float:
     float32 update), each state's codes or values read and written plus its scales."""
     size = {0: 4, 1: 2, 2: 2}
     b = size[cx["GDT"]] + (size[cx["PDT"]] if cx["P"] else 0) + (size[cx["PDT"]] if cx["WRITE"] else 4)
+    b += 2 if cx["CORR"] else 0  # the correction byte read and written
     for i in range(cx["NS"]):
         k, bs = cx[f"K{i}"], cx[f"BS{i}"]
         b += 2 * {0: 4, 1: 2, 8: 1, 4: 0.5}[k] + (2 * 4 / bs if k in (4, 8) else 0)
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
     jobs, seen = [], {}
     for rule, v, fmt, opts in todo:
         name = "-".join([rule] + sorted(v)) + f" {fmt} {opts['pdt']}" + (" write" if opts["write"] else " update") + (
-            " sr" if opts.get("sr") else "")
+            " sr" if opts.get("sr") else "") + (" corrected" if opts.get("corr") else "")
         if a.only and not re.search(a.only, name):
             continue
         # formats differ at run time only by their table (8bit, 8bit_bnb and fp8 are one variant)

@@ -317,3 +317,28 @@ def test_bridge_equals_functional_under_triton(case, monkeypatch):
     name, kw = core.CASES[case]
     core.test_bridge_equals_functional_core(name, kw, skip_nonfinite=False)
     assert triton_backend.LAUNCHES[0] - before >= 8  # both sides' four steps ran on triton
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("rule,variant,fmt", [("adam", {}, "8bit"), ("lion", {}, "4bit"), ("muon", {}, "fp32")])
+def test_triton_param_correction_matches_native(rule, variant, fmt, dtype):
+    """bfloat16 / float16 params written with their int8 correction (lowbit_tree.correction): the
+    corrected master plus the update, split into the param and the new correction, as native; with
+    tiny, huge, zero, subnormal and non-finite params, and updates below half an ulp."""
+    links = {"decay": True, "lr": True}
+    spec, states, p, g, hyper = make_case(rule, variant, links, fmt, dtype, (3, 2, 129), 64, 5)
+    gen = torch.Generator().manual_seed(9)
+    flat = p.view(-1)
+    flat[:8] = torch.tensor([0.0, -0.0, 1e-40, -1e-39, 3e38, float("inf"), float("nan"), 1e-3]).to(dtype)
+    corr = torch.randint(-128, 128, p.shape, generator=gen, dtype=torch.int8)
+    small = step_hyperparams(spec, count=2, b1=0.9, b2=0.99, lr=1e-6, weight_decay=0.1)  # updates below half an ulp
+    for h in (hyper, small):
+        got = {}
+        for backend in ("native", "triton"):
+            pp, cc, ss = p.clone(), corr.clone(), tuple(clone_state(s) for s in states)
+            run_step(spec, h, [StepLeaf(pp, g, ss, 0, cc)], write=True, inplace=True, backend=backend)
+            got[backend] = (pp, cc, ss)
+        assert same(got["native"][0], got["triton"][0]) and torch.equal(got["native"][1], got["triton"][1])
+        assert all(map(same, got["native"][2], got["triton"][2]))
+        assert not torch.equal(got["triton"][1], corr)  # the corrections moved

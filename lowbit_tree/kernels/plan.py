@@ -65,7 +65,7 @@ class KernelPlan:
             return None
         which = backend_for(g.device, self.backend)
         if which == "triton":  # held in a launch whose address table is built once (triton_backend.TritonSteps)
-            return which if self.corrections[k] is None else None
+            return which
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
             return which if torch_backend.compiles(g.shape, torch_backend.state_kinds(states)) else None
         if which == "native" and native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):

@@ -86,21 +86,21 @@ def tile_length(block_sizes: Sequence[int]) -> int:
 
 
 def launch_key(spec: StepSpec, p: Optional[torch.Tensor], g: torch.Tensor, states: Sequence, write: bool,
-               stochastic: bool) -> tuple:
+               stochastic: bool, corrected: bool = False) -> tuple:
     """The static combination a leaf compiles to (its launch groups with the others of the same key)."""
     kinds = [_kind(s) for s in states]
-    return (tuple(kinds), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic)
+    return (tuple(kinds), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic, corrected)
 
 
 def _constexprs(spec: StepSpec, key: tuple) -> dict:
-    kinds, pdt, gdt, write, stochastic = key
+    kinds, pdt, gdt, write, stochastic, corrected = (tuple(key) + (False,))[:6]
     kinds = list(kinds) + [(0, 0)] * (3 - len(kinds))
     L = tile_length([b for _, b in kinds])
     tile = triton_next_pow2(L)
     var = {"adam": int(spec.amsgrad), "rmsprop": int(spec.has_momentum) | (2 if spec.centered else 0)}.get(
         spec.rule, int(spec.nesterov))
     out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt,
-               P=write or spec.needs_param, WRITE=write, SR=stochastic, L=L, TILE=tile)
+               P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile)
     for i, (k, b) in enumerate(kinds):
         out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
         out[f"NB{i}"] = triton_next_pow2(-(-tile // b)) if b else 1
@@ -131,8 +131,9 @@ class TritonLaunch:
     rounding hash (a new step's), :meth:`run` launches with a hyperparameter vector."""
 
     def __init__(self, spec: StepSpec, key: tuple, leaves: Sequence[tuple]):
-        """``leaves``: ``(p, g, out, slots, sr_hash)`` each, ``out`` the update buffer or the
-        param written in place, ``slots`` :class:`_Slot` per state."""
+        """``leaves``: ``(p, g, out, slots, sr_hash[, correction])`` each, ``out`` the update buffer
+        or the param written in place, ``slots`` :class:`_Slot` per state, ``correction`` the
+        param's int8 correction (written in place with the param)."""
         self.spec, self.key = spec, key
         self.constexprs = _constexprs(spec, key)
         self.links = link_bits(spec)
@@ -140,11 +141,11 @@ class TritonLaunch:
         dev = leaves[0][1].device
         rows_tab, owners, start = [], [], 0
         self.keep = []  # the tensors whose addresses the table holds
-        for i, (p, g, out, slots, sr_hash) in enumerate(leaves):
+        for i, (p, g, out, slots, sr_hash, *corr) in enumerate(leaves):
             quantized = any(s.scale_in is not None for s in slots)
             rows, R = row_layout(g.shape) if quantized else (1, g.numel())
             tpr = -(-R // L)
-            row = [R, tpr, start, _addr(p), _addr(g), _addr(out), sr_hash, 0]
+            row = [R, tpr, start, _addr(p), _addr(g), _addr(out), sr_hash, _addr(corr[0] if corr else None)]
             for s in slots:
                 row += [_addr(s.src), _addr(s.dst), _addr(s.scale_in), _addr(s.scale_out), s.fmt, 0]
             row += [0] * (ts.LEAF_ROW - len(row))
@@ -199,14 +200,13 @@ class TritonSteps:
         self.indices = [leaf[3] for leaf in leaves]
         groups: dict = {}
         for j, (p, g, states, index, corr) in enumerate(leaves):
-            if corr is not None:
-                raise NotImplementedError("param_correction is not in the triton kernel yet")
-            stochastic = bool(write and sr and p.dtype is torch.bfloat16)
+            _check_correction(corr, p, write)
+            stochastic = bool(write and sr and p.dtype is torch.bfloat16 and corr is None)
             pin = p if (spec.needs_param or write) else None
-            key = launch_key(spec, pin, g, states, write, stochastic)
+            key = launch_key(spec, pin, g, states, write, stochastic, corr is not None)
             out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
             slots = [_inplace_slot(s) for s in states]
-            groups.setdefault(key, []).append((j, (pin, g.contiguous(), out, slots, 0), stochastic))
+            groups.setdefault(key, []).append((j, (pin, g.contiguous(), out, slots, 0, corr), stochastic))
         self.launches = []  # (launch, [(leaf position, row, stochastic)])
         for key, items in groups.items():
             launch = TritonLaunch(spec, key, [it for _, it, _ in items])
@@ -223,6 +223,15 @@ class TritonSteps:
                 outs[j] = out
             launch.run(hyper)
         return outs
+
+
+def _check_correction(corr: Optional[torch.Tensor], p: Optional[torch.Tensor], write: bool) -> None:
+    if corr is None:
+        return
+    if not (write and p is not None and p.dtype in (torch.bfloat16, torch.float16) and corr.dtype is torch.int8
+            and corr.shape == p.shape and corr.is_contiguous() and p.is_contiguous()):
+        raise ValueError("a param correction goes with a bfloat16 / float16 param written in place and is a "
+                         f"contiguous int8 tensor of its shape (param {None if p is None else (p.dtype, tuple(p.shape))})")
 
 
 def _inplace_slot(s) -> "_Slot":
@@ -271,21 +280,21 @@ def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bo
     groups: dict = {}
     for i, leaf in enumerate(leaves):
         p, g = leaf.param, leaf.grad
-        if leaf.correction is not None:
-            raise NotImplementedError("param_correction is not in the triton kernel yet; use "
-                                      "LOWBIT_TREE_BACKEND=native (CPU) or compiled")
+        _check_correction(leaf.correction, p, write)
         if len(leaf.states) != spec.nstates:
             raise ValueError(f"the {spec.rule} rule takes {spec.nstates} states per leaf, got {len(leaf.states)}")
         if (spec.needs_param or write) and (p is None or p.shape != g.shape):
             raise ValueError(f"{spec} needs a param of the gradient's shape {tuple(g.shape)}")
         if write and not p.is_contiguous():
             raise ValueError("the triton backend writes contiguous params in place only")
-        stochastic = bool(write and sr_key is not None and p.dtype is torch.bfloat16)
+        corr = leaf.correction
+        stochastic = bool(write and sr_key is not None and p.dtype is torch.bfloat16 and corr is None)
         if g.numel() == 0:
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             news[i] = tuple(s if inplace else s.clone() for s in leaf.states)
             continue
-        key = launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write, stochastic)
+        key = launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write, stochastic,
+                         corr is not None)
         slots, new = [], []
         for s in leaf.states:
             if isinstance(s, QTensor):
@@ -307,7 +316,7 @@ def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bo
         out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
         sr_hash = rounding_hash(sr_key, leaf.index) if stochastic else 0
         pin = p.contiguous() if p is not None and (spec.needs_param or write) else None
-        groups.setdefault(key, []).append((pin, g.contiguous(), out, slots, sr_hash))
+        groups.setdefault(key, []).append((pin, g.contiguous(), out, slots, sr_hash, corr))
         outs[i] = None if write else out
         news[i] = tuple(new)
     for key, items in groups.items():

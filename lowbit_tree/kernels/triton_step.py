@@ -29,9 +29,10 @@ __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_RO
 TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad")
 """The rules whose math this kernel has (the declaration's ids: ``spec.RULE_IDS``)."""
 
-LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "unused")
+LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr")
 """A leaf's int64 table row, header: row length, tiles per row, the leaf's first program, the
-param, gradient and output addresses, the stochastic-rounding hash."""
+param, gradient and output addresses, the stochastic-rounding hash, the param's int8 correction
+(``lowbit_tree.correction``; read and written in place)."""
 SLOT_FIELDS = ("in", "out", "scale_in", "scale_out", "fmt", "unused")
 """Then per state slot (3): codes or values in and out, scales in and out, the format's row in
 the format table."""
@@ -199,6 +200,71 @@ def _store_state(slot, row, R, j0, cols, valid, x, ftab, etab, K: tl.constexpr, 
 
 
 @triton.jit
+def _correction_scale(q, PDT: tl.constexpr):
+    """lowbit_tree.correction.correction_scale: ulp(q) / 256 as float32, q the param's float32 value."""
+    MANT: tl.constexpr = 7 if PDT == 1 else 10
+    EMIN: tl.constexpr = -126 if PDT == 1 else -14
+    e = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    biased = e - MANT - 8 + 127
+    normal = tl.maximum(biased, 1) << 23
+    sub = tl.full(biased.shape, 1, tl.int32) << tl.minimum(tl.maximum(biased + 22, 0), 22)
+    return tl.where(biased >= 1, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rint(v):
+    """Round to nearest even, for |v| < 2**22 (the magic-number sum; no contraction)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _param_bits(x, PDT: tl.constexpr):
+    """x rounded to nearest even into the param dtype, as its 16 bits (int32, sign-extended)."""
+    if PDT == 1:
+        b = _bf16_bits(x).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return b
+
+
+@triton.jit
+def _param_value(b, PDT: tl.constexpr):
+    """The float32 value of param bits b (int32 holding int16)."""
+    if PDT == 1:
+        v = ((b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _finite(v):
+    return (v.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def _corrected_write(pptr, cptr, offs, valid, p, u, PDT: tl.constexpr):
+    """lowbit_tree.correction: x = (p + c * scale(p)) + u; p' = x to nearest even, or the neighbour
+    above where the rest would be 128; c' = rint((x - p') / scale(p')) clamped to int8, 0 where p' is
+    not finite."""
+    c = tl.load(cptr + offs, mask=valid, other=0).to(tl.float32)
+    x = (p + c * _correction_scale(p, PDT)) + u
+    b = _param_bits(x, PDT)
+    q = _param_value(b, PDT)
+    r = _rint(tl.div_rn(x - q, _correction_scale(q, PDT)))
+    up = tl.where(b >= 0, b + 1, tl.where(b == -32768, 1, b - 1))
+    qa = _param_value(up, PDT)
+    move = (r > 127.0) & _finite(q) & _finite(qa)
+    b = tl.where(move, up, b)
+    q = tl.where(move, qa, q)
+    r = tl.where(move, _rint(tl.div_rn(x - q, _correction_scale(q, PDT))), r)
+    r = tl.where(_finite(q), tl.where(r < -128.0, -128.0, tl.where(r > 127.0, 127.0, r)), 0.0)
+    tl.store(pptr + offs, b.to(tl.uint16), mask=valid)
+    tl.store(cptr + offs, r.to(tl.int8), mask=valid)
+
+
+@triton.jit
 def _lerp(a, c, w):
     """torch.lerp's float32 result, one rounding (cpu.c's fmaf)."""
     if tl.abs(w) < 0.5:
@@ -215,7 +281,7 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
                 NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
                 PDT: tl.constexpr, GDT: tl.constexpr, P: tl.constexpr,
-                WRITE: tl.constexpr, SR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
+                WRITE: tl.constexpr, SR: tl.constexpr, CORR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
     pid = tl.program_id(0)
     leaf = tl.load(tile_leaf + pid).to(tl.int64)
     row_ptr = leaves + leaf * _ROW
@@ -328,7 +394,9 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
 
     u = tl.where((links & 4) != 0, u + wd * p, u)
     u = tl.where((links & 8) != 0, nlr * u, u)
-    if WRITE:
+    if CORR:
+        _corrected_write(_ptr(row_ptr, 3, tl.uint16), _ptr(row_ptr, 7, tl.int8), offs, valid, p, u, PDT)
+    elif WRITE:
         y = p + u
         if PDT == 1 and SR:
             h = tl.load(row_ptr + 6).to(tl.uint32)
