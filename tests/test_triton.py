@@ -342,3 +342,40 @@ def test_triton_param_correction_matches_native(rule, variant, fmt, dtype):
         assert same(got["native"][0], got["triton"][0]) and torch.equal(got["native"][1], got["triton"][1])
         assert all(map(same, got["native"][2], got["triton"][2]))
         assert not torch.equal(got["triton"][1], corr)  # the corrections moved
+
+
+def fsdp_triton_worker(rank, world, steps=3):
+    """One rank: AdamW8bit, and AdamW8bit with bfloat16 params and their int8 correction, under
+    FSDP2 stepping on the triton backend; the unsharded optimizer in this process on native; both
+    fed the same global gradients: params and every gathered state equal bit for bit."""
+    import copy
+
+    import fsdp_workers as W
+
+    for fmt, dtype in (("8bit", torch.float32), ("8bitc", torch.bfloat16)):
+        model = W.make_model(dtype=dtype)
+        ref = copy.deepcopy(model)
+        W.shard(model, world)
+        opt, ref_opt = W.make_opt(model.parameters(), fmt), W.make_opt(ref.parameters(), fmt)
+        for step in range(steps):
+            W.set_global_grads(model, step)
+            W.set_global_grads(ref, step)
+            os.environ["LOWBIT_TREE_BACKEND"] = "triton"
+            opt.step()
+            os.environ["LOWBIT_TREE_BACKEND"] = "native"
+            ref_opt.step()
+        for p, rp in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), rp.detach(), rtol=0, atol=0, msg=f"{fmt} at {world} ranks")
+        W.assert_states_equal(W.full_states(opt), W.full_states(ref_opt), exact=True, what=f"{fmt} at {world} ranks")
+    from lowbit_tree.kernels import triton_backend
+
+    assert triton_backend.LAUNCHES[0] >= 2 * steps  # the sharded steps ran on triton
+
+
+@NATIVE
+@pytest.mark.extended  # two spawned ranks under the interpreter: a minute or two (CI's extended phase)
+def test_fsdp2_two_ranks_under_triton_equal_native():
+    """FSDP2 at 2 gloo ranks (uneven shards) with the triton backend == one process on native."""
+    import fsdp_workers as W
+
+    W.launch(fsdp_triton_worker, 2)
