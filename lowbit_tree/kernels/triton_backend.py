@@ -1,7 +1,9 @@
 """The Triton backend (``LOWBIT_TREE_BACKEND=triton``): launches :mod:`.triton_step`'s kernel
 over a step's leaves, one launch per static combination (rule, variant, state kinds and block
-sizes, param / gradient dtype, links, write, stochastic rounding), over a table of the leaves'
-addresses built once per combination (:class:`TritonLaunch`, as the native kernel's job rows).
+sizes, param / gradient dtype, write, stochastic rounding, param correction; the fused links are
+runtime flags), over a table of the leaves' addresses built once per combination
+(:class:`TritonLaunch`, as the native kernel's job rows; :class:`TritonSteps` holds them in a
+``KernelPlan``).
 
 On a CUDA device it compiles for the GPU; on CPU tensors it runs under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before triton is imported), which is how CI checks the bits.
