@@ -203,6 +203,8 @@ class TritonSteps:
         groups: dict = {}
         for j, (p, g, states, index, corr) in enumerate(leaves):
             _check_correction(corr, p, write)
+            if write and not p.is_contiguous():
+                raise ValueError("the triton backend writes contiguous params in place only")
             stochastic = bool(write and sr and p.dtype is torch.bfloat16 and corr is None)
             pin = p if (spec.needs_param or write) else None
             key = launch_key(spec, pin, g, states, write, stochastic, corr is not None)
