@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 
 import lowbit_tree as lt  # noqa: E402
 from lowbit_tree.kernels import StepLeaf, StepSpec, native, run_step, step_hyperparams  # noqa: E402
+from lowbit_tree.qtensor import QTensor  # noqa: E402
 from lowbit_tree.rules import RULE_DEFS  # noqa: E402
 
 from test_kernels_step import LINKS, clone_state, make_case, np_fma, reference_step, same  # noqa: E402
@@ -67,6 +68,35 @@ def exact_fma(monkeypatch):
     yield
 
 
+DEVICE = torch.device("cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu")
+"""Where the triton backend's steps run: the CPU under the interpreter, or with ``TRITON_INTERPRET=0``
+on a CUDA machine the GPU (``benchmarks/gpu_check.sh``: the GPU's bits against native's on the CPU)."""
+
+
+def _to(x, dev):
+    if x is None:
+        return None
+    if isinstance(x, QTensor):
+        return QTensor(x.codes.to(dev), x.scale.to(dev), x.shape, x.block_size, x.format)
+    return x.to(dev)
+
+
+def _run(backend, spec, hyper, p, g, states, *, write, inplace=False, sr_key=None, index=3, corr=None):
+    """run_step on copies of the inputs (on :data:`DEVICE` for triton); returns, on the CPU, the
+    param after it, the update, the new states, the states passed in (after) and the correction."""
+    dev = DEVICE if backend == "triton" else torch.device("cpu")
+    pp, gg = _to(p.clone(), dev), _to(g, dev)
+    ss = tuple(_to(clone_state(s), dev) for s in states)
+    cc = None if corr is None else _to(corr.clone(), dev)
+    outs, news = run_step(spec, _to(hyper, dev), [StepLeaf(pp, gg, ss, index, cc)], write=write, inplace=inplace,
+                          sr_key=sr_key, backend=backend)
+    if inplace:
+        assert all(a is b for a, b in zip(news[0], ss))
+    cpu = torch.device("cpu")
+    return (_to(pp, cpu), _to(outs[0], cpu), tuple(_to(n, cpu) for n in news[0]), tuple(_to(s, cpu) for s in ss),
+            _to(cc, cpu))
+
+
 def _check(rule, variant, fmt, dtype, links_list, shapes, seed=0):
     """triton == native (== the numpy reference where it has the rule) on every case: update
     and in-place param write, pure and in place."""
@@ -78,14 +108,11 @@ def _check(rule, variant, fmt, dtype, links_list, shapes, seed=0):
                 results = {}
                 for backend in ("native", "triton"):
                     for inplace in (False, True):
-                        pp, ss = p.clone(), tuple(clone_state(s) for s in states)
-                        outs, news = run_step(spec, hyper, [StepLeaf(pp, g, ss, 3)], write=write, inplace=inplace,
-                                              sr_key=key, backend=backend)
-                        if inplace:
-                            assert all(a is b for a, b in zip(news[0], ss))
-                        else:
-                            assert all(same(a, clone_state(b)) for a, b in zip(ss, states))  # untouched
-                        results[backend, inplace] = (pp if write else outs[0], news[0])
+                        pp, out, news, passed, _ = _run(backend, spec, hyper, p, g, states, write=write,
+                                                        inplace=inplace, sr_key=key)
+                        if not inplace:
+                            assert all(same(a, b) for a, b in zip(passed, states))  # untouched
+                        results[backend, inplace] = (pp if write else out, news)
                 where = (rule, variant, fmt, dtype, links, shape, bs, write)
                 want_out, want_states = results["native", False]
                 if rule in REFERENCE_RULES:
@@ -133,8 +160,7 @@ def test_triton_nonfinite_and_extreme_gradients(fmt):
     _, states, p, _, hyper = make_case("adam", {"amsgrad": True}, {}, fmt, torch.float32, (3, 70), 32, 1)
     got = {}
     for backend in ("native", "triton"):
-        pp, ss = p.clone(), tuple(clone_state(s) for s in states)
-        run_step(spec, hyper, [StepLeaf(pp, g, ss)], write=True, inplace=True, backend=backend)
+        pp, _, _, ss, _ = _run(backend, spec, hyper, p, g, states, write=True, inplace=True, index=0)
         got[backend] = (pp, ss)
     assert same(got["native"][0], got["triton"][0])
     assert all(map(same, got["native"][1], got["triton"][1]))
@@ -336,8 +362,7 @@ def test_triton_param_correction_matches_native(rule, variant, fmt, dtype):
     for h in (hyper, small):
         got = {}
         for backend in ("native", "triton"):
-            pp, cc, ss = p.clone(), corr.clone(), tuple(clone_state(s) for s in states)
-            run_step(spec, h, [StepLeaf(pp, g, ss, 0, cc)], write=True, inplace=True, backend=backend)
+            pp, _, _, ss, cc = _run(backend, spec, h, p, g, states, write=True, inplace=True, index=0, corr=corr)
             got[backend] = (pp, cc, ss)
         assert same(got["native"][0], got["triton"][0]) and torch.equal(got["native"][1], got["triton"][1])
         assert all(map(same, got["native"][2], got["triton"][2]))
