@@ -44,6 +44,8 @@ step any "CUDA tests: every rule x state format x backend against the CPU refere
   "\$PY -m pytest -q -m cuda -p no:cacheprovider tests/test_kernels_step.py tests/test_kernels_codes.py tests/test_muon.py ${GPU_CHECK_ALL_TESTS:+tests} 2>&1 | tail -n 40 | tee \"\$RES/tests_cuda.txt\""
 step triton "triton backend: every rule x format x param dtype, bits against native, under the interpreter" \
   "\$PY -m pytest -q -p no:cacheprovider -m triton tests/test_triton.py 2>&1 | tail -n 20 | tee \"\$RES/tests_triton.txt\""
+step cuda "triton backend on the GPU: every rule x format x param dtype, the GPU's bits against native's on the CPU" \
+  "TRITON_INTERPRET=0 \$PY -m pytest -q -p no:cacheprovider -m triton tests/test_triton.py -k 'matches_native or param_dtypes or nonfinite or param_correction' 2>&1 | tail -n 20 | tee \"\$RES/tests_triton_cuda.txt\""
 step triton "triton kernel variants compiled for sm_80 / sm_90: PTX scan, registers, spills, bytes per param" \
   "\$PY benchmarks/triton_compile.py --arch 80,90 --cache \"\$RES/triton_cache\" | tee \"\$RES/triton_compile.txt\""
 step cuda "step time, case a: torch fused AdamW against the bridge's 8-bit AdamW" \
