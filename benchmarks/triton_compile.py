@@ -75,7 +75,9 @@ def constexprs(rule: str, variant: dict, fmt: str, opts: dict) -> dict:
     dt = {"f32": ts.DT_F32, "bf16": ts.DT_BF16}[opts["pdt"]]
     key = (tuple(kinds), dt, dt, opts["write"], opts.get("sr", False), opts.get("corr", False))
     del torch
-    return tb._constexprs(spec, key)
+    cx = tb._constexprs(spec, key)
+    cx.pop("UNIT")  # the launcher's row padding, not a kernel argument
+    return cx
 
 
 def bytes_per_param(cx: dict) -> float:

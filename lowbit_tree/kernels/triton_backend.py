@@ -69,6 +69,15 @@ def _kind(s) -> tuple[int, int]:
                     f"{type(s).__name__} {getattr(s, 'dtype', '')}")
 
 
+def tile_unit(block_sizes: Sequence[int]) -> int:
+    """The least common multiple of the block sizes and 2: a row's lanes are a multiple of it."""
+    lcm = 2
+    for b in block_sizes:
+        if b:
+            lcm = lcm * b // math.gcd(lcm, b)
+    return lcm
+
+
 def tile_length(block_sizes: Sequence[int]) -> int:
     """Elements of one row a program steps: a multiple of every block size and of 2, about
     1024 where the block sizes are powers of two (a reshape finds the block maxima), about 128
@@ -97,12 +106,13 @@ def launch_key(spec: StepSpec, p: Optional[torch.Tensor], g: torch.Tensor, state
 def _constexprs(spec: StepSpec, key: tuple) -> dict:
     kinds, pdt, gdt, write, stochastic, corrected = (tuple(key) + (False,))[:6]
     kinds = list(kinds) + [(0, 0)] * (3 - len(kinds))
-    L = tile_length([b for _, b in kinds])
+    L, unit = tile_length([b for _, b in kinds]), tile_unit([b for _, b in kinds])
     tile = triton_next_pow2(L)
     var = {"adam": int(spec.amsgrad), "rmsprop": int(spec.has_momentum) | (2 if spec.centered else 0)}.get(
         spec.rule, int(spec.nesterov))
     out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt,
                P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile)
+    out["UNIT"] = unit  # not a kernel argument: the launcher's row padding
     for i, (k, b) in enumerate(kinds):
         out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
         out[f"NB{i}"] = triton_next_pow2(-(-tile // b)) if b else 1
@@ -143,17 +153,24 @@ class TritonLaunch:
         dev = leaves[0][1].device
         rows_tab, owners, start = [], [], 0
         self.keep = []  # the tensors whose addresses the table holds
+        unit = self.constexprs["UNIT"]
         for i, (p, g, out, slots, sr_hash, *corr) in enumerate(leaves):
             quantized = any(s.scale_in is not None for s in slots)
             rows, R = row_layout(g.shape) if quantized else (1, g.numel())
-            tpr = -(-R // L)
-            row = [R, tpr, start, _addr(p), _addr(g), _addr(out), sr_hash, _addr(corr[0] if corr else None)]
+            Rp = -(-R // unit) * unit  # a row's lanes: whole blocks (and 4-bit bytes) of it
+            if Rp <= L // 2:  # short rows: k of them a program
+                k, Rp, tpr = L // Rp, Rp, 1
+                programs = -(-rows // k)
+            else:
+                k, Rp, tpr = 1, L, -(-R // L)
+                programs = rows * tpr
+            row = [R, tpr, start, _addr(p), _addr(g), _addr(out), sr_hash, _addr(corr[0] if corr else None), rows, Rp, k]
             for s in slots:
                 row += [_addr(s.src), _addr(s.dst), _addr(s.scale_in), _addr(s.scale_out), s.fmt, 0]
             row += [0] * (ts.LEAF_ROW - len(row))
             rows_tab.append(row)
-            owners.append(torch.full((rows * tpr,), i, dtype=torch.int32))
-            start += rows * tpr
+            owners.append(torch.full((programs,), i, dtype=torch.int32))
+            start += programs
             self.keep.append([p, g, out, slots])
         self.host = torch.tensor(rows_tab, dtype=torch.int64)
         self.table = self.host if dev.type == "cpu" else self.host.to(dev)
@@ -185,8 +202,9 @@ class TritonLaunch:
             self._dirty = False
         hyper = hyper.to(device=self.table.device, dtype=torch.float32).contiguous()
         LAUNCHES[0] += 1
-        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links,
-                                         **self.constexprs, enable_fp_fusion=False)
+        cx = {k: v for k, v in self.constexprs.items() if k != "UNIT"}
+        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links, **cx,
+                                         enable_fp_fusion=False)
 
 
 class TritonSteps:

@@ -29,10 +29,12 @@ __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_RO
 TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad")
 """The rules whose math this kernel has (the declaration's ids: ``spec.RULE_IDS``)."""
 
-LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr")
+LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr", "rows", "Rp", "k")
 """A leaf's int64 table row, header: row length, tiles per row, the leaf's first program, the
 param, gradient and output addresses, the stochastic-rounding hash, the param's int8 correction
-(``lowbit_tree.correction``; read and written in place)."""
+(``lowbit_tree.correction``; read and written in place), the rows, and how a program lays them
+out: ``k`` rows of ``Rp`` lanes each (``Rp`` the row length rounded up to the tile's block
+multiple) where rows are shorter than a tile, else one piece of ``Rp = L`` lanes of one row."""
 SLOT_FIELDS = ("in", "out", "scale_in", "scale_out", "fmt", "unused")
 """Then per state slot (3): codes or values in and out, scales in and out, the format's row in
 the format table."""
@@ -46,6 +48,8 @@ KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 8, 4
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2
 
 _ROW = tl.constexpr(LEAF_ROW)
+_HDR = tl.constexpr(len(LEAF_FIELDS))
+_SLOT = tl.constexpr(len(SLOT_FIELDS))
 _FMT = tl.constexpr(FMT_STRIDE)
 _ADAM = tl.constexpr(RULE_IDS["adam"])
 _LION = tl.constexpr(RULE_IDS["lion"])
@@ -111,20 +115,21 @@ def _store_plain(ptr, offs, valid, x, DT: tl.constexpr):
 
 
 @triton.jit
-def _codes_in(cptr, row, R, j0, valid, K: tl.constexpr, TILE: tl.constexpr):
-    """The tile's code bytes (8-bit) or nibbles (4-bit: the even element in the low one)."""
+def _codes_in(cptr, row, cols, R, valid, prow, pcol, pvalid, K: tl.constexpr, TILE: tl.constexpr):
+    """The tile's code bytes (8-bit) or nibbles (4-bit: the even element in the low one; a lane
+    pair's byte at its row and even column)."""
     if K == 8:
-        c = tl.load(cptr + row * R + j0 + tl.arange(0, TILE), mask=valid, other=0).to(tl.int32)
+        c = tl.load(cptr + row * R + cols, mask=valid, other=0).to(tl.int32)
     else:
         cc = (R + 1) // 2
-        k = tl.arange(0, TILE // 2)
-        b = tl.load(cptr + row * cc + j0 // 2 + k, mask=(j0 // 2 + k) < cc, other=0).to(tl.int32)
+        b = tl.load(cptr + prow * cc + pcol // 2, mask=pvalid, other=0).to(tl.int32)
         c = tl.reshape(tl.join(b & 15, b >> 4), (TILE,))
     return c
 
 
 @triton.jit
-def _load_state(slot, row, R, j0, cols, valid, ftab, K: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr):
+def _load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K: tl.constexpr, BS: tl.constexpr,
+                TILE: tl.constexpr):
     """State values of the tile as float32: plain values, or codes decoded (``dec[c] * s``,
     squared for the sqrt formats)."""
     if K == 0:
@@ -132,7 +137,7 @@ def _load_state(slot, row, R, j0, cols, valid, ftab, K: tl.constexpr, BS: tl.con
     elif K == 1:
         x = _load_plain(tl.load(slot + 0), row * R + cols, valid, 1)
     else:
-        c = _codes_in(_ptr(slot, 0, tl.uint8), row, R, j0, valid, K, TILE)
+        c = _codes_in(_ptr(slot, 0, tl.uint8), row, cols, R, valid, prow, pcol, pvalid, K, TILE)
         nb = (R + BS - 1) // BS
         s = tl.load(_ptr(slot, 2, tl.float32) + row * nb + cols // BS, mask=valid, other=0.0)
         f = ftab + tl.load(slot + 4) * _FMT
@@ -155,8 +160,8 @@ def _block_max(bits, BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _store_state(slot, row, R, j0, cols, valid, x, ftab, etab, K: tl.constexpr, BS: tl.constexpr,
-                 NB: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
+def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K: tl.constexpr,
+                 BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
     """The new values ``x`` of a state: plain, or transformed (sqrt; NaN for a negative value of
     an unsigned map), block scale ``absmax / divisor`` (NaN for a non-finite absmax), codes of
     ``t / scale`` (``scale`` 1 where it is not > 0)."""
@@ -194,9 +199,7 @@ def _store_state(slot, row, R, j0, cols, valid, x, ftab, etab, K: tl.constexpr, 
             code = tl.where(valid, code, 0)
             lo, hi = tl.split(tl.reshape(code, (TILE // 2, 2)))
             cc = (R + 1) // 2
-            kk = tl.arange(0, TILE // 2)
-            tl.store(cptr + row * cc + j0 // 2 + kk, (lo | (hi << 4)).to(tl.uint8),
-                     mask=((j0 // 2 + kk) < cc) & (kk < L // 2))
+            tl.store(cptr + prow * cc + pcol // 2, (lo | (hi << 4)).to(tl.uint8), mask=pvalid)
 
 
 @triton.jit
@@ -288,15 +291,23 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     R = tl.load(row_ptr + 0)
     tpr = tl.load(row_ptr + 1)
     t = pid - tl.load(row_ptr + 2)
-    row = t // tpr
+    rows = tl.load(row_ptr + 8)
+    Rp = tl.load(row_ptr + 9)
+    k = tl.load(row_ptr + 10)
+    r0 = (t // tpr) * k  # this program's first row, and column: k rows of Rp lanes, or a piece of one row
     j0 = (t % tpr) * L
     lane = tl.arange(0, TILE)
-    cols = j0 + lane
-    valid = (lane < L) & (cols < R)
+    row = r0 + lane // Rp
+    cols = j0 + lane % Rp
+    valid = (lane < k * Rp) & (cols < R) & (row < rows)
+    pl = 2 * tl.arange(0, TILE // 2)  # 4-bit codes: each lane pair's byte
+    prow = r0 + pl // Rp
+    pcol = j0 + pl % Rp
+    pvalid = (pl < k * Rp) & (pcol < R) & (prow < rows)
     offs = row * R + cols
-    s0 = row_ptr + 8
-    s1 = row_ptr + 14
-    s2 = row_ptr + 20
+    s0 = row_ptr + _HDR
+    s1 = row_ptr + _HDR + _SLOT
+    s2 = row_ptr + _HDR + 2 * _SLOT
 
     b1 = tl.load(hyper + 0)
     omb1 = tl.load(hyper + 1)
@@ -316,13 +327,13 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     g = tl.where((links & 1) != 0, -g, g)  # the fused links: runtime flags (spec.FLAGS' order)
     g = tl.where((links & 2) != 0, g + l2 * p, g)
 
-    x0 = _load_state(s0, row, R, j0, cols, valid, ftab, K0, BS0, TILE)
+    x0 = _load_state(s0, row, R, cols, valid, prow, pcol, pvalid, ftab, K0, BS0, TILE)
     if NS > 1:
-        x1 = _load_state(s1, row, R, j0, cols, valid, ftab, K1, BS1, TILE)
+        x1 = _load_state(s1, row, R, cols, valid, prow, pcol, pvalid, ftab, K1, BS1, TILE)
     else:
         x1 = x0
     if NS > 2:
-        x2 = _load_state(s2, row, R, j0, cols, valid, ftab, K2, BS2, TILE)
+        x2 = _load_state(s2, row, R, cols, valid, prow, pcol, pvalid, ftab, K2, BS2, TILE)
     else:
         x2 = x0
 
@@ -406,8 +417,8 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     else:
         tl.store(_ptr(row_ptr, 5, tl.float32) + offs, u, mask=valid)
 
-    _store_state(s0, row, R, j0, cols, valid, n0, ftab, etab, K0, BS0, NB0, L, TILE)
+    _store_state(s0, row, R, cols, valid, prow, pcol, pvalid, n0, ftab, etab, K0, BS0, NB0, TILE)
     if NS > 1:
-        _store_state(s1, row, R, j0, cols, valid, n1, ftab, etab, K1, BS1, NB1, L, TILE)
+        _store_state(s1, row, R, cols, valid, prow, pcol, pvalid, n1, ftab, etab, K1, BS1, NB1, TILE)
     if NS > 2:
-        _store_state(s2, row, R, j0, cols, valid, n2, ftab, etab, K2, BS2, NB2, L, TILE)
+        _store_state(s2, row, R, cols, valid, prow, pcol, pvalid, n2, ftab, etab, K2, BS2, NB2, TILE)
