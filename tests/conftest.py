@@ -73,7 +73,7 @@ EXTRAS = _extras()
 """Tests that need an extra carry a marker of the extra's name (``@pytest.mark.parity``): they skip,
 naming the extra, where any of its packages is missing. The README's test command installs only
 ``test``; CI installs the others afterwards and runs the marked tests again."""
-EXTRA_MARKERS = ("parity", "clients", "demo", "bench", "docs")
+EXTRA_MARKERS = ("parity", "clients", "demo", "bench", "docs", "triton")
 
 
 def missing_distributions(extra: str) -> list[str]:

@@ -42,7 +42,7 @@ def test_ci_runs_the_readme_test_command_before_installing_an_extra():
     # one over the tests marked with an extra's name, the extended tests and the exhaustive kernel checks.
     pytest_runs = [line for line in code if "-m pytest" in line]
     assert len(pytest_runs) == 4
-    assert '-m "parity or clients or demo or bench or docs"' in pytest_runs[0]
+    assert '-m "parity or clients or demo or bench or docs or triton"' in pytest_runs[0]
     assert "--extended -m extended" in pytest_runs[1]
     assert all("--exhaustive -m exhaustive" in run for run in pytest_runs[2:])
     # The extras' tests build DeepSpeed's op into a folder of this run's own, not one a killed

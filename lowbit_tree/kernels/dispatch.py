@@ -22,7 +22,8 @@ from .tables import CodeTable, code_table
 __all__ = ["BACKENDS", "backend_for", "StepLeaf", "native_ok", "native_state", "run_step", "quantize_rows_fast",
            "dequantize_rows_fast", "dequantize_fast"]
 
-BACKENDS = ("native", "compiled", "eager")
+BACKENDS = ("native", "compiled", "eager", "triton")
+"""``triton`` (:mod:`.triton_backend`) only when asked for: it imports triton, which the core does not need."""
 
 
 def _requested() -> str:
@@ -40,6 +41,8 @@ def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
     want = backend or _requested()
     if want not in BACKENDS + ("auto",):
         raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {want!r}")
+    if want == "triton":  # CUDA, or CPU tensors under TRITON_INTERPRET=1
+        return want
     if device.type != "cpu":
         return "eager" if want == "eager" else "compiled"
     if want == "native":
@@ -293,6 +296,10 @@ def run_step(
     """
     if write and not spec.lr:
         raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
+    if leaves and backend_for(leaves[0].grad.device, backend) == "triton":
+        from . import triton_backend  # imports triton: only here
+
+        return triton_backend.run_step(spec, hyper, leaves, write=write, inplace=inplace, sr_key=sr_key)
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
     jobs = []  # native jobs

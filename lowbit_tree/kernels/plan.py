@@ -64,6 +64,8 @@ class KernelPlan:
         if g.numel() == 0 or any(kernel_of(s) == KERNEL_VALUES for s in states):
             return None
         which = backend_for(g.device, self.backend)
+        if which == "triton":  # held in a launch whose address table is built once (triton_backend.TritonSteps)
+            return which
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
             return which if torch_backend.compiles(g.shape, torch_backend.state_kinds(states)) else None
         if which == "native" and native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
@@ -81,7 +83,9 @@ class KernelPlan:
             if g is None:
                 continue
             which = self._static(k, g)
-            if which == "compiled":
+            if which == "triton":
+                compiled.setdefault(("triton", self.write and self._stochastic, g.device, None), []).append(k)
+            elif which == "compiled":
                 p, corr = self.params[k], self.corrections[k]
                 stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
                 kinds = torch_backend.state_kinds(self.states[k])
@@ -90,9 +94,15 @@ class KernelPlan:
             else:
                 (self._native if which == "native" else self._other).append(k)
         self._compiled = []
-        for (_, stochastic, _, _), ks in compiled.items():
+        for (kinds, stochastic, _, _), ks in compiled.items():
             leaves = [(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
-            self._compiled.append((ks, torch_backend.CompiledSteps(self.spec, leaves, write=self.write, sr=stochastic)))
+            if kinds == "triton":
+                from . import triton_backend  # imports triton: only on that backend
+
+                steps = triton_backend.TritonSteps(self.spec, leaves, write=self.write, sr=stochastic)
+            else:
+                steps = torch_backend.CompiledSteps(self.spec, leaves, write=self.write, sr=stochastic)
+            self._compiled.append((ks, steps))
         self._held = [k for ks, _ in self._compiled for k in ks]
         self._held_signature = tuple(self._leaf_signature(k, grads[k]) for k in self._held)
         self._hyper = torch.zeros(NHYPER, dtype=torch.float32, device="cpu")

@@ -1,0 +1,424 @@
+"""The step as one ``@triton.jit`` kernel: the same float32 operations in the same order as
+``cpu.c``'s ``rule_run`` and its block quantizer (``kernels/spec.py``'s docstring), so a GPU (and
+Triton's interpreter on CPU) gives the native kernel's bits.
+
+What makes the bits equal: every division is ``tl.div_rn`` and every root ``tl.sqrt_rn``
+(Triton's ``/`` and ``tl.sqrt`` lower to approximate PTX); the kernel is launched and compiled
+with ``enable_fp_fusion=False`` (no contraction of ``a * b + c`` into an fma); ``tl.fma`` stands
+exactly where ``cpu.c`` calls ``fmaf`` (torch.lerp's one rounding in Muon's momentum and
+centered RMSprop's gradient average). The codes: the count of a format's float32 thresholds
+``<= x / scale`` by binary search over the table (NaN: the last index), the reference
+quantizer's rule, which every fast path of ``cpu.c`` is checked against at load.
+
+One program steps one tile: ``L`` elements of one row of one leaf (``L`` a multiple of every
+quantized state's block size and of 2, so blocks and 4-bit bytes never straddle programs). A
+launch covers every leaf of a (group, static combination): each leaf's addresses come from an
+int64 table row (:data:`LEAF_FIELDS`), each program's leaf from an int32 map, both built once
+(``triton_backend``). Imported only where triton is (``LOWBIT_TREE_BACKEND=triton``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .spec import RULE_IDS
+
+__all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
+           "KIND_F32", "KIND_BF16", "KIND_Q8", "KIND_Q4", "DT_F32", "DT_BF16", "DT_F16"]
+
+TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad")
+"""The rules whose math this kernel has (the declaration's ids: ``spec.RULE_IDS``)."""
+
+LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr", "rows", "Rp", "k")
+"""A leaf's int64 table row, header: row length, tiles per row, the leaf's first program, the
+param, gradient and output addresses, the stochastic-rounding hash, the param's int8 correction
+(``lowbit_tree.correction``; read and written in place), the rows, and how a program lays them
+out: ``k`` rows of ``Rp`` lanes each (``Rp`` the row length rounded up to the tile's block
+multiple) where rows are shorter than a tile, else one piece of ``Rp = L`` lanes of one row."""
+SLOT_FIELDS = ("in", "out", "scale_in", "scale_out", "fmt", "unused")
+"""Then per state slot (3): codes or values in and out, scales in and out, the format's row in
+the format table."""
+LEAF_ROW = len(LEAF_FIELDS) + 3 * len(SLOT_FIELDS)
+
+FMT_STRIDE = 520
+"""float32 entries per format in the format table: 256 decoded values, 256 thresholds (+inf
+padded), then divisor, last index, sqrt flag, unsigned flag."""
+
+KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 8, 4
+DT_F32, DT_BF16, DT_F16 = 0, 1, 2
+
+_ROW = tl.constexpr(LEAF_ROW)
+_HDR = tl.constexpr(len(LEAF_FIELDS))
+_SLOT = tl.constexpr(len(SLOT_FIELDS))
+_FMT = tl.constexpr(FMT_STRIDE)
+_ADAM = tl.constexpr(RULE_IDS["adam"])
+_LION = tl.constexpr(RULE_IDS["lion"])
+_MOMENTUM = tl.constexpr(RULE_IDS["momentum"])
+_ADEMAMIX = tl.constexpr(RULE_IDS["ademamix"])
+_MUON = tl.constexpr(RULE_IDS["muon"])
+_RMSPROP = tl.constexpr(RULE_IDS["rmsprop"])
+_ADAGRAD = tl.constexpr(RULE_IDS["adagrad"])
+
+
+@triton.jit
+def _ptr(row, k, TY: tl.constexpr):
+    return tl.load(row + k).to(tl.pointer_type(TY))
+
+
+@triton.jit
+def _load_plain(ptr, offs, valid, DT: tl.constexpr):
+    if DT == 0:
+        x = tl.load(ptr.to(tl.pointer_type(tl.float32)) + offs, mask=valid, other=0.0)
+    elif DT == 1:
+        h = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid, other=0)
+        x = (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr.to(tl.pointer_type(tl.float16)) + offs, mask=valid, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _bf16_bits(x):
+    """torch's float -> bfloat16: to nearest even, NaN -> 0x7FC0."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, r).to(tl.uint16)
+
+
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _bf16_stochastic(x, idx, h):
+    """lowbit_tree.rounding.stochastic_round of element ``idx`` (int64) under hash ``h``."""
+    c = _mix32(((idx >> 32).to(tl.uint32) + h)) + h
+    r = _mix32(_mix32(idx.to(tl.uint32)) ^ c) & 0xFFFF
+    u = x.to(tl.uint32, bitcast=True)
+    s = ((u + r) & 0xFFFF0000) >> 16
+    return tl.where((u & 0x7F800000) == 0x7F800000, _bf16_bits(x), s.to(tl.uint16))
+
+
+@triton.jit
+def _store_plain(ptr, offs, valid, x, DT: tl.constexpr):
+    if DT == 0:
+        tl.store(ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=valid)
+    elif DT == 1:
+        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_bits(x), mask=valid)
+    else:
+        tl.store(ptr.to(tl.pointer_type(tl.float16)) + offs, x.to(tl.float16), mask=valid)
+
+
+@triton.jit
+def _codes_in(cptr, row, cols, R, valid, prow, pcol, pvalid, K: tl.constexpr, TILE: tl.constexpr):
+    """The tile's code bytes (8-bit) or nibbles (4-bit: the even element in the low one; a lane
+    pair's byte at its row and even column)."""
+    if K == 8:
+        c = tl.load(cptr + row * R + cols, mask=valid, other=0).to(tl.int32)
+    else:
+        cc = (R + 1) // 2
+        b = tl.load(cptr + prow * cc + pcol // 2, mask=pvalid, other=0).to(tl.int32)
+        c = tl.reshape(tl.join(b & 15, b >> 4), (TILE,))
+    return c
+
+
+@triton.jit
+def _load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K: tl.constexpr, BS: tl.constexpr,
+                TILE: tl.constexpr):
+    """State values of the tile as float32: plain values, or codes decoded (``dec[c] * s``,
+    squared for the sqrt formats)."""
+    if K == 0:
+        x = _load_plain(tl.load(slot + 0), row * R + cols, valid, 0)
+    elif K == 1:
+        x = _load_plain(tl.load(slot + 0), row * R + cols, valid, 1)
+    else:
+        c = _codes_in(_ptr(slot, 0, tl.uint8), row, cols, R, valid, prow, pcol, pvalid, K, TILE)
+        nb = (R + BS - 1) // BS
+        s = tl.load(_ptr(slot, 2, tl.float32) + row * nb + cols // BS, mask=valid, other=0.0)
+        f = ftab + tl.load(slot + 4) * _FMT
+        t = tl.load(f + c) * s
+        x = tl.where(tl.load(f + 514) != 0.0, t * t, t)
+    return x
+
+
+@triton.jit
+def _block_max(bits, BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
+    """Each element's block maximum of ``bits`` (int32, >= 0), blocks of BS from the tile's start."""
+    if (BS & (BS - 1)) == 0 and TILE % BS == 0:
+        m = tl.max(tl.reshape(bits, (TILE // BS, BS)), axis=1)
+        out = tl.reshape(tl.broadcast_to(m[:, None], (TILE // BS, BS)), (TILE,))
+    else:
+        sel = (tl.arange(0, TILE) // BS)[None, :] == tl.arange(0, NB)[:, None]
+        m = tl.max(tl.where(sel, bits[None, :], 0), axis=1)
+        out = tl.max(tl.where(sel, m[:, None], 0), axis=0)
+    return out
+
+
+@triton.jit
+def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K: tl.constexpr,
+                 BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
+    """The new values ``x`` of a state: plain, or transformed (sqrt; NaN for a negative value of
+    an unsigned map), block scale ``absmax / divisor`` (NaN for a non-finite absmax), codes of
+    ``t / scale`` (``scale`` 1 where it is not > 0)."""
+    if K == 0:
+        _store_plain(tl.load(slot + 1), row * R + cols, valid, x, 0)
+    elif K == 1:
+        _store_plain(tl.load(slot + 1), row * R + cols, valid, x, 1)
+    else:
+        fid = tl.load(slot + 4)
+        f = ftab + fid * _FMT
+        divisor = tl.load(f + 512)
+        last = tl.load(f + 513).to(tl.int32)
+        t = tl.where(tl.load(f + 514) != 0.0, tl.sqrt_rn(x), x)
+        t = tl.where(tl.load(f + 515) != 0.0, tl.where(t < 0.0, float("nan"), t), t)
+        bits = tl.where(valid, t.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+        amax = _block_max(bits, BS, NB, TILE)
+        s = tl.where(amax >= 0x7F800000, float("nan"), tl.div_rn(amax.to(tl.float32, bitcast=True), divisor))
+        nb = (R + BS - 1) // BS
+        tl.store(_ptr(slot, 3, tl.float32) + row * nb + cols // BS, s, mask=valid & (cols % BS == 0))
+        n = tl.div_rn(t, tl.where(s > 0.0, s, 1.0))
+        thr = f + 256
+        idx = tl.zeros((TILE,), tl.int32)
+        STEPS: tl.constexpr = 8 if K == 8 else 4
+        for k in tl.static_range(STEPS):
+            cand = idx + (1 << (STEPS - 1 - k))
+            ok = cand <= last
+            tk = tl.load(thr + tl.where(ok, cand - 1, 0))
+            idx = tl.where(ok & (tk <= n), cand, idx)
+        idx = tl.where(n != n, last, idx)
+        code = tl.load(etab + fid * 256 + idx).to(tl.int32)
+        cptr = _ptr(slot, 1, tl.uint8)
+        if K == 8:
+            tl.store(cptr + row * R + cols, code.to(tl.uint8), mask=valid)
+        else:
+            code = tl.where(valid, code, 0)
+            lo, hi = tl.split(tl.reshape(code, (TILE // 2, 2)))
+            cc = (R + 1) // 2
+            tl.store(cptr + prow * cc + pcol // 2, (lo | (hi << 4)).to(tl.uint8), mask=pvalid)
+
+
+@triton.jit
+def _correction_scale(q, PDT: tl.constexpr):
+    """lowbit_tree.correction.correction_scale: ulp(q) / 256 as float32, q the param's float32 value."""
+    MANT: tl.constexpr = 7 if PDT == 1 else 10
+    EMIN: tl.constexpr = -126 if PDT == 1 else -14
+    e = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    biased = e - MANT - 8 + 127
+    normal = tl.maximum(biased, 1) << 23
+    sub = tl.full(biased.shape, 1, tl.int32) << tl.minimum(tl.maximum(biased + 22, 0), 22)
+    return tl.where(biased >= 1, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rint(v):
+    """Round to nearest even, for |v| < 2**22 (the magic-number sum; no contraction)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _param_bits(x, PDT: tl.constexpr):
+    """x rounded to nearest even into the param dtype, as its 16 bits (int32, sign-extended)."""
+    if PDT == 1:
+        b = _bf16_bits(x).to(tl.int16, bitcast=True).to(tl.int32)
+    else:
+        b = x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return b
+
+
+@triton.jit
+def _param_value(b, PDT: tl.constexpr):
+    """The float32 value of param bits b (int32 holding int16)."""
+    if PDT == 1:
+        v = ((b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = b.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _finite(v):
+    return (v.to(tl.int32, bitcast=True) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def _corrected_write(pptr, cptr, offs, valid, p, u, PDT: tl.constexpr):
+    """lowbit_tree.correction: x = (p + c * scale(p)) + u; p' = x to nearest even, or the neighbour
+    above where the rest would be 128; c' = rint((x - p') / scale(p')) clamped to int8, 0 where p' is
+    not finite."""
+    c = tl.load(cptr + offs, mask=valid, other=0).to(tl.float32)
+    x = (p + c * _correction_scale(p, PDT)) + u
+    b = _param_bits(x, PDT)
+    q = _param_value(b, PDT)
+    r = _rint(tl.div_rn(x - q, _correction_scale(q, PDT)))
+    up = tl.where(b >= 0, b + 1, tl.where(b == -32768, 1, b - 1))
+    qa = _param_value(up, PDT)
+    move = (r > 127.0) & _finite(q) & _finite(qa)
+    b = tl.where(move, up, b)
+    q = tl.where(move, qa, q)
+    r = tl.where(move, _rint(tl.div_rn(x - q, _correction_scale(q, PDT))), r)
+    r = tl.where(_finite(q), tl.where(r < -128.0, -128.0, tl.where(r > 127.0, 127.0, r)), 0.0)
+    tl.store(pptr + offs, b.to(tl.uint16), mask=valid)
+    tl.store(cptr + offs, r.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def _lerp(a, c, w):
+    """torch.lerp's float32 result, one rounding (cpu.c's fmaf)."""
+    if tl.abs(w) < 0.5:
+        r = tl.fma(w, c - a, a)
+    else:
+        r = tl.fma(w - 1.0, c - a, c)
+    return r
+
+
+@triton.jit
+def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
+                RULE: tl.constexpr, VAR: tl.constexpr, NS: tl.constexpr,
+                K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
+                BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
+                NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
+                PDT: tl.constexpr, GDT: tl.constexpr, P: tl.constexpr,
+                WRITE: tl.constexpr, SR: tl.constexpr, CORR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
+    pid = tl.program_id(0)
+    leaf = tl.load(tile_leaf + pid).to(tl.int64)
+    row_ptr = leaves + leaf * _ROW
+    R = tl.load(row_ptr + 0)
+    tpr = tl.load(row_ptr + 1)
+    t = pid - tl.load(row_ptr + 2)
+    rows = tl.load(row_ptr + 8)
+    Rp = tl.load(row_ptr + 9)
+    k = tl.load(row_ptr + 10)
+    r0 = (t // tpr) * k  # this program's first row, and column: k rows of Rp lanes, or a piece of one row
+    j0 = (t % tpr) * L
+    lane = tl.arange(0, TILE)
+    row = r0 + lane // Rp
+    cols = j0 + lane % Rp
+    valid = (lane < k * Rp) & (cols < R) & (row < rows)
+    pl = 2 * tl.arange(0, TILE // 2)  # 4-bit codes: each lane pair's byte
+    prow = r0 + pl // Rp
+    pcol = j0 + pl % Rp
+    pvalid = (pl < k * Rp) & (pcol < R) & (prow < rows)
+    offs = row * R + cols
+    s0 = row_ptr + _HDR
+    s1 = row_ptr + _HDR + _SLOT
+    s2 = row_ptr + _HDR + 2 * _SLOT
+
+    b1 = tl.load(hyper + 0)
+    omb1 = tl.load(hyper + 1)
+    b2 = tl.load(hyper + 2)
+    omb2 = tl.load(hyper + 3)
+    rbc1 = tl.load(hyper + 4)
+    rsbc2 = tl.load(hyper + 5)
+    eps = tl.load(hyper + 6)
+    nlr = -tl.load(hyper + 7)
+    wd = tl.load(hyper + 8)
+    l2 = tl.load(hyper + 9)
+
+    p = tl.zeros((TILE,), tl.float32)
+    if P:
+        p = _load_plain(tl.load(row_ptr + 3), offs, valid, PDT)
+    g = _load_plain(tl.load(row_ptr + 4), offs, valid, GDT)
+    g = tl.where((links & 1) != 0, -g, g)  # the fused links: runtime flags (spec.FLAGS' order)
+    g = tl.where((links & 2) != 0, g + l2 * p, g)
+
+    x0 = _load_state(s0, row, R, cols, valid, prow, pcol, pvalid, ftab, K0, BS0, TILE)
+    if NS > 1:
+        x1 = _load_state(s1, row, R, cols, valid, prow, pcol, pvalid, ftab, K1, BS1, TILE)
+    else:
+        x1 = x0
+    if NS > 2:
+        x2 = _load_state(s2, row, R, cols, valid, prow, pcol, pvalid, ftab, K2, BS2, TILE)
+    else:
+        x2 = x0
+
+    if RULE == _ADAM or RULE == _ADEMAMIX:
+        m = b1 * x0 + omb1 * g
+        v = b2 * x1 + omb2 * (g * g)
+        sr = tl.sqrt_rn(v)
+        num = m * rbc1
+        n2 = x2
+        if RULE == _ADEMAMIX:
+            b3 = tl.load(hyper + 10)
+            omb3 = tl.load(hyper + 11)
+            alpha = tl.load(hyper + 12)
+            n2 = b3 * x2 + omb3 * g
+            num = num + alpha * n2
+        elif VAR:
+            n2 = tl.where((v > x2) | (v != v), v, x2)
+            sr = tl.sqrt_rn(n2)
+        u = tl.div_rn(num, sr * rsbc2 + eps)
+        n0 = m
+        n1 = v
+    elif RULE == _LION:
+        c = b1 * x0 + omb1 * g
+        u = tl.where(c > 0.0, 1.0, tl.where(c < 0.0, -1.0, 0.0))
+        n0 = b2 * x0 + omb2 * g
+        n1 = x1
+        n2 = x2
+    elif RULE == _MUON:
+        b = _lerp(x0, g, omb1)
+        u = b
+        if VAR:
+            u = _lerp(g, b, b1)
+        n0 = b
+        n1 = x1
+        n2 = x2
+    elif RULE == _RMSPROP:
+        v = b2 * x0 + omb2 * (g * g)
+        n1 = x1
+        n2 = x2
+        if VAR & 2:
+            if VAR & 1:
+                a = _lerp(x2, g, omb2)
+                n2 = a
+            else:
+                a = _lerp(x1, g, omb2)
+                n1 = a
+            d = tl.sqrt_rn(v - a * a) + eps
+        else:
+            d = tl.sqrt_rn(v) + eps
+        u = tl.div_rn(g, d)
+        if VAR & 1:
+            u = b1 * x1 + u
+            n1 = u
+        n0 = v
+    elif RULE == _ADAGRAD:
+        s = tl.where(x0 < b1, b1, x0) + g * g
+        u = tl.div_rn(g, tl.sqrt_rn(s) + eps)
+        n0 = s
+        n1 = x1
+        n2 = x2
+    else:  # momentum
+        b = b1 * x0 + g
+        u = b
+        if VAR:
+            u = g + b1 * b
+        n0 = b
+        n1 = x1
+        n2 = x2
+
+    u = tl.where((links & 4) != 0, u + wd * p, u)
+    u = tl.where((links & 8) != 0, nlr * u, u)
+    if CORR:
+        _corrected_write(_ptr(row_ptr, 3, tl.uint16), _ptr(row_ptr, 7, tl.int8), offs, valid, p, u, PDT)
+    elif WRITE:
+        y = p + u
+        if PDT == 1 and SR:
+            h = tl.load(row_ptr + 6).to(tl.uint32)
+            tl.store(_ptr(row_ptr, 3, tl.uint16) + offs, _bf16_stochastic(y, offs, h), mask=valid)
+        else:
+            _store_plain(tl.load(row_ptr + 3), offs, valid, y, PDT)
+    else:
+        tl.store(_ptr(row_ptr, 5, tl.float32) + offs, u, mask=valid)
+
+    _store_state(s0, row, R, cols, valid, prow, pcol, pvalid, n0, ftab, etab, K0, BS0, NB0, TILE)
+    if NS > 1:
+        _store_state(s1, row, R, cols, valid, prow, pcol, pvalid, n1, ftab, etab, K1, BS1, NB1, TILE)
+    if NS > 2:
+        _store_state(s2, row, R, cols, valid, prow, pcol, pvalid, n2, ftab, etab, K2, BS2, NB2, TILE)
