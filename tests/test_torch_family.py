@@ -157,9 +157,20 @@ def test_nadam_params_stepped_at_different_counts_keep_their_own_mu_product(fmt)
             o.step()
     steps = [float(opt.state[p]["step"]) for p in ours]
     assert len(set(steps)) > 1, steps
-    for p, q in zip(ours, ref):
-        assert float(opt.state[p]["step"]) == float(topt.state[q]["step"])
+    # torch's state dict, its products apart, loaded into ours and stepped on beside torch
+    loaded = [torch.nn.Parameter(q.detach().clone()) for q in ref]
+    o2 = bridge.NAdam(loaded, lr=1e-2, weight_decay=0.01)
+    o2.load_state_dict(copy.deepcopy(topt.state_dict()))
+    for s in range(12, 15):
+        for o, params in ((opt, ours), (topt, ref), (o2, loaded)):
+            for i, (p, g) in enumerate(zip(params, _grads(s, params, seed=9))):
+                p.grad = None if (s + i) % 3 == 0 and i != 0 else g.clone()
+            o.step()
+    for p, q, r in zip(ours, ref, loaded):
+        assert float(opt.state[p]["step"]) == float(topt.state[q]["step"]) == float(o2.state[r]["step"])
         assert torch.equal(opt.state[p]["mu_product"], topt.state[q]["mu_product"])
+        assert torch.equal(o2.state[r]["mu_product"], topt.state[q]["mu_product"])
+        assert _close(r.detach(), q.detach())
         if fmt == "fp32":
             assert _close(p.detach(), q.detach())
 
