@@ -50,7 +50,7 @@ from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
 from lowbit_tree.transform import (ScaleByAdadeltaState, ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState,
-                                  ScaleByLionState, ScaleByRAdamState, ScaleByRmsState, ScaleByRssState, TraceState)
+                                  ScaleByLionState, ScaleByNAdamState, ScaleByRAdamState, ScaleByRmsState, ScaleByRssState, TraceState)
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -61,7 +61,7 @@ __all__ = [
     "Lion8bit", "Lion4bit", "SGD8bit", "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit",
     "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8", "Adagrad", "Adagrad8bit", "Adagrad4bit", "AdagradFp8",
     "Adamax", "Adamax8bit", "Adamax4bit", "AdamaxFp8", "Adadelta", "Adadelta8bit", "Adadelta4bit", "AdadeltaFp8",
-    "RAdam", "RAdam8bit", "RAdam4bit", "RAdamFp8",
+    "RAdam", "RAdam8bit", "RAdam4bit", "RAdamFp8", "NAdam", "NAdam8bit", "NAdam4bit", "NAdamFp8",
 ]
 
 
@@ -385,7 +385,7 @@ def _docstring(cls) -> str:
 _STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
                 "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
                 "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState,
-                "radam": ScaleByRAdamState}
+                "radam": ScaleByRAdamState, "nadam": ScaleByNAdamState}
 """Each rule's core state class (its ``roles`` are the rule's declared states)."""
 
 
@@ -728,4 +728,38 @@ class RAdam4bit(RAdam):
 
 class RAdamFp8(RAdam):
     _summary = "RAdam with float8 e4m3 states (``exp_avg_sq`` stored as its zero-free square root)."
+    _default_format = "fp8"
+
+
+class NAdam(_Declared):
+    _spec = _Spec(
+        "nadam", alias.nadam,
+        (("lr", 2e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("momentum_decay", 4e-3),
+         ("decoupled_weight_decay", False), ("foreach", None), ("maximize", False), ("capturable", False),
+         ("differentiable", False), *_STORAGE, ("param_correction", False)),
+        keyword="foreach",
+        summary="torch.optim.NAdam (same signature, defaults, state names and math: Adam's moments with Nesterov "
+                "momentum on a schedule; at step ``t`` the momentum ``mu_t = beta1 * (1 - 0.5 * 0.96 ** (t * "
+                "momentum_decay))``, ``mu_product`` the product of the momenta so far, and the update ``lr * ((1 - "
+                "mu_t) / (1 - mu_product) * grad + mu_{t+1} / (1 - mu_product * mu_{t+1}) * exp_avg) / "
+                "(sqrt(exp_avg_sq / (1 - beta2**t)) + eps)``) with ``state_format`` states (default ``\"fp32\"``).",
+        docs=(("betas", _A("betas", "Decay rates of ``exp_avg`` and ``exp_avg_sq`` (``beta1`` also scales the "
+                           "momentum schedule).", "a pair of numbers in [0, 1)", "betas", "betas")),
+              ("eps", _A("eps", "Added to the bias-corrected ``sqrt(exp_avg_sq)``, outside the root (as "
+                         "torch.optim.NAdam).", "a number >= 0", "nonneg", "eps"))),
+    )
+
+
+class NAdam8bit(NAdam):
+    _summary = "NAdam with 8-bit states (``exp_avg_sq`` on the zero-free sqrt map, ``exp_avg`` on the signed dynamic map)."
+    _default_format = "8bit"
+
+
+class NAdam4bit(NAdam):
+    _summary = "NAdam with 4-bit states (arXiv 2309.01507's maps, block 128; ``exp_avg_sq`` per block)."
+    _default_format = "4bit"
+
+
+class NAdamFp8(NAdam):
+    _summary = "NAdam with float8 e4m3 states (``exp_avg_sq`` stored as its zero-free square root)."
     _default_format = "fp8"

@@ -44,6 +44,10 @@ __all__ = [
     'RAdam8bit',
     'RAdam4bit',
     'RAdamFp8',
+    'NAdam',
+    'NAdam8bit',
+    'NAdam4bit',
+    'NAdamFp8',
 ]
 
 class TorchOptimizerBase(LowBitOptimizer): ...
@@ -346,4 +350,36 @@ class RAdam4bit(RAdam):
     ...
 
 class RAdamFp8(RAdam):
+    ...
+
+class NAdam(TorchOptimizerBase):
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 0.002,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-08,
+        weight_decay: float = 0,
+        momentum_decay: float = 0.004,
+        decoupled_weight_decay: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        state_format: str | Mapping[str, str] | None = None,
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        bf16_stochastic_round: bool = False,
+        skip_nonfinite: bool = False,
+        param_correction: bool = False,
+    ) -> None: ...
+
+class NAdam8bit(NAdam):
+    ...
+
+class NAdam4bit(NAdam):
+    ...
+
+class NAdamFp8(NAdam):
     ...

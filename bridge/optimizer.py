@@ -31,7 +31,7 @@ from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
 from .distributed import is_dtensor, local_grad, to_local
-from .param_states import ParamStates
+from .param_states import SCALARS, ParamStates
 from .plan import GroupPlan
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
@@ -348,7 +348,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 st.update(states.create(p, group))
             else:
                 states.check(p, group, st)
-            batches.setdefault(float(st["step"]), []).append(i)
+            # by step count and rule scalars (a param that missed steps has its own mu_product)
+            batches.setdefault(tuple(float(st[k]) for k in SCALARS if k in st), []).append(i)
         what = f"{type(self).__name__}'s transformation ({getattr(self._factory, '__name__', 'factory')})"
         for batch in batches.values():
             batch = tuple(batch)

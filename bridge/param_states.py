@@ -29,13 +29,18 @@ import torch
 
 import lowbit_tree as lt
 from lowbit_tree import records
+from lowbit_tree.rules import SCALAR_STATES
 
 from .distributed import mesh_axes, shard_block_size, to_local, wrap_like
 from .qstate import QState
 from .rank1_shard import rank1_reduce
 from .state_tree import Binding, binding
 
-__all__ = ["ParamStates", "stored_layout"]
+__all__ = ["ParamStates", "stored_layout", "SCALARS"]
+
+SCALARS = ("step", *SCALAR_STATES)
+"""The per-param 0-d CPU float32 states of torch.optim (``step``, NAdam's ``mu_product``): no
+layout, no record; a step's plan holds them as views of one tensor (:class:`bridge.plan.GroupPlan`)."""
 
 
 def stored_layout(v) -> tuple:
@@ -70,6 +75,7 @@ class ParamStates:
         self._bindings: dict = {}  # (tx key, ((shape, dtype) per param), positions) -> Binding
         self._reducers: dict = {}  # param -> its rank-1 reduce (None: unsharded)
         self._live: dict = {}  # param -> {state name: (its QState, the core record over it)}
+        self._scalars: dict = {}  # layout key -> the rule scalars the state keeps
 
     # -- layouts ------------------------------------------------------------------
     def layout(self, p: torch.Tensor, group: dict) -> dict:
@@ -82,7 +88,9 @@ class ParamStates:
         if layout is None:
             meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
             layout = {}
-            for name, leaf in binding(tx.init([meta])).state_leaves(0).items():
+            b = binding(tx.init([meta]))
+            self._scalars[cache_key] = b.scalar_names
+            for name, leaf in b.state_leaves(0).items():
                 kind = records.kind_of(leaf)
                 if kind is None:
                     layout[name] = (None, leaf.dtype)
@@ -93,6 +101,13 @@ class ParamStates:
                 layout[name] = (kind, meta)
             self._layouts[cache_key] = layout
         return layout
+
+    def scalar_names(self, p: torch.Tensor, group: dict) -> tuple:
+        """The rule scalars ``group`` keeps for ``p`` beside ``step`` (NAdam's ``mu_product``),
+        found with its :meth:`layout`."""
+        tx, key, _ = self.transform_of(group)
+        self.layout(p, group)
+        return self._scalars[(key, tuple(p.shape), p.dtype, tuple(to_local(p).shape))]
 
     def binding(self, group: dict, params: list, present: tuple) -> Binding:
         """The state-tree binding of ``group`` for the params at positions ``present``
@@ -121,6 +136,8 @@ class ParamStates:
         every state a tensor (records as :class:`QState`), DTensor-wrapped like ``p``."""
         local = to_local(p)
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
+        for name in self.scalar_names(p, group):  # as torch.optim.NAdam's mu_product: a CPU float32 scalar
+            st[name] = torch.full((), SCALAR_STATES[name], dtype=torch.float32, device="cpu")
         for name, (kind, meta) in self.layout(p, group).items():
             if kind is None:
                 st[name] = wrap_like(torch.zeros(local.shape, dtype=meta, device=local.device), p)
@@ -136,7 +153,7 @@ class ParamStates:
         (``param_correction`` keeps a correction only for bfloat16 / float16 params) or a
         storage option of the group changed after the state was created."""
         want = self.layout(p, group)
-        have = {k: stored_layout(v) for k, v in st.items() if k != "step"}
+        have = {k: stored_layout(v) for k, v in st.items() if k not in SCALARS}
         if have == want:
             return
         if set(have) != set(want):
@@ -159,7 +176,7 @@ class ParamStates:
         out = {}
         made = self._live.setdefault(p, {})
         for name, v in st.items():
-            if name == "step":
+            if name in SCALARS:
                 continue
             v = to_local(v)
             if isinstance(v, QState):

@@ -12,8 +12,11 @@ elsewhere), so a leaf's index, stochastic rounding's key, is the same in both.
 
 Step counts: torch.optim keeps one ``step`` tensor per param; a plan's params share one
 count (they are batched by it), so their ``step`` tensors become 0-d views of one tensor
-of the plan, and one ``add_`` advances them all. A ``step`` tensor replaced (a loaded state
-dict) or changed in place (its version counter moves) rebuilds the plan.
+of the plan, and one ``add_`` advances them all. A rule's scalar states (NAdam's
+``mu_product``, :data:`bridge.param_states.SCALARS`) are held the same way: the batch's params
+share one value (they are batched by it), each param's tensor a view of one tensor of the
+plan, filled from the state tree's scalar after each step. A ``step`` or scalar tensor
+replaced (a loaded state dict) or changed in place (its version counter moves) rebuilds the plan.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from lowbit_tree.base import plan_of
 from lowbit_tree.update import apply_rest_
 
 from .distributed import local_grad, to_local
+from .param_states import SCALARS
 
 __all__ = ["GroupPlan"]
 
@@ -52,9 +56,9 @@ class GroupPlan:
         self.locals = [to_local(p) for p in self.params]  # a plain param is its own local tensor
         self.dtypes = [p.dtype for p in self.params]  # a module cast in place keeps the param object
         self.states = [state[p] for p in self.params]
-        self.held = [tuple(v for k, v in st.items() if k != "step") for st in self.states]
+        self.held = [tuple(v for k, v in st.items() if k not in SCALARS) for st in self.states]
         self.hyper = {k: torch.zeros((), dtype=torch.float64, device="cpu") for k in numeric}
-        tree, self.counts, self.seeds = binding.tree(live, self.hyper)
+        tree, self.counts, self.seeds, self.scalars = binding.tree(live, self.hyper)
         self.count = int(float(self.states[0]["step"])) if self.states else 0
         # one tensor of step counts; each param's "step" a view of it (module docstring)
         self.steps = torch.full((len(self.params),), float(self.count), dtype=torch.float32, device="cpu")
@@ -62,6 +66,14 @@ class GroupPlan:
         for st, v in zip(self.states, self.views):
             st["step"] = v
         self.version = self.steps._version
+        # each rule scalar: the tree's tensor, and one tensor of the params' values (their views)
+        self.scalar_rows = []
+        for name, t in self.scalars:
+            t.copy_(self.states[0][name].detach().to("cpu", torch.float32).reshape(()))
+            row = t.expand(len(self.params)).clone()
+            for k, st in enumerate(self.states):
+                st[name] = row[k]
+            self.scalar_rows.append([name, t, row, [row[k] for k in range(len(self.params))], row._version])
         self.numbers: dict = {}  # the Python numbers last written into self.hyper
         for c in self.counts:
             c.fill_(self.count)
@@ -78,17 +90,23 @@ class GroupPlan:
         generators: a step calls nothing here.)"""
         if present != self.present or len(params) != self.size or self.steps._version != self.version:
             return False
+        for name, _, row, views, version in self.scalar_rows:
+            if row._version != version:
+                return False
+            for st, view in zip(self.states, views):
+                if st.get(name) is not view:
+                    return False
         for i, p, local, st, held, view, dtype in zip(self.present, self.params, self.locals, self.states, self.held,
                                                       self.views, self.dtypes):
             if params[i] is not p or state.get(p) is not st or st.get("step") is not view or p.dtype != dtype:
                 return False
             if local is not p and to_local(p) is not local:  # a DTensor's local shard replaced
                 return False
-            if len(st) != len(held) + 1:
+            if len(st) != len(held) + 1 + len(self.scalar_rows):
                 return False
             k = 0
             for name, v in st.items():
-                if name != "step":
+                if name not in SCALARS:
                     if v is not held[k]:
                         return False
                     k += 1
@@ -117,6 +135,9 @@ class GroupPlan:
         rest = self.step(grads)  # advances the state tree's counts itself
         self.steps.add_(1)
         self.version = self.steps._version
+        for held in self.scalar_rows:  # the tree's scalars, advanced by the plan, to the params' views
+            held[2].copy_(held[1].expand_as(held[2]))
+            held[4] = held[2]._version
         self.count += 1
         for i in self.present:
             if rest[i] is not None:  # what the plan left to add (a transformation that writes no params)

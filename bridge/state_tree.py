@@ -19,6 +19,7 @@ import optree
 import torch
 
 from lowbit_tree.base import HYPERPARAMS, SEED, STEP, state_roles
+from lowbit_tree.rules import SCALAR_STATES
 from lowbit_tree.records import is_record
 
 __all__ = ["Slot", "Binding", "binding"]
@@ -27,8 +28,9 @@ __all__ = ["Slot", "Binding", "binding"]
 class Slot(NamedTuple):
     """Where one leaf of the state tree comes from: ``kind`` is ``"state"`` (param
     ``index``'s state ``name``), ``"count"``, ``"hyper"`` (group option ``name``) or
-    ``"seed"`` (a stochastic-rounding seed: the group's ``seed``, default 0) or
-    ``"fixed"`` (the template's own value: ``None``, or a leaf of no param)."""
+    ``"seed"`` (a stochastic-rounding seed: the group's ``seed``, default 0),
+    ``"scalar"`` (a rule's scalar state ``name``, :data:`lowbit_tree.rules.SCALAR_STATES`: kept
+    per param like ``step``) or ``"fixed"`` (the template's own value: ``None``, or a leaf of no param)."""
 
     kind: str
     name: str
@@ -50,6 +52,8 @@ def _slot(accessor, leaf) -> Slot:
         rest = [e.entry for e in entries[k + 1:]]
         if role in _SCALAR_SLOTS:
             return Slot(_SCALAR_SLOTS[role], field, -1)
+        if role in SCALAR_STATES and not rest:
+            return Slot("scalar", role, -1)
         if role == HYPERPARAMS:
             return Slot("hyper", str(rest[-1]), -1)
         if rest and isinstance(rest[0], int):
@@ -75,10 +79,11 @@ class Binding(NamedTuple):
     def tree(self, live: list, hyper: dict) -> tuple[Any, list, list]:
         """The state tree for a step: ``live[i]`` is param ``i``'s ``{name: leaf}`` (records
         or plain tensors; ``None`` for params not in this step); ``hyper`` the group's
-        injected hyperparameters ``{name: 0-d tensor}``. Returns ``(tree, counts, seeds)``:
-        counts and seeds are new CPU tensors of the template's dtypes, for the caller to set
-        before each step."""
-        leaves, counts, seeds = [], [], []
+        injected hyperparameters ``{name: 0-d tensor}``. Returns ``(tree, counts, seeds,
+        scalars)``: counts, seeds and scalars (``[(name, tensor)]``) are new CPU tensors of the
+        template's dtypes, for the caller to set before each step (the plan advances counts and
+        scalars in place)."""
+        leaves, counts, seeds, scalars = [], [], [], []
         for slot, tmpl in zip(self.slots, self.template):
             if slot.kind == "state":
                 leaves.append(live[slot.index][slot.name])
@@ -86,15 +91,24 @@ class Binding(NamedTuple):
                 t = torch.zeros((), dtype=tmpl.dtype, device="cpu")
                 (counts if slot.kind == "count" else seeds).append(t)
                 leaves.append(t)
+            elif slot.kind == "scalar":
+                t = torch.zeros((), dtype=tmpl.dtype, device="cpu")
+                scalars.append((slot.name, t))
+                leaves.append(t)
             elif slot.kind == "hyper":
                 leaves.append(hyper[slot.name])
             else:
                 leaves.append(tmpl)
-        return self.treespec.unflatten(leaves), counts, seeds
+        return self.treespec.unflatten(leaves), counts, seeds, scalars
 
     def state_leaves(self, index: int) -> dict:
         """Param ``index``'s state leaves in the template: ``{torch name: template leaf}``."""
         return {s.name: t for s, t in zip(self.slots, self.template) if s.kind == "state" and s.index == index}
+
+    @property
+    def scalar_names(self) -> tuple:
+        """The rule scalars of the tree, by torch.optim's name (``("mu_product",)``)."""
+        return tuple(s.name for s in self.slots if s.kind == "scalar")
 
 
 def binding(template: Any) -> Binding:

@@ -17,6 +17,7 @@ from .transform import (
     ScaleByAdamaxState,
     ScaleByAdadeltaState,
     ScaleByRAdamState,
+    ScaleByNAdamState,
     ScaleByScheduleState,
     Fusion,
     TraceState,
@@ -30,6 +31,7 @@ from .transform import (
     scale_by_ademamix,
     scale_by_learning_rate,
     scale_by_lion,
+    scale_by_nadam,
     scale_by_radam,
     scale_by_rms,
     scale_by_rss,
@@ -46,7 +48,7 @@ from .schedule import (
 )
 from .muon_transform import ScaleByMuonState, newton_schulz, scale_by_muon
 from .soap_transform import ScaleBySoapState, scale_by_soap, soap, soap_report
-from .alias import adadelta, adagrad, adam, adamax, adamw, ademamix, lion, muon, radam, rmsprop, sgd
+from .alias import adadelta, adagrad, adam, adamax, adamw, ademamix, lion, muon, nadam, radam, rmsprop, sgd
 from .correction import ParamCorrectionState, from_master, master_weights, param_correction
 from .update import StochasticRoundingState, apply_updates, rounding_key, step_, stochastic_round, stochastic_rounding
 from .update_step import UpdateStep
@@ -64,12 +66,12 @@ __all__ = [
     "GradientTransformation", "Schedule", "EmptyState", "identity", "in_place", "state_roles", "STEP", "SEED",
     "HYPERPARAMS",
     "scale_by_adam", "scale_by_ademamix", "scale_by_lion", "scale_by_muon", "scale_by_rms", "scale_by_rss",
-    "scale_by_adamax", "scale_by_adadelta", "scale_by_radam", "trace",
+    "scale_by_adamax", "scale_by_adadelta", "scale_by_radam", "scale_by_nadam", "trace",
     "newton_schulz", "scale_by_soap", "soap_report",
     "flip_sign", "add_decayed_weights", "scale", "scale_by_learning_rate", "clip_by_global_norm",
     "chain", "named_chain", "partition", "masked", "inject_hyperparams", "Fusion",
     # aliases
-    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam", "soap",
+    "adam", "adamw", "ademamix", "lion", "sgd", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam", "nadam", "soap",
     # applying updates
     "UpdateStep", "apply_updates", "step_", "stochastic_round", "stochastic_rounding", "rounding_key",
     "param_correction", "master_weights", "from_master",
@@ -80,7 +82,7 @@ __all__ = [
     "should_quantize", "state_report", "format_state_report", "ReportRow", "state_to_dict", "state_from_dict",
     # state types
     "ScaleByAdamState", "ScaleByAdEMAMixState", "ScaleByLionState", "ScaleByMuonState", "ScaleByRmsState",
-    "ScaleByRssState", "ScaleByAdamaxState", "ScaleByAdadeltaState", "ScaleByRAdamState", "ScaleBySoapState",
+    "ScaleByRssState", "ScaleByAdamaxState", "ScaleByAdadeltaState", "ScaleByRAdamState", "ScaleByNAdamState", "ScaleBySoapState",
     "ScaleByScheduleState",
     "TraceState", "PartitionState", "MaskedState", "InjectHyperparamsState", "StochasticRoundingState",
     "ParamCorrectionState",

@@ -21,13 +21,13 @@ from .moments import StateFormat, check_state_format
 from .combine import chain
 from .transform import (
     TraceState, add_decayed_weights, flip_sign, scale_by_adam, scale_by_ademamix, scale_by_learning_rate,
-    scale_by_adadelta, scale_by_adamax, scale_by_lion, scale_by_radam, scale_by_rms, scale_by_rss, trace,
+    scale_by_adadelta, scale_by_adamax, scale_by_lion, scale_by_nadam, scale_by_radam, scale_by_rms, scale_by_rss, trace,
 )
 from .muon_transform import DEFAULT_NS_COEFFICIENTS, scale_by_muon
 from .correction import param_correction as correction_link
 from .update import stochastic_rounding
 
-__all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd", "rmsprop", "adagrad", "adamax", "adadelta", "radam"]
+__all__ = ["adam", "adamw", "ademamix", "lion", "muon", "sgd", "rmsprop", "adagrad", "adamax", "adadelta", "radam", "nadam"]
 
 
 def _is_zero(x) -> bool:
@@ -353,6 +353,34 @@ def radam(
     ``decoupled_weight_decay`` the decay after the rule (``p - lr * (update + wd * p)``). States
     ``exp_avg`` and ``exp_avg_sq``."""
     rule = scale_by_radam(b1, b2, eps, state_format=state_format, block_size=block_size,
+                          min_quant_size=min_quant_size)
+    before, after = ((), (add_decayed_weights(weight_decay),)) if decoupled_weight_decay else (_l2(weight_decay), ())
+    return _optimizer(rule, learning_rate, before=before, after=after,
+                      maximize=maximize, stochastic_round=stochastic_round, seed=seed, param_correction=param_correction)
+
+
+def nadam(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    weight_decay: float | torch.Tensor = 0.0,
+    momentum_decay: float | torch.Tensor = 4e-3,
+    decoupled_weight_decay: bool = False,
+    *,
+    maximize: bool = False,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+    stochastic_round: bool = False,
+    param_correction: bool = False,
+    seed: int = 0,
+) -> GradientTransformation:
+    """NAdam as torch.optim.NAdam: ``chain([flip_sign], [add_decayed_weights], scale_by_nadam,
+    scale_by_learning_rate)`` with L2 decay added to the gradient, or with
+    ``decoupled_weight_decay`` the decay after the rule (``p - lr * (update + wd * p)``). States
+    ``exp_avg``, ``exp_avg_sq`` and the scalar ``mu_product``."""
+    rule = scale_by_nadam(b1, b2, eps, momentum_decay, state_format=state_format, block_size=block_size,
                           min_quant_size=min_quant_size)
     before, after = ((), (add_decayed_weights(weight_decay),)) if decoupled_weight_decay else (_l2(weight_decay), ())
     return _optimizer(rule, learning_rate, before=before, after=after,

@@ -23,7 +23,7 @@ import dataclasses
 from typing import Optional
 
 __all__ = ["StateDef", "RuleDef", "RULE_DEFS", "rule", "Arg", "ARGS", "STATIC_ARGS", "args_section",
-           "VARIANT_FLAGS"]
+           "VARIANT_FLAGS", "SCALAR_STATES"]
 
 
 # ----------------------------------------------------------------------------
@@ -64,6 +64,10 @@ class RuleDef:
     rectified: bool = False
     """RAdam's variance rectification: the vector's ``cm`` and ``rect`` from ``b1``, ``b2`` and the
     count (``kernels.spec.radam_terms``); otherwise they are 0."""
+    scalars: tuple = ()
+    """``((field, initial value), ...)``: 0-d float32 states of the whole transformation beside the
+    count (NAdam's ``mu_product``), under torch.optim's name ``field``; the core advances them
+    each step (``kernels.spec.nadam_terms``) and the bridge keeps them per param as ``step``."""
     torch_name: Optional[str] = None
     """The torch.optim class whose math and state names the rule follows (``None``: none has it)."""
 
@@ -81,6 +85,7 @@ class RuleDef:
         """``{field: torch name}`` of the states (with ``{"count": step}`` first when given): a
         core state class's ``roles``."""
         out = {} if step is None else {"count": step}
+        out.update({name: name for name, _ in self.scalars})
         out.update({s.field: s.name for s in self.states})
         return out
 
@@ -130,9 +135,15 @@ RULE_DEFS = {
                 slots=(("rho", "b2"), ("eps", "eps")), torch_name="Adadelta"),
         RuleDef("radam", (StateDef("nu", "exp_avg_sq", _V), StateDef("mu", "exp_avg", _M)),
                 slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), rectified=True, torch_name="RAdam"),
+        RuleDef("nadam", (StateDef("nu", "exp_avg_sq", _V), StateDef("mu", "exp_avg", _M)),
+                slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps")), bias_correction=True,
+                scalars=(("mu_product", 1.0),), torch_name="NAdam"),
     )
 }
 """Every rule by name, in kernel id order; a rule's id is its position, so new ones are appended."""
+
+SCALAR_STATES = {name: v for d in RULE_DEFS.values() for name, v in d.scalars}
+"""The rules' scalar states by torch.optim's name, with their initial values (``{"mu_product": 1.0}``)."""
 
 VARIANT_FLAGS = tuple(dict.fromkeys(v for d in RULE_DEFS.values() for v in d.variants))
 """The flags that choose a rule's variant, each once, ``("amsgrad", "nesterov", ...)``."""
@@ -183,6 +194,8 @@ ARGS = {
            "a number in [0, 1]", "closed_unit", "alpha"),
         _a("rho", "Decay rate of the running averages ``square_avg`` (of squared gradients) and ``acc_delta`` (of "
            "squared updates).", "a number in [0, 1]", "closed_unit", "rho"),
+        _a("momentum_decay", "NAdam's momentum schedule: step ``t``'s momentum is ``beta1 * (1 - 0.5 * 0.96 ** (t * "
+           "momentum_decay))``.", "a number >= 0", "nonneg", "momentum_decay"),
         _a("decoupled_weight_decay", "Apply ``weight_decay`` as decoupled decay, ``p - lr * (update + "
            "weight_decay * p)`` (AdamW's), instead of L2 decay added to the gradient.", "True or False", "flag",
            "decoupled_weight_decay", static=True),

@@ -1,7 +1,7 @@
 """Building blocks: each returns a :class:`GradientTransformation` (optax's ``transform``).
 
 The update rules (:func:`scale_by_adam`, :func:`scale_by_ademamix`, :func:`scale_by_lion`, :func:`trace`,
-:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`, :func:`scale_by_radam`; each declared once in :mod:`lowbit_tree.rules`)
+:func:`scale_by_rms`, :func:`scale_by_rss`, :func:`scale_by_adamax`, :func:`scale_by_adadelta`, :func:`scale_by_radam`, :func:`scale_by_nadam`; each declared once in :mod:`lowbit_tree.rules`)
 each run one step of :mod:`lowbit_tree.kernels` over all leaves of the tree (the
 native C kernel on CPU, compiled torch elsewhere: the same bits). The
 elementwise links (:func:`flip_sign`, :func:`add_decayed_weights`,
@@ -40,6 +40,7 @@ __all__ = [
     "ScaleByAdamaxState",
     "ScaleByAdadeltaState",
     "ScaleByRAdamState",
+    "ScaleByNAdamState",
     "ScaleByScheduleState",
     "Fusion",
     "scale_by_adam",
@@ -51,6 +52,7 @@ __all__ = [
     "scale_by_adamax",
     "scale_by_adadelta",
     "scale_by_radam",
+    "scale_by_nadam",
     "flip_sign",
     "add_decayed_weights",
     "scale",
@@ -128,6 +130,15 @@ class ScaleByRAdamState(NamedTuple):
     mu: Any  # the first moment (exp_avg)
 
     roles = rules.rule("radam").roles(STEP)
+
+
+class ScaleByNAdamState(NamedTuple):
+    count: torch.Tensor
+    mu_product: torch.Tensor  # float32, 0-d: the product of the steps' momenta (torch.optim.NAdam's)
+    nu: Any  # the second moment (exp_avg_sq)
+    mu: Any  # the first moment (exp_avg)
+
+    roles = rules.rule("nadam").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -212,13 +223,13 @@ class _RulePlan:
     a learning rate is fused."""
 
     def __init__(self, spec, rule_hyper, state_trees: tuple, count, params, fusion: Fusion, write: bool,
-                 leaf_offset: int):
+                 leaf_offset: int, scalars: tuple | None = None):
         from .kernels.plan import KernelPlan
 
         if params is None:
             raise ValueError("a rule's plan needs the params tree (plan(state, params))")
         self.spec = spec = _fused_spec(spec, fusion)
-        self.rule_hyper, self.count, self.fusion = rule_hyper, count, fusion
+        self.rule_hyper, self.count, self.fusion, self.scalars = rule_hyper, count, fusion, scalars
         p_leaves, treespec = flatten(params)
         per_state = [treespec.flatten_up_to(t) for t in state_trees]
         self.where = [i for i, p in enumerate(p_leaves) if all(s[i] is not None for s in per_state)]
@@ -238,8 +249,13 @@ class _RulePlan:
         grads = [updates[i] for i in self.where]
         out = list(updates)
         device = next((g.device for g in grads if g is not None), None)
-        if device is not None:
+        if self.scalars is not None:  # advanced with the count (their new values written in place)
+            rule_hyper, new = self.rule_hyper(0 if count is None else count, self.scalars)
+            for s, v in zip(self.scalars, new):
+                s.copy_(v)
+        else:
             rule_hyper = self.rule_hyper(count) if callable(self.rule_hyper) else self.rule_hyper
+        if device is not None:
             hyper = _hyper(self.spec, rule_hyper, 0 if count is None else count, fusion, lr, device)
             for i, u in zip(self.where, self.kernel.run(grads, hyper, sr_key)):
                 out[i] = u
@@ -248,12 +264,16 @@ class _RulePlan:
         return out
 
 
-def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, init) -> GradientTransformation:
+def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, init,
+               scalars_of=None) -> GradientTransformation:
     """A rule as a transformation: its pure ``update``, its ``plan``, and the fused forms
     :func:`~lowbit_tree.chain` calls with the links around it (``trees_of(state)``: the
     rule's state trees in its order; ``rebuild(state, new trees)``: the next state;
     ``rule_hyper(count)`` or a dict: this step's rule hyperparameters; ``count_of(state)``:
-    its step count tensor, or ``None``)."""
+    its step count tensor, or ``None``). A rule with scalar states (:attr:`RuleDef.scalars
+    <lowbit_tree.rules.RuleDef.scalars>`) gives ``scalars_of(state)``, their tensors; its
+    ``rule_hyper(count, scalars)`` returns this step's hyperparameters and the scalars' next
+    values, and its ``rebuild(state, new trees, new scalars)``."""
 
     pure_rows = PureRows()  # the pure step's job rows, built once per structure of the tree
 
@@ -262,15 +282,20 @@ def _rule_link(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, count_of, 
 
     def fused_update(updates, state, params, fusion: Fusion):
         count = count_of(state)
-        updates, new = run_rule(spec, hyper_at(0 if count is None else count), updates, trees_of(state), params,
-                                 0 if count is None else count, fusion, rows=pure_rows)
-        return updates, rebuild(state, new)
+        count = 0 if count is None else count
+        if scalars_of is None:
+            hyper, extra = hyper_at(count), None
+        else:
+            hyper, extra = rule_hyper(count, scalars_of(state))
+        updates, new = run_rule(spec, hyper, updates, trees_of(state), params, count, fusion, rows=pure_rows)
+        return updates, (rebuild(state, new) if scalars_of is None else rebuild(state, new, extra))
 
     def update(updates, state, params=None, **extra):
         return fused_update(updates, state, params, Fusion())
 
     def fused_plan(state, params, fusion: Fusion, *, write: bool = False, leaf_offset: int = 0):
-        return _RulePlan(spec, rule_hyper, trees_of(state), count_of(state), params, fusion, write, leaf_offset)
+        return _RulePlan(spec, rule_hyper, trees_of(state), count_of(state), params, fusion, write, leaf_offset,
+                         None if scalars_of is None else scalars_of(state))
 
     def plan(state, params, *, write=False, leaf_offset=0):
         return fused_plan(state, params, Fusion(), write=write, leaf_offset=leaf_offset)
@@ -482,10 +507,12 @@ def trace(
 
 
 def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper: dict, *, state_format: StateFormat,
-                   block_size: int | None, min_quant_size: int) -> GradientTransformation:
+                   block_size: int | None, min_quant_size: int, advance=None) -> GradientTransformation:
     """A rule whose states are all its declaration says (:data:`lowbit_tree.rules.RULE_DEFS`): each
     kept state made by ``moments.init_moment`` in its format and signedness, the others ``None``;
-    ``state_type`` has a ``count`` and one field per declared state."""
+    ``state_type`` has a ``count``, one field per declared scalar (a 0-d float32 tensor, its
+    initial value) and one per declared state. A rule with scalars gives ``advance(count,
+    scalars)``: this step's vector entries beyond ``rule_hyper`` and the scalars' next values."""
     declared = rules.rule(name)
     formats = moments.state_formats(state_format, declared.state_names)
     kept = declared.kept(**variants)
@@ -496,16 +523,28 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper: dict
 
     def init(params):
         trees = {s.field: map_leaves(moment(s), params) if s in kept else None for s in declared.states}
-        return state_type(count=init_count(params), **trees)
+        count = init_count(params)
+        scalars = {f: torch.full((), v, dtype=torch.float32, device=count.device) for f, v in declared.scalars}
+        return state_type(count=count, **scalars, **trees)
 
     def trees_of(state):
         return tuple(getattr(state, s.field) for s in kept)
 
-    def rebuild(state, new):
-        return state._replace(count=state.count + 1, **{s.field: t for s, t in zip(kept, new)})
+    def rebuild(state, new, scalars=()):
+        return state._replace(count=state.count + 1, **{s.field: t for s, t in zip(kept, new)},
+                              **{f: v for (f, _), v in zip(declared.scalars, scalars)})
 
-    return _rule_link(kernels.StepSpec(name, **variants), trees_of, rebuild, declared.hyper(**rule_hyper), _count,
-                      init)
+    hyper = declared.hyper(**rule_hyper)
+    spec = kernels.StepSpec(name, **variants)
+    if not declared.scalars:
+        return _rule_link(spec, trees_of, rebuild, hyper, _count, init)
+
+    def hyper_and_scalars(count, scalars):
+        extra, new = advance(count, scalars)
+        return dict(hyper, **extra), new
+
+    return _rule_link(spec, trees_of, rebuild, hyper_and_scalars, _count, init,
+                      scalars_of=lambda state: tuple(getattr(state, f) for f, _ in declared.scalars))
 
 
 def scale_by_rms(
@@ -647,6 +686,40 @@ def scale_by_radam(
                           block_size=block_size, min_quant_size=min_quant_size)
 
 
+def scale_by_nadam(
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-8,
+    momentum_decay: float | torch.Tensor = 4e-3,
+    *,
+    state_format: StateFormat = "8bit",
+    block_size: int | None = None,
+    min_quant_size: int = 4096,
+) -> GradientTransformation:
+    """torch.optim.NAdam's rule (Dozat 2016, with its momentum schedule): Adam's moments; at step
+    ``t`` the momentum ``mu_t = b1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))``, the state's
+    ``mu_product`` times ``mu_t``, and the update ``((1 - mu_t) / (1 - mu_product) * g +
+    mu_{t+1} / (1 - mu_product * mu_{t+1}) * m) / (sqrt(v / (1 - b2**t)) + eps)``
+    (``lowbit_tree.kernels.spec.nadam_terms``: the factors per step in float64, the product in
+    float32 as torch's).
+
+    Args:
+      b1, b2: decay rates of ``mu`` (torch's ``"exp_avg"``) and ``nu`` (``"exp_avg_sq"``).
+      eps: added to the bias-corrected ``sqrt(v)``, outside the root.
+      momentum_decay: the momentum schedule's rate.
+      state_format, block_size, min_quant_size: as :func:`scale_by_adam`; a mapping's names are
+        ``"exp_avg"`` and ``"exp_avg_sq"``.
+    Returns:
+      A transformation with state :class:`ScaleByNAdamState`.
+    """
+    def advance(count, scalars):
+        cg, cm, mu_product = kernels.spec.nadam_terms(int(count) + 1, float(b1), float(momentum_decay), scalars[0])
+        return dict(cg=cg, cm=cm), (mu_product,)
+
+    return _declared_rule("nadam", ScaleByNAdamState, {}, dict(b1=b1, b2=b2, eps=eps), state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size, advance=advance)
+
+
 def add_decayed_weights(weight_decay: float | torch.Tensor = 0.0, mask: Any = None) -> GradientTransformation:
     """``update + weight_decay * param`` (decoupled decay once scaled by ``-lr``).
 
@@ -759,4 +832,4 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> GradientTransformatio
 
 torch.serialization.add_safe_globals([ScaleByAdamState, ScaleByLionState, ScaleByAdEMAMixState, TraceState,
                                       ScaleByRmsState, ScaleByRssState, ScaleByAdamaxState, ScaleByAdadeltaState,
-                                      ScaleByRAdamState, ScaleByScheduleState])
+                                      ScaleByRAdamState, ScaleByNAdamState, ScaleByScheduleState])

@@ -177,11 +177,14 @@ OPTIMIZERS = {
     "radam8bit": "RAdam8bit",  # decoupled decay: steps 1-5 the bias-corrected m, then rectified
     "radam4bit": "RAdam4bit",
     "radamfp8": "RAdamFp8",
+    "nadam8bit": "NAdam8bit",  # decoupled decay; the per-param scalar mu_product beside step
+    "nadam4bit": "NAdam4bit",
+    "nadamfp8": "NAdamFp8",
 }
 RULE_OPTIONS = {"rmsprop": dict(momentum=0.9, centered=True), "adagrad": dict(lr_decay=0.01, initial_accumulator_value=0.1),
-                "radam": dict(decoupled_weight_decay=True)}
+                "radam": dict(decoupled_weight_decay=True), "nadam": dict(decoupled_weight_decay=True)}
 FAMILY_FORMATS = ("adamax8bit", "adamax4bit", "adamaxfp8", "adadelta8bit", "adadelta4bit", "adadeltafp8",
-                  "radam8bit", "radam4bit", "radamfp8")
+                  "radam8bit", "radam4bit", "radamfp8", "nadam8bit", "nadam4bit", "nadamfp8")
 """The family's formats the extended FSDP2 and TP tests run (family_worker, test_tp)."""
 MIXED_FORMATS = {"exp_avg": "8bit", "exp_avg_sq": "4bit"}  # an 8-bit first moment beside a rank-1 4-bit second
 
@@ -231,6 +234,7 @@ def full_states(opt) -> list[dict[str, torch.Tensor]]:
     {name::codes (uint8 view), name::scale, name::deq}, plain tensors as themselves."""
     from bridge import QState
     from bridge.distributed import is_dtensor
+    from bridge.param_states import SCALARS
 
     out = []
     for group in opt.param_groups:
@@ -238,7 +242,7 @@ def full_states(opt) -> list[dict[str, torch.Tensor]]:
             st = {}
             for name, v in opt.state[p].items():
                 assert torch.is_tensor(v), (name, type(v))  # every state a tensor, of every kind
-                if name != "step" and is_dtensor(p):  # placed like its param
+                if name not in SCALARS and is_dtensor(p):  # placed like its param (step, mu_product: CPU scalars)
                     assert is_dtensor(v) and tuple(v.placements) == tuple(p.placements), (name, v)
                 full = v.full_tensor() if is_dtensor(v) else v  # all-gather of each record's parts
                 if isinstance(full, QState):
@@ -326,11 +330,12 @@ def _check_quantized_like_global(opt, min_quant_size):
 
     from bridge import QState
     from bridge.distributed import to_local
+    from bridge.param_states import SCALARS
     n = 0
     for group in opt.param_groups:
         for p in group["params"]:
             for name, v in opt.state[p].items():
-                if name == "step":
+                if name in SCALARS:
                     continue
                 expect = should_quantize(tuple(p.shape), min_quant_size)
                 assert isinstance(to_local(v), QState) == expect, (name, tuple(p.shape), to_local(v).shape, type(to_local(v)))

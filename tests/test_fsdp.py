@@ -68,7 +68,7 @@ def test_rmsprop_adagrad_fsdp_exact(world):
 @pytest.mark.extended
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_family_fsdp_exact_and_dcp(tmp_path, world):
-    """Adamax, Adadelta and RAdam in their low-bit formats (fsdp_workers.FAMILY_FORMATS)
+    """Adamax, Adadelta, RAdam and NAdam in their low-bit formats (fsdp_workers.FAMILY_FORMATS)
     under FSDP2 (uneven shards, an empty one at 3 ranks): params and gathered states bit for bit
     those of one process; a DCP round trip gives the saved states and the same continuation."""
     W.launch(W.family_worker, world, str(tmp_path))

@@ -262,12 +262,13 @@ def test_step_hyperparams_puts_each_value_under_its_name(rule):
     import unittest.mock
 
     s = StepSpec(rule)
-    kw = dict(count=4, b1=0.81, b2=0.97, eps=3e-7, lr=0.125, weight_decay=0.0625, l2=0.25, b3=0.995, alpha=6.0)
-    adam = rule in ("adam", "ademamix", "adamax")  # the rules with bias-corrected moments
+    kw = dict(count=4, b1=0.81, b2=0.97, eps=3e-7, lr=0.125, weight_decay=0.0625, l2=0.25, b3=0.995, alpha=6.0,
+              cg=0.375, cm=2.5)
+    adam = rule in ("adam", "ademamix", "adamax", "nadam")  # the rules with bias-corrected moments
     want = dict(b1=0.81, omb1=1 - 0.81, b2=0.97, omb2=1 - 0.97,
                 rbc1=1 / (1 - 0.81 ** 5) if adam else 0.0, rsbc2=1 / math.sqrt(1 - 0.97 ** 5) if adam else 0.0,
                 eps=3e-7, lr=0.125, wd=0.0625, l2=0.25, b3=0.995, omb3=1 - 0.995 if rule == "ademamix" else 0.0,
-                alpha=6.0, cm=0.0, rect=0.0)
+                alpha=6.0, cm=2.5, rect=0.0, cg=0.375)  # cg, cm: nadam's, as given (spec.nadam_terms)
     if rule == "radam":  # step 5 at b2 = 0.97: rho_t = 4.9, not rectified (test_torch_family: both branches)
         want.update(cm=1 / (1 - 0.81 ** 5), rect=0.0)
     assert set(want) == set(HYPER_NAMES)

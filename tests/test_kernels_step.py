@@ -173,7 +173,8 @@ def make_case(rule, variant, links, fmt, dtype, shape, bs, seed):
     flat[: min(3, flat.numel())] = 0.0  # zero gradients: v may shrink to the zero-free floor
     hyper = step_hyperparams(spec, count=seed % 7, b1=0.9, b2=0.999 if rule in ("adam", "ademamix") else 0.99,
                              eps=1e-8, lr=1e-2, weight_decay=0.1, l2=0.05,
-                             **(dict(b3=0.9999, alpha=5.0) if rule == "ademamix" else {}))
+                             **(dict(b3=0.9999, alpha=5.0) if rule == "ademamix" else {}),
+                             **(dict(cg=0.0731, cm=7.93) if rule == "nadam" else {}))
     return spec, states, p, g, hyper
 
 

@@ -1,4 +1,4 @@
-"""The rest of torch.optim's elementwise family (Adamax, Adadelta, RAdam), each added as a
+"""The rest of torch.optim's elementwise family (Adamax, Adadelta, RAdam, NAdam), each added as a
 declaration (lowbit_tree/rules.py) plus its math per backend, against independent references:
 torch.optim itself (float32 states within 1e-6 relative over 20 steps, with maximize, weight
 decay and an LR scheduler), its state dicts loading into ours and ours into it, our state dicts
@@ -32,6 +32,9 @@ FAMILY = {
     "Adadelta": (lt.adadelta, [{}, {"rho": 0.5, "eps": 1e-4}, {"weight_decay": 0.1}, {"maximize": True},
                                {"weight_decay": 0.05, "maximize": True, "scheduler": True}]),
     "RAdam": (lt.radam, [{}, {"betas": (0.8, 0.99), "eps": 1e-6}, {"weight_decay": 0.1},
+                         {"weight_decay": 0.1, "decoupled_weight_decay": True}, {"maximize": True},
+                         {"weight_decay": 0.05, "decoupled_weight_decay": True, "maximize": True, "scheduler": True}]),
+    "NAdam": (lt.nadam, [{}, {"betas": (0.8, 0.99), "eps": 1e-6, "momentum_decay": 0.01}, {"weight_decay": 0.1},
                          {"weight_decay": 0.1, "decoupled_weight_decay": True}, {"maximize": True},
                          {"weight_decay": 0.05, "decoupled_weight_decay": True, "maximize": True, "scheduler": True}]),
 }
@@ -110,6 +113,66 @@ def test_radam_terms_are_torchs_per_step_values(count):
     for h in (host, dev):
         assert (h.cm, h.rect) == (np.float32(want[0]), np.float32(want[1])), (count, h.cm, h.rect, want)
     assert (rho_t > 5.0) == (count >= 5)
+
+
+@pytest.mark.parametrize("b1,momentum_decay", [(0.9, 4e-3), (0.8, 0.5)])
+def test_nadam_terms_are_torchs_per_step_values(b1, momentum_decay):
+    """``mu_product`` over 30 steps is torch.optim.NAdam's, bit for bit (a float32 product), and the
+    vector's ``cg`` and ``cm`` are the factors torch's two ``addcdiv`` take (without ``-lr``),
+    computed in float64 from it and rounded once."""
+    from lowbit_tree.kernels import StepSpec, step_hyperparams
+    from lowbit_tree.kernels.spec import Hyper, nadam_terms
+
+    q = torch.nn.Parameter(torch.ones(3))
+    topt = torch.optim.NAdam([q], lr=1.0, betas=(b1, 0.999), momentum_decay=momentum_decay)
+    ours = torch.ones((), dtype=torch.float32)
+    for t in range(1, 31):
+        before = float(topt.state[q]["mu_product"]) if t > 1 else 1.0
+        q.grad = torch.ones(3)
+        topt.step()
+        after = float(topt.state[q]["mu_product"])
+        mu = b1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+        mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * momentum_decay)))
+        cg, cm, ours_next = nadam_terms(t, b1, momentum_decay, ours)
+        assert ours_next.dtype == torch.float32 and float(ours) == before
+        assert float(ours_next) == after, (t, float(ours_next), after)
+        h = Hyper(*step_hyperparams(StepSpec("nadam"), count=t - 1, b1=b1, cg=cg, cm=cm).tolist())
+        want_cg, want_cm = (1.0 - mu) / (1.0 - after), mu_next / (1.0 - after * mu_next)
+        assert (h.cg, h.cm) == (np.float32(want_cg), np.float32(want_cm)), t
+        ours = ours_next
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "8bit"])
+def test_nadam_params_stepped_at_different_counts_keep_their_own_mu_product(fmt):
+    """A param without a gradient on some steps keeps its own ``step`` and ``mu_product`` (as
+    torch.optim.NAdam): the batch by step count and product, and in float32 states torch's params
+    and products (bit for bit) after steps where only some params have gradients."""
+    ours, ref = _params(5), _params(5)
+    opt = bridge.NAdam(ours, lr=1e-2, weight_decay=0.01, state_format=fmt, min_quant_size=64)
+    topt = torch.optim.NAdam(ref, lr=1e-2, weight_decay=0.01)
+    for s in range(12):
+        for o, params in ((opt, ours), (topt, ref)):
+            for i, (p, g) in enumerate(zip(params, _grads(s, params, seed=9))):
+                p.grad = None if (s + i) % 3 == 0 and i != 0 else g.clone()  # param 0 always steps
+            o.step()
+    steps = [float(opt.state[p]["step"]) for p in ours]
+    assert len(set(steps)) > 1, steps
+    # torch's state dict, its products apart, loaded into ours and stepped on beside torch
+    loaded = [torch.nn.Parameter(q.detach().clone()) for q in ref]
+    o2 = bridge.NAdam(loaded, lr=1e-2, weight_decay=0.01)
+    o2.load_state_dict(copy.deepcopy(topt.state_dict()))
+    for s in range(12, 15):
+        for o, params in ((opt, ours), (topt, ref), (o2, loaded)):
+            for i, (p, g) in enumerate(zip(params, _grads(s, params, seed=9))):
+                p.grad = None if (s + i) % 3 == 0 and i != 0 else g.clone()
+            o.step()
+    for p, q, r in zip(ours, ref, loaded):
+        assert float(opt.state[p]["step"]) == float(topt.state[q]["step"]) == float(o2.state[r]["step"])
+        assert torch.equal(opt.state[p]["mu_product"], topt.state[q]["mu_product"])
+        assert torch.equal(o2.state[r]["mu_product"], topt.state[q]["mu_product"])
+        assert _close(r.detach(), q.detach())
+        if fmt == "fp32":
+            assert _close(p.detach(), q.detach())
 
 
 def test_torch_signatures_are_kept():
@@ -224,6 +287,11 @@ def reference_rule_step(spec, hyper, p, g, states, *, write):
             m = h["b1"] * olds[1] + h["omb1"] * gf
             u = (m * h["cm"]) / (np.sqrt(v) + h["eps"]) if h["rect"] != 0 else m * h["cm"]
             news = [v, m]
+        elif spec.rule == "nadam":
+            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+            m = h["b1"] * olds[1] + h["omb1"] * gf
+            u = (h["cg"] * gf + h["cm"] * m) / (np.sqrt(v) * h["rsbc2"] + h["eps"])
+            news = [v, m]
         else:
             raise AssertionError(spec.rule)
         if spec.decay:
@@ -238,8 +306,8 @@ def reference_rule_step(spec, hyper, p, g, states, *, write):
     return out, new_states
 
 
-RULES = [("adamax", {}), ("adadelta", {}), ("radam", {})]
-RULE_IDS = ["adamax", "adadelta", "radam"]
+RULES = [("adamax", {}), ("adadelta", {}), ("radam", {}), ("nadam", {})]
+RULE_IDS = ["adamax", "adadelta", "radam", "nadam"]
 LINK_SETS = [{}, {"decay": True, "lr": True}, {"maximize": True, "l2": True, "lr": True}]
 REF_SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64)]
 

@@ -88,13 +88,14 @@ def full_states(opt, model) -> dict:
     from torch.distributed.tensor import DTensor
 
     from bridge import QState
+    from bridge.param_states import SCALARS
 
     out = {}
     for name, p in model.named_parameters():
         st = {}
         for k, v in opt.state[p].items():
             assert torch.is_tensor(v), (name, k, type(v))  # every state a tensor, of every kind
-            if k != "step" and isinstance(p, DTensor):  # placed like its param
+            if k not in SCALARS and isinstance(p, DTensor):  # placed like its param (step, mu_product: CPU scalars)
                 assert isinstance(v, DTensor) and tuple(v.placements) == tuple(p.placements), (name, k, v)
             f = v.full_tensor() if isinstance(v, DTensor) else v  # all-gather of each record's parts
             if isinstance(f, QState):

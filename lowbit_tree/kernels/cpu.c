@@ -1306,6 +1306,8 @@ void lbt_rank1_encode(int64_t rows, int64_t R, const float *x, const float *row_
  *             ADADELTA  v = b2*v + (1-b2)*(g*g); u = (sqrt(a + eps) / sqrt(v + eps)) * g; a = b2*a + (1-b2)*(u*u)
  *             RADAM     v = b2*v + (1-b2)*(g*g); m = b1*m + (1-b1)*g; u = (m * cm) / (sqrt(v) + eps) if rect,
  *                       else m * cm (cm, rect: spec.radam_terms)
+ *             NADAM     v = b2*v + (1-b2)*(g*g); m = b1*m + (1-b1)*g; u = (cg*g + cm*m) / (sqrt(v) * (1/sqrt(bc2)) + eps)
+ *                       (cg, cm: spec.nadam_terms)
  *   epilogue  u = u + wd * p (decoupled decay link); u = (-lr) * u (lr link)
  *   output    out = u (float32 update), or the param p + u rounded once to its
  *             dtype (to nearest even, or stochastically for bfloat16); with LBT_NEW_PARAM
@@ -1768,6 +1770,13 @@ static inline __attribute__((always_inline)) void rule_run(
             t0 = v, t1 = m;
             s0[k] = t0;
             s1[k] = t1;
+        } else if (RULE == LBT_NADAM) { /* torch.optim.NAdam: v, m; cg, cm this step's (spec.nadam_terms) */
+            const float cg = hyper[LBT_H_CG], cm = hyper[LBT_H_CM];
+            float v = adam_second_moment(b2, omb2, OLD(0), gi), m = b1 * OLD(1) + omb1 * gi;
+            u = (cg * gi + cm * m) / (sqrtf(v) * rsbc2 + eps);
+            t0 = v, t1 = m;
+            s0[k] = t0;
+            s1[k] = t1;
         } else { /* momentum */
             float b = b1 * OLD(0) + gi;
             u = VAR ? gi + b1 * b : b;
@@ -1848,7 +1857,8 @@ static inline int job_variant(const lbt_job *J) {
     LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)                                       \
     LBT_RUN3E(LBT_RMSPROP, 0) LBT_RUN3E(LBT_RMSPROP, 1) LBT_RUN3E(LBT_RMSPROP, 2) LBT_RUN3E(LBT_RMSPROP, 3) \
     LBT_RUN3E(LBT_ADAGRAD, 0) LBT_RUN3E(LBT_ADAMAX, 0) LBT_RUN3E(LBT_ADADELTA, 0)                  \
-    LBT_RUN3E(LBT_RADAM, 0) LBT_RUN(LBT_RADAM, 0, 0, 0, 2) LBT_RUN(LBT_RADAM, 0, 0, 0, 4)
+    LBT_RUN3E(LBT_RADAM, 0) LBT_RUN(LBT_RADAM, 0, 0, 0, 2) LBT_RUN(LBT_RADAM, 0, 0, 0, 4)           \
+    LBT_RUN3E(LBT_NADAM, 0) LBT_RUN(LBT_NADAM, 0, 0, 0, 2) LBT_RUN(LBT_NADAM, 0, 0, 0, 4)
 /* the rules without a state transform or decoded states and without decoupled decay (L2 only):
  * the epilogues EPW 0, 1 (lr, in place) and 3 (lr, the update) */
 #define LBT_RUN3E(R, V) LBT_RUN(R, V, 0, 0, 0) LBT_RUN(R, V, 0, 0, 1) LBT_RUN(R, V, 0, 0, 3)

@@ -31,6 +31,8 @@ exactly these operations; design.md, "Update rules"):
   ``u = (sqrt(a + eps) / sqrt(v + eps)) * g``; ``a = b2*a + (1-b2)*(u*u)`` (``a`` of the old value first)
 - rule ``radam`` (torch.optim.RAdam; states ``(v, m)``): ``v = b2*v + (1-b2)*(g*g)``; ``m = b1*m + (1-b1)*g``;
   ``u = (m * cm) / (sqrt(v) + eps)`` if ``rect`` (is not 0), else ``u = m * cm`` (:func:`radam_terms`)
+- rule ``nadam`` (torch.optim.NAdam; states ``(v, m)``): ``v = b2*v + (1-b2)*(g*g)``; ``m = b1*m + (1-b1)*g``;
+  ``u = (cg*g + cm*m) / (sqrt(v) * (1/sqrt(bc2)) + eps)`` (:func:`nadam_terms`)
 - epilogue: ``u = u + wd * p`` (``decay``: a decoupled-decay link after the rule);
   ``u = (-lr) * u`` (``lr``: a learning-rate link)
 - output: ``u`` as a float32 update, or the param ``p + u`` rounded once to its
@@ -58,7 +60,7 @@ import torch
 from ..rules import RULE_DEFS, VARIANT_FLAGS
 
 __all__ = [
-    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "radam_terms", "FLAGS", "flag_bits",
+    "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "radam_terms", "nadam_terms", "FLAGS", "flag_bits",
     "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
 ]
 
@@ -68,12 +70,13 @@ its index here."""
 RULE_IDS = {rule: i for i, rule in enumerate(RULES)}
 
 HYPER_NAMES = ("b1", "omb1", "b2", "omb2", "rbc1", "rsbc2", "eps", "lr", "wd", "l2", "b3", "omb3", "alpha", "cm",
-               "rect")
+               "rect", "cg")
 """The hyperparameter vector, in order: ``b1`` (the momentum of momentum, muon and rmsprop;
 adagrad's initial accumulator value), ``1-b1``, ``b2`` (rmsprop's alpha), ``1-b2``, ``1/bc1``, ``1/sqrt(bc2)``, ``eps``, ``lr``, ``wd`` (decoupled decay), ``l2``
 (L2 decay), ``b3``, ``1-b3``, ``alpha`` (these three: ademamix's slow EMA and its weight, 0
 for the other rules), ``cm`` and ``rect`` (radam's first-moment factor and whether the update is
-divided by the root this step: :func:`radam_terms`; 0 for the other rules); which entry holds which of a rule's hyperparameters is the rule's declaration
+divided by the root this step: :func:`radam_terms`; nadam's first-moment factor), ``cg`` (nadam's
+gradient factor: :func:`nadam_terms`; 0 for the other rules); which entry holds which of a rule's hyperparameters is the rule's declaration
 (:attr:`lowbit_tree.rules.RuleDef.slots`). Every backend reads the vector by these names: the C kernel as
 ``hyper[LBT_H_<NAME>]`` (its header is generated from this tuple), the torch backend through
 :class:`Hyper`."""
@@ -216,6 +219,20 @@ def radam_terms(t, b1, b2, host: bool = True):
     return torch.where(ok, r * bc2.sqrt() / bc1, 1 / bc1), ok.to(torch.float64)
 
 
+def nadam_terms(t: int, b1: float, momentum_decay: float, mu_product: torch.Tensor):
+    """NAdam's ``(cg, cm, mu_product')`` at step ``t`` (from 1), as torch.optim.NAdam computes them:
+    the momentum ``mu_t = b1 * (1 - 0.5 * 0.96 ** (t * momentum_decay))`` in float64,
+    ``mu_product' = mu_product * mu_t`` as torch's float32 0-d tensor product (``mu_product``: the
+    product of the earlier steps' ``mu``, a float32 0-d tensor, not changed), then from its value
+    ``cg = (1 - mu_t) / (1 - mu_product')`` (the gradient's factor) and ``cm = mu_{t+1} / (1 -
+    mu_product' * mu_{t+1})`` (the first moment's), float64 Python numbers the vector rounds once."""
+    mu = b1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay)))
+    mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((t + 1) * momentum_decay)))
+    new = mu_product * mu
+    mp = float(new)
+    return (1.0 - mu) / (1.0 - mp), mu_next / (1.0 - mp * mu_next), new
+
+
 def step_hyperparams(
     spec: StepSpec,
     *,
@@ -228,6 +245,8 @@ def step_hyperparams(
     l2=0.0,
     b3=0.0,
     alpha=0.0,
+    cg=0.0,
+    cm=0.0,
     device=None,
 ) -> torch.Tensor:
     """The float32 hyperparameter vector of one step: :data:`HYPER_NAMES`' entries in order.
@@ -244,7 +263,8 @@ def step_hyperparams(
     declaration's (:attr:`lowbit_tree.rules.RuleDef.slots`: for momentum and muon ``b1`` is the
     momentum). ``lr`` is the factor's negative: the update is scaled by ``-lr``. ``b3`` and
     ``alpha`` (ademamix's slow EMA rate and weight, this step's values after their warm-up) are 0
-    for the others.
+    for the others. ``cg`` and ``cm`` (nadam's factors, :func:`nadam_terms`: Python numbers) are
+    0 for the others; radam's ``cm`` comes from :func:`radam_terms`.
     """
     values = (count, b1, b2, eps, lr, weight_decay, l2, b3, alpha)
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
@@ -262,10 +282,11 @@ def step_hyperparams(
         rbc1 = 1.0 / (1.0 - b1f**c) if adam else 0.0
         rsbc2 = 1.0 / math.sqrt(1.0 - b2f**c) if adam else 0.0
         b3f = float(b3)
-        cm, rect = radam_terms(c, b1f, b2f) if declared.rectified else (0.0, 0.0)
+        cm, rect = radam_terms(c, b1f, b2f) if declared.rectified else (float(cm), 0.0)
         vals = Hyper(b1=b1f, omb1=1.0 - b1f, b2=b2f, omb2=1.0 - b2f, rbc1=rbc1, rsbc2=rsbc2, eps=float(eps),
                      lr=float(lr), wd=float(weight_decay), l2=float(l2), b3=b3f,
-                     omb3=1.0 - b3f if declared.slow_ema else 0.0, alpha=float(alpha), cm=cm, rect=rect)
+                     omb3=1.0 - b3f if declared.slow_ema else 0.0, alpha=float(alpha), cm=cm, rect=rect,
+                     cg=float(cg))
         return torch.tensor(list(vals), dtype=torch.float32, device="cpu" if device is None else device)
     dev = device if device is not None else tensors[0].device
 
@@ -287,7 +308,8 @@ def step_hyperparams(
         t = torch.as_tensor(count, device=dev).to(torch.float64).reshape(1) + 1
         cm, rect = radam_terms(t, b1t, b2t, host=False)
     else:
-        cm = rect = zero
+        cm, rect = f64(cm), zero
     parts = Hyper(b1=b1t, omb1=one - b1t, b2=b2t, omb2=one - b2t, rbc1=rbc1, rsbc2=rsbc2, eps=f64(eps), lr=f64(lr),
-                  wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha), cm=cm, rect=rect)
+                  wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha), cm=cm, rect=rect,
+                  cg=f64(cg))
     return torch.cat(list(parts)).to(torch.float32)

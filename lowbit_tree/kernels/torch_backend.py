@@ -227,6 +227,11 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
         num = m * h.cm
         u = torch.where(h.rect != 0, num / (_exact_sqrt(v) + h.eps), num)
         news = [v, m]
+    elif spec.rule == "nadam":  # states (exp_avg_sq, exp_avg); cg, cm: spec.nadam_terms
+        v = h.b2 * olds[0] + h.omb2 * (g * g)
+        m = h.b1 * olds[1] + h.omb1 * g
+        u = (h.cg * g + h.cm * m) / (_exact_sqrt(v) * h.rsbc2 + h.eps)
+        news = [v, m]
     else:
         b = h.b1 * olds[0] + g
         u = g + h.b1 * b if spec.nesterov else b
