@@ -251,8 +251,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
             import torch.distributed as dist
 
+            from .collectives import group_for
+
             flag = ok.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
             ok = flag.bool()
         return bool(ok)
 
