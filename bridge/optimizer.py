@@ -30,6 +30,7 @@ from lowbit_tree.rules import STATIC_ARGS
 from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
+from .collectives import group_for
 from .distributed import is_dtensor, local_grad, to_local
 from .param_states import SCALARS, ParamStates
 from .plan import GroupPlan
@@ -250,8 +251,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         ok = torch.stack([f.to(device) for f in flags]).all()
         if any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
             import torch.distributed as dist
-
-            from .collectives import group_for
 
             flag = ok.to(torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
