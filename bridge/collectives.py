@@ -77,12 +77,14 @@ def group_for(group, device: torch.device, what: str):
     dist = _dist()
     backend = dist.get_backend(group)
     where = "the default group" if group is None else f"the process group over ranks {list(ranks)}"
-    fix = (f"initialize the process group with torch.distributed.init_process_group(backend='cpu:gloo,cuda:nccl'), "
-           f"or create a gloo group over ranks {list(ranks)} on every rank "
-           f"(torch.distributed.new_group({list(ranks)}, backend='gloo')) and pass it to bridge.set_host_group(...)")
+    carries = f"over {where}, whose backend {backend!r} carries only {sorted(device_types(group))}"
     if device.type != "cpu":
-        fix = f"use a process group whose backend carries {device.type} tensors"
+        raise RuntimeError(f"{what}: a collective of {device.type} tensors {carries}: use a process group whose "
+                           f"backend carries {device.type} tensors")
     raise RuntimeError(
-        f"{what}: a collective of {device.type} tensors (FSDP2's CPUOffloadPolicy keeps gradients and states on "
-        f"the host) over {where}, whose backend {backend!r} carries only {sorted(device_types(group))}: {fix}"
+        f"{what}: a collective of cpu tensors (FSDP2's CPUOffloadPolicy keeps gradients and states on the host) "
+        f"{carries}: initialize the process group with "
+        f"torch.distributed.init_process_group(backend='cpu:gloo,cuda:nccl'), or create a gloo group over ranks "
+        f"{list(ranks)} on every rank (torch.distributed.new_group({list(ranks)}, backend='gloo')) and pass it to "
+        "bridge.set_host_group(...)"
     )

@@ -27,7 +27,6 @@ from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, ScaleByMuonStat
 from lowbit_tree.transform import ScaleByAdamState
 
 from .collectives import group_for
-
 from .distributed import is_dtensor
 from . import group_args
 from .classes import TorchOptimizerBase
@@ -38,6 +37,13 @@ __all__ = ["ADAMW_FORMATS", "Muon", "Muon8bit", "Muon4bit", "ShardedNS", "muon_p
 class _Layout(NamedTuple):
     """Where every rank's block of a sharded matrix lies, and which rank owns the matrix."""
 
+    pg: Any  # the process group (None: the default group)
+    blocks: dict  # global rank -> (rows, cols, row offset, col offset) of its block
+    group_rank: dict  # global rank -> rank in pg
+    me: int
+    owner: int
+    shape: tuple  # the whole matrix's (rows, cols)
+
     def on(self, device, what: str) -> "_Layout":
         """This layout over the group that carries tensors on ``device``
         (:func:`bridge.collectives.group_for`: the mesh's, or a host group over the same ranks)."""
@@ -47,13 +53,6 @@ class _Layout(NamedTuple):
         if pg is self.pg:
             return self
         return self._replace(pg=pg, group_rank={g: dist.get_group_rank(pg, g) for g in self.blocks})
-
-    pg: Any  # the process group (None: the default group)
-    blocks: dict  # global rank -> (rows, cols, row offset, col offset) of its block
-    group_rank: dict  # global rank -> rank in pg
-    me: int
-    owner: int
-    shape: tuple  # the whole matrix's (rows, cols)
 
 
 def _geometry(kind: str, width=None):
