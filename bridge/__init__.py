@@ -48,10 +48,11 @@ from . import dcp  # bridge.dcp.load_optimizer after a plain `import bridge`
 from .in_backward import StepInBackward, step_in_backward
 from .master import load_master_params, master_params
 from .qstate import QState
+from .collectives import set_host_group
 from .report import TrainingBytes
 
 __all__ = [
-    "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow", "TrainingBytes",
+    "set_host_group", "LowBitOptimizer", "QState", "STATE_DICT_VERSION", "StateReportRow", "TrainingBytes",
     "Adam", "AdamW", "Lion", "SGD",
     "Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8", "Lion8bit", "Lion4bit", "SGD8bit",
     "AdEMAMix", "AdEMAMix8bit", "AdEMAMix4bit", "RMSprop", "RMSprop8bit", "RMSprop4bit", "RMSpropFp8",

@@ -26,6 +26,7 @@ from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, ScaleByMuonStat
                                        ns_matrix, refresh_record)
 from lowbit_tree.transform import ScaleByAdamState
 
+from .collectives import group_for
 from .distributed import is_dtensor
 from . import group_args
 from .classes import TorchOptimizerBase
@@ -42,6 +43,16 @@ class _Layout(NamedTuple):
     me: int
     owner: int
     shape: tuple  # the whole matrix's (rows, cols)
+
+    def on(self, device, what: str) -> "_Layout":
+        """This layout over the group that carries tensors on ``device``
+        (:func:`bridge.collectives.group_for`: the mesh's, or a host group over the same ranks)."""
+        import torch.distributed as dist
+
+        pg = group_for(self.pg, device, what)
+        if pg is self.pg:
+            return self
+        return self._replace(pg=pg, group_rank={g: dist.get_group_rank(pg, g) for g in self.blocks})
 
 
 def _geometry(kind: str, width=None):
@@ -146,6 +157,7 @@ class ShardedNS:
         rows, cols = lay.shape
         whole = []
         for t, geom in parts:
+            lay = lay.on(t.device, "Muon's gather of Newton-Schulz inputs")
             unit = t.element_size()
             where = {g: geom(*b) for g, b in lay.blocks.items()}
             if where[lay.owner] == geom(rows, cols, 0, 0):  # the owner holds all of it (a factor its shard
@@ -172,6 +184,7 @@ class ShardedNS:
         scatter of bytes (each piece padded to the largest rank's)."""
         import torch.distributed as dist
 
+        lay = lay.on(device, "Muon's scatter of Newton-Schulz results")
         specs, total = [], 0
         for _, geom, dtype in parts:
             unit = torch.empty((), dtype=dtype).element_size()

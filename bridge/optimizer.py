@@ -30,6 +30,7 @@ from lowbit_tree.rules import STATIC_ARGS
 from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
+from .collectives import group_for
 from .distributed import is_dtensor, local_grad, to_local
 from .param_states import SCALARS, ParamStates
 from .plan import GroupPlan
@@ -252,7 +253,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             import torch.distributed as dist
 
             flag = ok.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
             ok = flag.bool()
         return bool(ok)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .collectives import group_for
 from .distributed import is_dtensor, shard_dims
 
 __all__ = ["Rank1Reduce", "rank1_reduce"]
@@ -43,6 +44,7 @@ class Rank1Reduce:
         nan = torch.isnan(t)
         values = torch.where(nan, torch.zeros_like(t), t)  # maxima of a non-negative tensor: 0 is neutral
         flags = nan.to(torch.int32)
+        group = group_for(group, t.device, "the rank-1 record's all-reduce MAX of maxima")
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         self.sent += values.numel() * 4 + flags.numel() * 4

@@ -19,6 +19,7 @@ import torch
 
 from lowbit_tree import records
 
+from .collectives import group_for
 from .distributed import is_dtensor, to_local
 from .qstate import QState
 
@@ -140,7 +141,7 @@ def rank_totals(opt) -> Optional[RankTotals]:
         device = torch.device("cpu")
     mine = torch.tensor([state_bytes(opt), _local_param_elements(opt)], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    dist.all_gather(every, mine, group=group_for(None, device, "TrainingBytes' all-gather of per-rank totals"))
     return RankTotals([int(t[0]) for t in every], [int(t[1]) for t in every], model_bytes, model_elements)
 
 
