@@ -23,7 +23,7 @@ from lowbit_tree.kernels import RULES, StepLeaf, StepSpec, dispatch, native, run
 from lowbit_tree.kernels import triton_backend  # noqa: E402
 from lowbit_tree.lowrank import lowrank_zeros  # noqa: E402
 
-from test_kernels_step import LINKS, clone_state, make_case, same  # noqa: E402
+from test_kernels_step import LINKS, make_case, same  # noqa: E402
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
 
@@ -80,6 +80,47 @@ def test_cpu_picks_native_and_the_environment_overrides(monkeypatch):
     assert step_backend(spec, leaf, True, device=CUDA, backend="compiled") == "compiled"
 
 
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the interpreter")
+
+
+def _to(s, device):
+    """A copy of state ``s`` on ``device``."""
+    if isinstance(s, torch.Tensor):
+        return s.clone().to(device)
+    return s.with_parts({k: getattr(s, k).clone().to(device) for k in s.CHILDREN})
+
+
+def _copies(leaves, device):
+    return [StepLeaf(x.param.clone().to(device), x.grad.clone().to(device), tuple(_to(s, device) for s in x.states),
+                     x.index) for x in leaves]
+
+
+def _same_leaves(leaves, ref, got, want):
+    for x, y, gs, ws in zip(leaves, ref, got, want):
+        assert same(x.param.cpu(), y.param.cpu())
+        for s, t in zip(gs, ws):
+            assert same((s.dequantize() if hasattr(s, "dequantize") else s).cpu(),
+                        (t.dequantize() if hasattr(t, "dequantize") else t).cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not native.available(), reason="no C compiler")
+def test_a_cuda_step_launches_triton_by_itself_with_the_cpu_bits():
+    """What the tests above cannot show: on a GPU, with nothing asked for, the block-record leaf
+    launches the triton kernel, the rank-1 leaf runs compiled, and the bits are the CPU's."""
+    spec, a, hyper = _leaf("adam", "8bit", seed=1)
+    b = _leaf("adam", "4bit-rank1", shape=(6, 33), seed=2)[1]._replace(index=4)
+    before = triton_backend.LAUNCHES[0]
+    leaves = _copies((a, b), "cuda")
+    _, got = run_step(spec, hyper.cuda(), leaves, write=True)
+    assert triton_backend.LAUNCHES[0] == before + 1
+    ref = _copies((a, b), "cpu")
+    _, want = run_step(spec, hyper, ref, write=True, backend="native")
+    _same_leaves(leaves, ref, got, want)
+
+
+@INTERPRETED
 @pytest.mark.skipif(not native.available(), reason="no C compiler")
 def test_one_step_splits_between_triton_and_torch_with_the_same_bits(monkeypatch):
     """The CUDA split on CPU tensors: the block-record leaf on triton (interpreted), the rank-1 leaf
@@ -88,13 +129,9 @@ def test_one_step_splits_between_triton_and_torch_with_the_same_bits(monkeypatch
     b = _leaf("adam", "4bit-rank1", shape=(6, 33), seed=2)[1]._replace(index=4)
     monkeypatch.setattr(dispatch, "_auto_triton", lambda device, backend: True)
     before = triton_backend.LAUNCHES[0]
-    leaves = [StepLeaf(x.param.clone(), x.grad, tuple(clone_state(s) for s in x.states), x.index) for x in (a, b)]
+    leaves = _copies((a, b), "cpu")
     _, got = run_step(spec, hyper, leaves, write=True, backend="compiled")
     assert triton_backend.LAUNCHES[0] == before + 1  # the block-record leaf only
-    ref = [StepLeaf(x.param.clone(), x.grad, tuple(clone_state(s) for s in x.states), x.index) for x in (a, b)]
+    ref = _copies((a, b), "cpu")
     _, want = run_step(spec, hyper, ref, write=True, backend="native")
-    for x, y, gs, ws in zip(leaves, ref, got, want):
-        assert same(x.param, y.param)
-        for s, t in zip(gs, ws):
-            assert same(s.dequantize() if hasattr(s, "dequantize") else s,
-                        t.dequantize() if hasattr(t, "dequantize") else t)
+    _same_leaves(leaves, ref, got, want)
