@@ -53,7 +53,10 @@ VARIANTS = {  # name -> (class, backend)
     "native-fp32": ("AdamW", "native"),
     "compiled-8bit": ("AdamW8bit", "compiled"),
     "compiled-fp32": ("AdamW", "compiled"),
+    "triton-8bit": ("AdamW8bit", "triton"),  # CUDA (on CPU only under TRITON_INTERPRET=1)
+    "triton-fp32": ("AdamW", "triton"),
 }
+CPU_VARIANTS = [v for v in VARIANTS if not v.startswith("triton")]
 
 
 def _params(n: int, shapes: list, seed: int, device: str = "cpu") -> list:
@@ -95,6 +98,7 @@ def measure(variant: str, n: int, shapes: str, steps: int, runs: int, device: st
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="step_overhead_inductor_")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="step_overhead_triton_")  # the triton kernel's too
     warmup = 0.0
     if backend == "compiled":  # inductor's one-time work in a new cache (its C++ prelude): timed apart
         t = time.perf_counter()
@@ -131,7 +135,7 @@ def measure(variant: str, n: int, shapes: str, steps: int, runs: int, device: st
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[50, 200, 500])
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=CPU_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--shapes", nargs="+", default=["small", "tiny"],
                     help="small, tiny, or llama7b/K: Llama-7B's 291 shapes divided by K (--sizes ignored)")
     ap.add_argument("--device", default="cpu")

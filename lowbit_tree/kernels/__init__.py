@@ -26,13 +26,15 @@ bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
 from __future__ import annotations
 
 from .dispatch import (BACKENDS, StepLeaf, backend_for, dequantize_fast, dequantize_rows_fast, native_ok, native_state,
-                       quantize_rows_fast, run_step)
+                       quantize_rows_fast, run_step, step_backend, triton_ok)
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
 
 __all__ = [
     "BACKENDS",
     "backend_for",
+    "step_backend",
+    "triton_ok",
     "StepSpec",
     "RULES",
     "NHYPER",

@@ -1,9 +1,16 @@
 """Which backend steps each leaf, and the step over a list of leaves (:func:`run_step`): the
 native C kernel's jobs, the compiled torch backend's batches, the eager fallback, the rank-1
 records' maxima completed across shards in leaf order; and the fast quantize / dequantize on the
-same choice of backend. :mod:`lowbit_tree.kernels` re-exports the public names."""
+same choice of backend. :mod:`lowbit_tree.kernels` re-exports the public names.
+
+The automatic choice (no ``backend``, no ``LOWBIT_TREE_BACKEND``): native on CPU (eager where it
+cannot be built); on CUDA, per leaf, triton where its kernel has the rule and every state's kind
+(:func:`triton_ok`; rank-1 and low-rank records have none) and triton is importable, compiled
+otherwise. A backend named explicitly runs every leaf it is given, or raises."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 from typing import NamedTuple, Optional, Sequence
 
@@ -19,11 +26,12 @@ from . import native, torch_backend
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
 
-__all__ = ["BACKENDS", "backend_for", "StepLeaf", "native_ok", "native_state", "run_step", "quantize_rows_fast",
+__all__ = ["BACKENDS", "backend_for", "step_backend", "triton_ok", "StepLeaf", "native_ok", "native_state", "run_step", "quantize_rows_fast",
            "dequantize_rows_fast", "dequantize_fast"]
 
 BACKENDS = ("native", "compiled", "eager", "triton")
-"""``triton`` (:mod:`.triton_backend`) only when asked for: it imports triton, which the core does not need."""
+"""``triton`` (:mod:`.triton_backend`) imports triton, which the core does not need: chosen
+automatically on CUDA only (torch's CUDA wheels bring triton), or when asked for."""
 
 
 def _requested() -> str:
@@ -54,6 +62,54 @@ def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
     if want == "auto":  # native.library() warns once when it cannot be built
         return "native" if native.available() else "eager"
     return want
+
+
+def _auto_triton(device: torch.device, backend: Optional[str]) -> bool:
+    """Whether the automatic choice puts leaves on ``device`` on triton where it can (CUDA, nothing
+    asked for, triton importable, not inside a caller's torch.compile)."""
+    return (device.type == "cuda" and (backend or _requested()) == "auto" and not torch.compiler.is_compiling()
+            and _triton_importable())
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_ok(spec: StepSpec, leaf: StepLeaf, write: bool) -> bool:
+    """Whether the triton kernel has this leaf: its rule, every state's kind and block size
+    (:func:`.triton_backend.launch_key`, the key it launches under), its dtypes, and a param
+    correction only where it is written in place. Imports triton."""
+    from . import triton_backend  # imports triton: only on CUDA or when asked for
+
+    if spec.rule not in triton_backend.backend_rules()["triton"]:
+        return False
+    p, g, c = leaf.param, leaf.grad, leaf.correction
+    if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
+                              and c.is_contiguous() and c.numel() == g.numel()):
+        return False
+    if write and not p.is_contiguous():
+        return False
+    if any(isinstance(s, torch.Tensor) and not s.is_contiguous() for s in leaf.states):
+        return False  # stepped in place only when contiguous
+    try:
+        key = triton_backend.launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write,
+                                        False, c is not None)
+        triton_backend.tile_length([b for _, b in key[0]])
+    except (NotImplementedError, TypeError, KeyError, ValueError):
+        return False  # a record kind, dtype or block sizes the kernel does not have
+    return True
+
+
+def step_backend(spec: StepSpec, leaf: StepLeaf, write: bool, backend: Optional[str] = None,
+                 device: Optional[torch.device] = None) -> str:
+    """The backend that steps ``leaf`` (on ``device``, default its gradient's): :func:`backend_for`,
+    except that the automatic choice on CUDA is triton where :func:`triton_ok`, compiled otherwise."""
+    device = leaf.grad.device if device is None else device
+    which = backend_for(device, backend)
+    if which == "compiled" and _auto_triton(device, backend) and triton_ok(spec, leaf, write):
+        return "triton"
+    return which
 
 
 # --------------------------------------------------------------------------- quantize / dequantize
@@ -306,6 +362,7 @@ def run_step(
     maxima_jobs, rank1_jobs = [], []  # native leaves with rank-1 states: their maxima jobs, then their steps
     waits: list = []  # _Rank1Wait, in leaf order: completed in that order on every rank
     batched: list = []  # leaves for the compiled backend
+    on_triton: list = []  # on CUDA, automatically: the leaves the triton kernel has (step_backend)
     backends: dict = {}  # device -> backend, decided once per call
 
     for i, leaf in enumerate(leaves):
@@ -335,7 +392,9 @@ def run_step(
         which = backends.get(g.device)
         if which is None:
             which = backends[g.device] = backend_for(g.device, backend)
-        if which == "native" and native_ok(leaf, write):
+        if which == "compiled" and _auto_triton(g.device, backend) and triton_ok(spec, leaf, write):
+            on_triton.append(i)
+        elif which == "native" and native_ok(leaf, write):
             rows, r = row_layout(g.shape)
             pairs, has_rank1 = [], False
             for k, s in enumerate(leaf.states):
@@ -372,6 +431,13 @@ def run_step(
                 which = "eager"
             outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
     native.run_jobs(_hyper_jobs(jobs, hyper))
+    if on_triton:
+        from . import triton_backend
+
+        t_outs, t_news = triton_backend.run_step(spec, hyper, [leaves[i] for i in on_triton], write=write,
+                                                 inplace=inplace, sr_key=sr_key)
+        for i, out, new in zip(on_triton, t_outs, t_news):
+            outs[i], news[i] = out, list(new)
     _compiled_leaves(spec, hyper, leaves, batched, write, inplace, sr_key, outs, news)
     native.run_jobs(_hyper_jobs(maxima_jobs, hyper))
     for w in waits:

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import backend_for, native, native_ok, native_state, run_step, StepLeaf, torch_backend
+from . import native, native_ok, native_state, run_step, StepLeaf, step_backend, torch_backend
 from ..record_base import KERNEL_VALUES, kernel_of
 from ..rounding import rounding_hash
 from .spec import NHYPER, StepSpec, job_row_index
@@ -63,7 +63,8 @@ class KernelPlan:
         p, states = self.params[k], self.states[k]
         if g.numel() == 0 or any(kernel_of(s) == KERNEL_VALUES for s in states):
             return None
-        which = backend_for(g.device, self.backend)
+        which = step_backend(self.spec, StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write,
+                             self.backend)
         if which == "triton":  # held in a launch whose address table is built once (triton_backend.TritonSteps)
             return which
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)

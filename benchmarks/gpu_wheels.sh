@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The wheels folder benchmarks/gpu_check.sh installs from on a GPU machine with no network whose
+# image has python 3.12, a CUDA torch and its triton: made beforehand here, where there is a
+# network, and kept under 64 MiB (what travels with the work tree to such a machine).
+#   benchmarks/gpu_wheels.sh OUT_DIR        then: benchmarks/gpu_check.sh --wheels OUT_DIR
+# Always: this project's wheel, optree, numpy, pytest (with their dependencies). Then the
+# anchors, smallest first, each while the folder stays under the limit: FlashOptim, torchao,
+# bitsandbytes (the parity extra's versions); one that does not fit is named and left out.
+set -eu
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: benchmarks/gpu_wheels.sh OUT_DIR}"
+LIMIT=$((64 * 1024 * 1024))
+PY="${PYTHON:-python}"
+mkdir -p "$OUT"
+# wheels for CPython 3.12 on x86-64 Linux, whatever this machine runs
+get() {
+  "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$OUT" "$@" 2>&1 | grep -v "is ignored" || true
+}
+size() { du -sb "$OUT" | cut -f1; }
+
+src=$(mktemp -d)  # built from a copy of the work tree's files, leaving no build folders in it
+git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$src"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "$src" 2>&1 | grep -v "is ignored" || true
+rm -rf "$src"
+get "optree>=0.13" "numpy" "pytest>=8"  # with their dependencies (typing-extensions, pluggy, ...)
+# the anchors without their dependencies (torch and triton are the image's)
+PARITY=$(sed -n 's/^parity = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '" ' | tr ',' ' ')
+for pkg in flashoptim $PARITY; do
+  tmp=$(mktemp -d)
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d "$tmp" "$pkg" 2>&1 | grep -v "is ignored" || true
+  add=$(du -sb "$tmp" | cut -f1)
+  if [ $(( $(size) + add )) -lt "$LIMIT" ]; then
+    mv "$tmp"/*.whl "$OUT"/
+  else
+    echo "left out: $pkg ($((add / 1024 / 1024)) MiB would pass the 64 MiB limit)"
+  fi
+  rm -rf "$tmp"
+done
+ls -1 "$OUT"
+total=$(size)
+echo "$OUT: $((total / 1024)) KiB"
+[ "$total" -lt "$LIMIT" ] || { echo "over the 64 MiB limit" >&2; exit 1; }
