@@ -135,7 +135,8 @@ def test_triton_step_matches_native_and_reference(rule, variant, fmt):
 
 DTYPE_CASES = [("adam", {}, "8bit"), ("adam", {"amsgrad": True}, "4bit"), ("lion", {}, "fp8"), ("muon", {}, "nf4"),
                ("rmsprop", {"has_momentum": True, "centered": True}, "8bit_bnb"), ("ademamix", {}, "bf16"),
-               ("adagrad", {}, "8bit"), ("momentum", {"nesterov": True}, "fp32")]
+               ("adagrad", {}, "8bit"), ("momentum", {"nesterov": True}, "fp32"), ("adamax", {}, "4bit"),
+               ("adadelta", {}, "fp8"), ("radam", {}, "nf4"), ("nadam", {}, "8bit")]
 
 
 @NATIVE
@@ -149,15 +150,18 @@ def test_triton_param_dtypes_and_stochastic_rounding(rule, variant, fmt, dtype):
 
 @NATIVE
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8", "fp32"])
-def test_triton_nonfinite_and_extreme_gradients(fmt):
-    """Zero, huge, tiny (subnormal), infinite and NaN gradients: NaN scales and codes as native."""
-    spec = StepSpec("adam", amsgrad=True, decay=True, lr=True)
+@pytest.mark.parametrize("rule,variant", [("adam", {"amsgrad": True}), ("adamax", {})], ids=["amsgrad", "adamax"])
+def test_triton_nonfinite_and_extreme_gradients(rule, variant, fmt):
+    """Zero, huge, tiny (subnormal), infinite and NaN gradients: NaN scales and codes as native;
+    then a step of finite gradients on those states (amsgrad's and Adamax's max keep a NaN state
+    as cpu.c's does)."""
+    spec = StepSpec(rule, **variant, decay=True, lr=True)
     gen = torch.Generator().manual_seed(7)
     g = torch.randn(3, 70, generator=gen)
     g[0, :5] = torch.tensor([0.0, 1e30, -1e30, 1e-40, -3e-39])
     g[1, 3], g[1, 9], g[2, 64] = float("inf"), float("-inf"), float("nan")
     g[2, :64] = 0.0  # a block of zero gradients: zero scales
-    _, states, p, _, hyper = make_case("adam", {"amsgrad": True}, {}, fmt, torch.float32, (3, 70), 32, 1)
+    _, states, p, _, hyper = make_case(rule, variant, {}, fmt, torch.float32, (3, 70), 32, 1)
     got = {}
     for backend in ("native", "triton"):
         pp, _, _, ss, _ = _run(backend, spec, hyper, p, g, states, write=True, inplace=True, index=0)
@@ -165,6 +169,11 @@ def test_triton_nonfinite_and_extreme_gradients(fmt):
     assert same(got["native"][0], got["triton"][0])
     assert all(map(same, got["native"][1], got["triton"][1]))
     assert torch.isnan(got["triton"][0]).any()  # the NaN reached the param, as on native
+    finite = torch.randn(3, 70, generator=gen)
+    again = {b: _run(b, spec, hyper, got["native"][0], finite, got["native"][1], write=True, inplace=True, index=0)
+             for b in ("native", "triton")}
+    assert same(again["native"][0], again["triton"][0])
+    assert all(map(same, again["native"][3], again["triton"][3]))
 
 
 def test_one_launch_per_static_combination():

@@ -21,12 +21,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .spec import RULE_IDS
+from .spec import HYPER_NAMES, RULE_IDS
 
 __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
            "KIND_F32", "KIND_BF16", "KIND_Q8", "KIND_Q4", "DT_F32", "DT_BF16", "DT_F16"]
 
-TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad")
+TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam",
+                "nadam")
 """The rules whose math this kernel has (the declaration's ids: ``spec.RULE_IDS``)."""
 
 LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr", "rows", "Rp", "k")
@@ -58,6 +59,21 @@ _ADEMAMIX = tl.constexpr(RULE_IDS["ademamix"])
 _MUON = tl.constexpr(RULE_IDS["muon"])
 _RMSPROP = tl.constexpr(RULE_IDS["rmsprop"])
 _ADAGRAD = tl.constexpr(RULE_IDS["adagrad"])
+_ADAMAX = tl.constexpr(RULE_IDS["adamax"])
+_ADADELTA = tl.constexpr(RULE_IDS["adadelta"])
+_RADAM = tl.constexpr(RULE_IDS["radam"])
+_NADAM = tl.constexpr(RULE_IDS["nadam"])
+
+
+def _hyper_index(name: str) -> tl.constexpr:
+    """Where the hyperparameter vector holds ``name`` (``spec.HYPER_NAMES``; cpu.c's ``LBT_H_<NAME>``)."""
+    return tl.constexpr(HYPER_NAMES.index(name))
+
+
+_H_B1, _H_OMB1, _H_B2, _H_OMB2 = (_hyper_index(n) for n in ("b1", "omb1", "b2", "omb2"))
+_H_RBC1, _H_RSBC2, _H_EPS, _H_LR = (_hyper_index(n) for n in ("rbc1", "rsbc2", "eps", "lr"))
+_H_WD, _H_L2, _H_B3, _H_OMB3 = (_hyper_index(n) for n in ("wd", "l2", "b3", "omb3"))
+_H_ALPHA, _H_CM, _H_RECT, _H_CG = (_hyper_index(n) for n in ("alpha", "cm", "rect", "cg"))
 
 
 @triton.jit
@@ -309,16 +325,16 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     s1 = row_ptr + _HDR + _SLOT
     s2 = row_ptr + _HDR + 2 * _SLOT
 
-    b1 = tl.load(hyper + 0)
-    omb1 = tl.load(hyper + 1)
-    b2 = tl.load(hyper + 2)
-    omb2 = tl.load(hyper + 3)
-    rbc1 = tl.load(hyper + 4)
-    rsbc2 = tl.load(hyper + 5)
-    eps = tl.load(hyper + 6)
-    nlr = -tl.load(hyper + 7)
-    wd = tl.load(hyper + 8)
-    l2 = tl.load(hyper + 9)
+    b1 = tl.load(hyper + _H_B1)
+    omb1 = tl.load(hyper + _H_OMB1)
+    b2 = tl.load(hyper + _H_B2)
+    omb2 = tl.load(hyper + _H_OMB2)
+    rbc1 = tl.load(hyper + _H_RBC1)
+    rsbc2 = tl.load(hyper + _H_RSBC2)
+    eps = tl.load(hyper + _H_EPS)
+    nlr = -tl.load(hyper + _H_LR)
+    wd = tl.load(hyper + _H_WD)
+    l2 = tl.load(hyper + _H_L2)
 
     p = tl.zeros((TILE,), tl.float32)
     if P:
@@ -344,9 +360,9 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
         num = m * rbc1
         n2 = x2
         if RULE == _ADEMAMIX:
-            b3 = tl.load(hyper + 10)
-            omb3 = tl.load(hyper + 11)
-            alpha = tl.load(hyper + 12)
+            b3 = tl.load(hyper + _H_B3)
+            omb3 = tl.load(hyper + _H_OMB3)
+            alpha = tl.load(hyper + _H_ALPHA)
             n2 = b3 * x2 + omb3 * g
             num = num + alpha * n2
         elif VAR:
@@ -393,6 +409,33 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
         u = tl.div_rn(g, tl.sqrt_rn(s) + eps)
         n0 = s
         n1 = x1
+        n2 = x2
+    elif RULE == _ADAMAX:  # states (e, m): e = max(b2*e, |g| + eps), NaN if either is (cpu.c's amsgrad_max)
+        be = b2 * x0
+        ge = tl.abs(g) + eps
+        n0 = tl.where((be > ge) | (be != be), be, ge)
+        n1 = b1 * x1 + omb1 * g
+        n2 = x2
+        u = tl.div_rn(n1 * rbc1, n0)
+    elif RULE == _ADADELTA:  # states (v, a), b2 its rho; a's new value from the old one and u
+        n0 = b2 * x0 + omb2 * (g * g)
+        u = tl.div_rn(tl.sqrt_rn(x1 + eps), tl.sqrt_rn(n0 + eps)) * g
+        n1 = b2 * x1 + omb2 * (u * u)
+        n2 = x2
+    elif RULE == _RADAM:  # states (v, m); cm and rect this step's (spec.radam_terms)
+        cm = tl.load(hyper + _H_CM)
+        rect = tl.load(hyper + _H_RECT)
+        n0 = b2 * x0 + omb2 * (g * g)
+        n1 = b1 * x1 + omb1 * g
+        num = n1 * cm
+        u = tl.where(rect != 0.0, tl.div_rn(num, tl.sqrt_rn(n0) + eps), num)
+        n2 = x2
+    elif RULE == _NADAM:  # states (v, m); cg and cm this step's (spec.nadam_terms)
+        cg = tl.load(hyper + _H_CG)
+        cm = tl.load(hyper + _H_CM)
+        n0 = b2 * x0 + omb2 * (g * g)
+        n1 = b1 * x1 + omb1 * g
+        u = tl.div_rn(cg * g + cm * n1, tl.sqrt_rn(n0) * rsbc2 + eps)
         n2 = x2
     else:  # momentum
         b = b1 * x0 + g
