@@ -15,18 +15,27 @@ state under names in ``optimizer.state[p]``, every value a tensor:
 The core's in-place plan steps these tensors themselves (a QState's record shares its storage).
 ``state_dict()`` holds plain tensors only (a record as a dict of its parts), so it loads with
 ``weights_only=True``; ``load_state_dict`` checks every name and part shape against a fresh
-state before it writes anything. FSDP2, tensor parallel and DCP are not supported yet (a
-DTensor param is refused).
+state before it writes anything.
+
+Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param has an owner rank,
+its index over all groups modulo the mesh size: every rank all-gathers the param and its
+gradient (``full_tensor()``), the owner alone runs the unsharded step and keeps every core state
+of that param as plain tensors, and broadcasts the update (in the param's dtype) for each rank to
+add to its rows -- the same bits as one process. A non-owner's ``state[p]`` holds ``step`` only.
+Tensor parallel, HSDP, ``skip_nonfinite``, ``state_dict`` and DCP under FSDP2 are not
+implemented (refused by name).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
+from .distributed import is_dtensor, local_row_range, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -44,6 +53,22 @@ def _wrap(leaf):
 
 def _unwrap(value):
     return value.record if isinstance(value, QState) else value
+
+
+def _unsupported_sharding(p, group: dict) -> str:
+    """Why a param's sharding is not supported (empty if it is): FSDP2's ``Shard(0)`` over a 1-D
+    mesh only, without ``skip_nonfinite``."""
+    if not is_dtensor(p):
+        return ""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(p.placements)
+    if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements):
+        return (f"placed {placements} on a {p.device_mesh.ndim}-D mesh: only FSDP2 (Shard(0) on a 1-D mesh) is "
+                "implemented; not tensor parallel or HSDP")
+    if group["skip_nonfinite"]:
+        return "under FSDP2 with skip_nonfinite=True: not implemented; use skip_nonfinite=False"
+    return ""
 
 
 class SOAP(torch.optim.Optimizer):
@@ -100,10 +125,10 @@ class SOAP(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
         for p in group["params"]:
-            if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh"):
+            why = _unsupported_sharding(p, group)
+            if why:
                 self.param_groups.pop()
-                raise ValueError(f"{owner}: a DTensor param (FSDP2 / tensor parallel) of shape {tuple(p.shape)}: "
-                                 "sharded SOAP is not implemented; train it unsharded or with bridge.AdamW")
+                raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
 
     @staticmethod
     def _tx(group: dict):
@@ -156,24 +181,65 @@ class SOAP(torch.optim.Optimizer):
                          for p in g["params"] if p.grad is not None)
             if not finite:
                 return loss
+        index = 0
+        self._sent = {"all_gather": 0, "broadcast": 0}
         for group in self.param_groups:
             tx = self._tx(group)
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
-                if not state:
-                    state.update(self._fresh(p, group)[0])
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                count = torch.tensor(int(state["step"]), dtype=torch.int32)
-                core = self._core(state, count, template)
-                u = tx.plan(core, [p.detach()])([p.grad])[0]
-                p.add_(u.to(p.dtype))
-                state["step"] += 1
+                if is_dtensor(p):
+                    self._sharded_step(tx, group, p, index - 1)
+                else:
+                    self._unsharded_step(tx, group, p, p.detach(), p.grad)
         return loss
+
+    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
+        """One param's step on whole tensors: its states in ``self.state[p]`` (made at the first
+        step); returns the update in the param's dtype (added to ``p`` unless ``p`` is sharded)."""
+        state = self.state[p]
+        _, template = self._fresh(torch.empty(full_p.shape, device="meta"), group)
+        if "soap_step" not in state:
+            state.update(self._fresh(full_p, group)[0])
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        count = torch.tensor(int(state["step"]), dtype=torch.int32)
+        core = self._core(state, count, template)
+        u = tx.plan(core, [full_p])([full_g])[0].to(p.dtype)
+        if not is_dtensor(p):
+            p.add_(u)
+        state["step"] += 1
+        return u
+
+    def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
+        """FSDP2: the param and its gradient all-gathered; the owner (``index`` modulo the mesh
+        size) steps the whole param and broadcasts the update; each rank adds its rows."""
+        mesh = p.device_mesh
+        pg = mesh.get_group(0)
+        owner = index % mesh.size()
+        full_p, full_g = p.detach().full_tensor(), p.grad.full_tensor()
+        local = to_local(p.detach())
+        esize = p.element_size()
+        self._sent["all_gather"] += 2 * local.numel() * esize * (mesh.size() - 1)
+        if mesh.get_local_rank() == owner:
+            u = self._unsharded_step(tx, group, p, full_p, full_g).contiguous()
+            self._sent["broadcast"] += u.numel() * esize
+        else:
+            state = self.state[p]
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            state["step"] += 1
+            u = torch.empty(tuple(p.shape), dtype=p.dtype, device=local.device)
+        dist.broadcast(u, src=dist.get_global_rank(pg, owner), group=pg)
+        a, b = local_row_range(p)
+        local.add_(u[a:b])
+
+    def communication(self) -> dict:
+        """Bytes this rank sent in the last step under FSDP2: ``all_gather`` (its rows of every
+        param and gradient, to each other rank), ``broadcast`` (the updates of the params it owns,
+        counted once; the transport may relay them)."""
+        return dict(getattr(self, "_sent", {"all_gather": 0, "broadcast": 0}))
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:
@@ -193,7 +259,7 @@ class SOAP(torch.optim.Optimizer):
         out = []
         for i, p in enumerate(self._params()):
             state = self.state.get(p)
-            if not state:
+            if not state or "soap_step" not in state:  # none yet, or another rank owns it (FSDP2)
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
@@ -205,8 +271,14 @@ class SOAP(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # -- state dicts ---------------------------------------------------------------------------
+    def _refuse_sharded(self, what: str) -> None:
+        if any(is_dtensor(p) for p in self._params()):
+            raise NotImplementedError(f"{type(self).__name__}.{what} under FSDP2 is not implemented (each param's "
+                                      "states live on its owner rank only); save an unsharded run's")
+
     def state_dict(self) -> dict:
         """torch's layout, every state a plain tensor: a quantized state is a dict of its parts."""
+        self._refuse_sharded("state_dict")
         sd = super().state_dict()
         state = {}
         for k, entries in sd["state"].items():
@@ -217,6 +289,7 @@ class SOAP(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
         parts, shapes, dtypes) before anything is written; then torch's group restore."""
+        self._refuse_sharded("load_state_dict")
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
