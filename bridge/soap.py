@@ -21,9 +21,9 @@ Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param ha
 its index over all groups modulo the mesh size: every rank all-gathers the param and its
 gradient (``full_tensor()``), the owner alone runs the unsharded step and keeps every core state
 of that param as plain tensors, and broadcasts the update (in the param's dtype) for each rank to
-add to its rows -- the same bits as one process. A non-owner's ``state[p]`` holds ``step`` only.
-Tensor parallel, HSDP, ``skip_nonfinite``, ``state_dict`` and DCP under FSDP2 are not
-implemented (refused by name).
+add to its rows -- the same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
+``state_dict()`` keys each state by param index, saved by its owner, so DCP reshards by owner.
+Tensor parallel, HSDP and ``skip_nonfinite`` under FSDP2 are refused by name.
 """
 from __future__ import annotations
 
@@ -271,25 +271,47 @@ class SOAP(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # -- state dicts ---------------------------------------------------------------------------
-    def _refuse_sharded(self, what: str) -> None:
-        if any(is_dtensor(p) for p in self._params()):
-            raise NotImplementedError(f"{type(self).__name__}.{what} under FSDP2 is not implemented (each param's "
-                                      "states live on its owner rank only); save an unsharded run's")
+    def _owns(self, index: int, p) -> bool:
+        """Whether this rank steps param ``p`` (position ``index`` over all groups): always
+        unsharded; under FSDP2 the rank ``index`` modulo the mesh size."""
+        return not is_dtensor(p) or p.device_mesh.get_local_rank() == index % p.device_mesh.size()
+
+    def _template(self, p, group: dict) -> dict:
+        """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,
+        shapes and dtypes a saved state of ``p`` must have."""
+        fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype), group)
+        fresh["step"] = torch.zeros((), dtype=torch.float32)
+        return fresh
 
     def state_dict(self) -> dict:
-        """torch's layout, every state a plain tensor: a quantized state is a dict of its parts."""
-        self._refuse_sharded("state_dict")
+        """torch's layout, every state a plain tensor: a quantized state is a dict of its parts.
+
+        Under FSDP2 each rank lists the whole states of the params it owns and ``step`` of the
+        others, every param included (fresh zero states for those not stepped yet): the same
+        keys at any world size, each saved by one rank, so ``torch.distributed.checkpoint``
+        loads them at another world size into the new owners' state dicts."""
         sd = super().state_dict()
         state = {}
         for k, entries in sd["state"].items():
             state[k] = {name: (dict(value.parts) if isinstance(value, QState) else value)
                         for name, value in entries.items()}
+        params = self._params()
+        if any(is_dtensor(p) for p in params):
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            for i, (k, p) in enumerate(zip(ids, params)):
+                if not self._owns(i, p):
+                    state[k] = {"step": self.state[p]["step"] if "step" in self.state.get(p, {}) else
+                                torch.zeros((), dtype=torch.float32)}
+                elif "soap_step" not in state.get(k, {}):
+                    group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+                    state[k] = {name: (dict(v.parts) if isinstance(v, QState) else v)
+                                for name, v in self._template(p, group).items()}
         return {"state": state, "param_groups": sd["param_groups"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, shapes, dtypes) before anything is written; then torch's group restore."""
-        self._refuse_sharded("load_state_dict")
+        parts, shapes, dtypes) before anything is written; then torch's group restore. Under
+        FSDP2 a rank takes the states of the params it owns and ``step`` of the others."""
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
@@ -311,8 +333,10 @@ class SOAP(torch.optim.Optimizer):
             p = by_id[k]
             group = next(g for g in saved_groups if k in g["params"])
             group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
-            fresh, _ = self._fresh(p.detach(), group)
-            fresh["step"] = torch.zeros((), dtype=torch.float32)
+            fresh = self._template(p, group)
+            if not self._owns(ids.index(k), p):  # FSDP2: another rank keeps this param's states
+                fresh = {"step": fresh["step"]}
+                entries = {name: v for name, v in entries.items() if name == "step"}
             if set(entries) != set(fresh):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: param {k} has states {sorted(entries)}, "
                                  f"this optimizer keeps {sorted(fresh)} (another state_format, precond_format "

@@ -189,3 +189,13 @@ def test_soap_fsdp_exact_on_owner_ranks(world):
     an eigenbasis refresh every 2: params and every state of each param on its owner rank bit for
     bit those of one process; the other ranks keep ``step`` only."""
     W.launch(W.soap_exact_worker, world)
+
+
+@pytest.mark.extended
+def test_soap_dcp_save_at_2_resume_at_1_and_3(tmp_path):
+    """SOAP and SOAP8bit under FSDP2: ``dcp.save(opt.state_dict())`` at 2 ranks, loaded at 1 and
+    3 (each param's owner changes): owned states bit for bit the unsharded run's, and after 3
+    more steps (a refresh among them) params and states too."""
+    W.launch(W.soap_dcp_save_worker, 2, str(tmp_path))
+    W.launch(W.soap_dcp_load_worker, 1, str(tmp_path))
+    W.launch(W.soap_dcp_load_worker, 3, str(tmp_path))
