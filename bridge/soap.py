@@ -279,7 +279,7 @@ class SOAP(torch.optim.Optimizer):
     def _template(self, p, group: dict) -> dict:
         """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,
         shapes and dtypes a saved state of ``p`` must have."""
-        fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype), group)
+        fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype, device=to_local(p).device), group)
         fresh["step"] = torch.zeros((), dtype=torch.float32)
         return fresh
 
