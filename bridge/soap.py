@@ -18,10 +18,10 @@ The core's in-place plan steps these tensors themselves (a QState's record share
 state before it writes anything.
 
 Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param has an owner rank,
-its index over all groups modulo the mesh size: every rank all-gathers the param and its
-gradient (``full_tensor()``), the owner alone runs the unsharded step and keeps every core state
-of that param as plain tensors, and broadcasts the update (in the param's dtype) for each rank to
-add to its rows -- the same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
+its index over all groups modulo the mesh size: the ranks gather the param's and its gradient's
+rows to the owner, which alone runs the unsharded step, keeps every core state of that param as
+plain tensors and scatters each rank its rows of the update (in the param's dtype) to add -- the
+same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
 ``state_dict()`` keys each state by param index, saved by its owner, so DCP reshards by owner.
 Tensor parallel, HSDP and ``skip_nonfinite`` under FSDP2 are refused by name.
 """
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from .distributed import is_dtensor, local_row_range, to_local
+from .distributed import _chunks, is_dtensor, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -182,7 +182,7 @@ class SOAP(torch.optim.Optimizer):
             if not finite:
                 return loss
         index = 0
-        self._sent = {"all_gather": 0, "broadcast": 0}
+        self._sent = {"gather": 0, "scatter": 0}
         for group in self.param_groups:
             tx = self._tx(group)
             for p in group["params"]:
@@ -214,32 +214,50 @@ class SOAP(torch.optim.Optimizer):
         return u
 
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
-        """FSDP2: the param and its gradient all-gathered; the owner (``index`` modulo the mesh
-        size) steps the whole param and broadcasts the update; each rank adds its rows."""
+        """FSDP2: every rank's rows of the param and of its gradient gathered to the owner (``index``
+        modulo the mesh size, each rank's rows padded to the largest), which steps the whole param
+        and scatters each rank its rows of the update."""
         mesh = p.device_mesh
-        pg = mesh.get_group(0)
-        owner = index % mesh.size()
-        full_p, full_g = p.detach().full_tensor(), p.grad.full_tensor()
-        local = to_local(p.detach())
-        esize = p.element_size()
-        self._sent["all_gather"] += 2 * local.numel() * esize * (mesh.size() - 1)
-        if mesh.get_local_rank() == owner:
-            u = self._unsharded_step(tx, group, p, full_p, full_g).contiguous()
-            self._sent["broadcast"] += u.numel() * esize
+        pg, world, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
+        owner = index % world
+        src = dist.get_global_rank(pg, owner)
+        sizes = _chunks(p.shape[0], world)
+        local, grad = to_local(p.detach()), to_local(p.grad)
+        top = max(sizes)
+
+        def padded(t):
+            out = torch.zeros((top, *p.shape[1:]), dtype=t.dtype, device=local.device)
+            out[: t.shape[0]] = t
+            return out
+
+        def whole(t):
+            mine = padded(t)
+            dst = [torch.empty_like(mine) for _ in range(world)] if me == owner else None
+            dist.gather(mine, dst, dst=src, group=pg)
+            if me != owner:
+                self._sent["gather"] += mine.numel() * mine.element_size()
+                return None
+            return torch.cat([d[:n] for d, n in zip(dst, sizes)])
+
+        full_p, full_g = whole(local), whole(grad)
+        chunks = None
+        if me == owner:
+            u = self._unsharded_step(tx, group, p, full_p, full_g)
+            chunks = [padded(c) for c in torch.split(u, sizes)]
+            self._sent["scatter"] += sum(c.numel() * c.element_size() for r, c in enumerate(chunks) if r != me)
         else:
             state = self.state[p]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
             state["step"] += 1
-            u = torch.empty(tuple(p.shape), dtype=p.dtype, device=local.device)
-        dist.broadcast(u, src=dist.get_global_rank(pg, owner), group=pg)
-        a, b = local_row_range(p)
-        local.add_(u[a:b])
+        recv = torch.empty((top, *p.shape[1:]), dtype=p.dtype, device=local.device)
+        dist.scatter(recv, chunks, src=src, group=pg)
+        local.add_(recv[: sizes[me]])
 
     def communication(self) -> dict:
-        """Bytes this rank sent in the last step under FSDP2: ``all_gather`` (its rows of every
-        param and gradient, to each other rank), ``broadcast`` (the updates of the params it owns,
-        counted once; the transport may relay them)."""
-        return dict(getattr(self, "_sent", {"all_gather": 0, "broadcast": 0}))
+        """Bytes this rank sent in the last step under FSDP2: ``gather`` (its rows of the params
+        it does not own and of their gradients, padded to the largest rank's), ``scatter`` (the
+        other ranks' padded rows of the updates of the params it owns)."""
+        return dict(getattr(self, "_sent", {"gather": 0, "scatter": 0}))
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:

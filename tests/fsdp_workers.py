@@ -1003,11 +1003,12 @@ def soap_exact_worker(rank, world, steps=7):
             assert any(isinstance(v, bridge.QState) for st in ref_opt.state.values() for n, v in st.items()
                        if n.startswith("eigenbasis"))
         sent[cls.__name__] = opt.communication()
-        n = sum(p.numel() for p in ref.parameters())
-        total = torch.tensor([sent[cls.__name__]["all_gather"], sent[cls.__name__]["broadcast"]])
+        # float32 rows padded to the largest shard's: each non-owner's param and gradient rows
+        # to the owner, the owner's update rows to each other rank
+        padded = sum(4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * (world - 1) for p in ref.parameters())
+        total = torch.tensor([sent[cls.__name__]["gather"], sent[cls.__name__]["scatter"]])
         dist.all_reduce(total)
-        # float32: each rank's rows of every param and gradient to each other rank; each update once
-        assert total.tolist() == [2 * 4 * n * (world - 1), 4 * n], (total, n)
+        assert total.tolist() == [2 * padded, padded], (total, padded)
     _soap_refusals(world)
     return sent
 
