@@ -1003,6 +1003,13 @@ def soap_exact_worker(rank, world, steps=7):
             assert any(isinstance(v, bridge.QState) for st in ref_opt.state.values() for n, v in st.items()
                        if n.startswith("eigenbasis"))
         sent[cls.__name__] = opt.communication()
+        # state_report: each rank its own rows; over ranks the unsharded total, plus each
+        # non-owner's copy of ``step``
+        mine = torch.tensor([opt.state_report()[-1].nbytes])
+        dist.all_reduce(mine)
+        ref_rows = ref_opt.state_report()
+        steps_bytes = sum(r.nbytes for r in ref_rows if r.path.endswith("/step"))
+        assert mine.item() == ref_rows[-1].nbytes + (world - 1) * steps_bytes, (mine, ref_rows[-1])
         # float32 rows padded to the largest shard's: each non-owner's param and gradient rows
         # to the owner, the owner's update rows to each other rank
         padded = sum(4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * (world - 1) for p in ref.parameters())
