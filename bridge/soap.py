@@ -15,18 +15,27 @@ state under names in ``optimizer.state[p]``, every value a tensor:
 The core's in-place plan steps these tensors themselves (a QState's record shares its storage).
 ``state_dict()`` holds plain tensors only (a record as a dict of its parts), so it loads with
 ``weights_only=True``; ``load_state_dict`` checks every name and part shape against a fresh
-state before it writes anything. FSDP2, tensor parallel and DCP are not supported yet (a
-DTensor param is refused).
+state before it writes anything.
+
+Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param has an owner rank,
+its index over all groups modulo the mesh size: the ranks gather the param's and its gradient's
+rows to the owner, which alone runs the unsharded step, keeps every core state of that param as
+plain tensors and scatters each rank its rows of the update (in the param's dtype) to add -- the
+same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
+``state_dict()`` keys each state by param index, saved by its owner, so DCP reshards by owner.
+Tensor parallel, HSDP and ``skip_nonfinite`` under FSDP2 are refused by name.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
+from .distributed import _chunks, is_dtensor, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -44,6 +53,22 @@ def _wrap(leaf):
 
 def _unwrap(value):
     return value.record if isinstance(value, QState) else value
+
+
+def _unsupported_sharding(p, group: dict) -> str:
+    """Why a param's sharding is not supported (empty if it is): FSDP2's ``Shard(0)`` over a 1-D
+    mesh only, without ``skip_nonfinite``."""
+    if not is_dtensor(p):
+        return ""
+    from torch.distributed.tensor import Shard
+
+    placements = tuple(p.placements)
+    if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements):
+        return (f"placed {placements} on a {p.device_mesh.ndim}-D mesh: only FSDP2 (Shard(0) on a 1-D mesh) is "
+                "implemented; not tensor parallel or HSDP")
+    if group["skip_nonfinite"]:
+        return "under FSDP2 with skip_nonfinite=True: not implemented; use skip_nonfinite=False"
+    return ""
 
 
 class SOAP(torch.optim.Optimizer):
@@ -100,10 +125,10 @@ class SOAP(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
         for p in group["params"]:
-            if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh"):
+            why = _unsupported_sharding(p, group)
+            if why:
                 self.param_groups.pop()
-                raise ValueError(f"{owner}: a DTensor param (FSDP2 / tensor parallel) of shape {tuple(p.shape)}: "
-                                 "sharded SOAP is not implemented; train it unsharded or with bridge.AdamW")
+                raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
 
     @staticmethod
     def _tx(group: dict):
@@ -156,24 +181,83 @@ class SOAP(torch.optim.Optimizer):
                          for p in g["params"] if p.grad is not None)
             if not finite:
                 return loss
+        index = 0
+        self._sent = {"gather": 0, "scatter": 0}
         for group in self.param_groups:
             tx = self._tx(group)
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
-                if not state:
-                    state.update(self._fresh(p, group)[0])
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                count = torch.tensor(int(state["step"]), dtype=torch.int32)
-                core = self._core(state, count, template)
-                u = tx.plan(core, [p.detach()])([p.grad])[0]
-                p.add_(u.to(p.dtype))
-                state["step"] += 1
+                if is_dtensor(p):
+                    self._sharded_step(tx, group, p, index - 1)
+                else:
+                    self._unsharded_step(tx, group, p, p.detach(), p.grad)
         return loss
+
+    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
+        """One param's step on whole tensors: its states in ``self.state[p]`` (made at the first
+        step); returns the update in the param's dtype (added to ``p`` unless ``p`` is sharded)."""
+        state = self.state[p]
+        _, template = self._fresh(torch.empty(full_p.shape, device="meta"), group)
+        if "soap_step" not in state:
+            state.update(self._fresh(full_p, group)[0])
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        count = torch.tensor(int(state["step"]), dtype=torch.int32)
+        core = self._core(state, count, template)
+        u = tx.plan(core, [full_p])([full_g])[0].to(p.dtype)
+        if not is_dtensor(p):
+            p.add_(u)
+        state["step"] += 1
+        return u
+
+    def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
+        """FSDP2: every rank's rows of the param and of its gradient gathered to the owner (``index``
+        modulo the mesh size, each rank's rows padded to the largest), which steps the whole param
+        and scatters each rank its rows of the update."""
+        mesh = p.device_mesh
+        pg, world, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
+        owner = index % world
+        src = dist.get_global_rank(pg, owner)
+        sizes = _chunks(p.shape[0], world)
+        local, grad = to_local(p.detach()), to_local(p.grad)
+        top = max(sizes)
+
+        def padded(t):
+            out = torch.zeros((top, *p.shape[1:]), dtype=t.dtype, device=local.device)
+            out[: t.shape[0]] = t
+            return out
+
+        def whole(t):
+            mine = padded(t)
+            dst = [torch.empty_like(mine) for _ in range(world)] if me == owner else None
+            dist.gather(mine, dst, dst=src, group=pg)
+            if me != owner:
+                self._sent["gather"] += mine.numel() * mine.element_size()
+                return None
+            return torch.cat([d[:n] for d, n in zip(dst, sizes)])
+
+        full_p, full_g = whole(local), whole(grad)
+        chunks = None
+        if me == owner:
+            u = self._unsharded_step(tx, group, p, full_p, full_g)
+            chunks = [padded(c) for c in torch.split(u, sizes)]
+            self._sent["scatter"] += sum(c.numel() * c.element_size() for r, c in enumerate(chunks) if r != me)
+        else:
+            state = self.state[p]
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+            state["step"] += 1
+        recv = torch.empty((top, *p.shape[1:]), dtype=p.dtype, device=local.device)
+        dist.scatter(recv, chunks, src=src, group=pg)
+        local.add_(recv[: sizes[me]])
+
+    def communication(self) -> dict:
+        """Bytes this rank sent in the last step under FSDP2: ``gather`` (its rows of the params
+        it does not own and of their gradients, padded to the largest rank's), ``scatter`` (the
+        other ranks' padded rows of the updates of the params it owns)."""
+        return dict(getattr(self, "_sent", {"gather": 0, "scatter": 0}))
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:
@@ -193,7 +277,7 @@ class SOAP(torch.optim.Optimizer):
         out = []
         for i, p in enumerate(self._params()):
             state = self.state.get(p)
-            if not state:
+            if not state or "soap_step" not in state:  # none yet, or another rank owns it (FSDP2)
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
@@ -205,18 +289,47 @@ class SOAP(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # -- state dicts ---------------------------------------------------------------------------
+    def _owns(self, index: int, p) -> bool:
+        """Whether this rank steps param ``p`` (position ``index`` over all groups): always
+        unsharded; under FSDP2 the rank ``index`` modulo the mesh size."""
+        return not is_dtensor(p) or p.device_mesh.get_local_rank() == index % p.device_mesh.size()
+
+    def _template(self, p, group: dict) -> dict:
+        """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,
+        shapes and dtypes a saved state of ``p`` must have."""
+        fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype, device=to_local(p).device), group)
+        fresh["step"] = torch.zeros((), dtype=torch.float32)
+        return fresh
+
     def state_dict(self) -> dict:
-        """torch's layout, every state a plain tensor: a quantized state is a dict of its parts."""
+        """torch's layout, every state a plain tensor: a quantized state is a dict of its parts.
+
+        Under FSDP2 each rank lists the whole states of the params it owns and ``step`` of the
+        others, every param included (fresh zero states for those not stepped yet): the same
+        keys at any world size, each saved by one rank, so ``torch.distributed.checkpoint``
+        loads them at another world size into the new owners' state dicts."""
         sd = super().state_dict()
         state = {}
         for k, entries in sd["state"].items():
             state[k] = {name: (dict(value.parts) if isinstance(value, QState) else value)
                         for name, value in entries.items()}
+        params = self._params()
+        if any(is_dtensor(p) for p in params):
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            for i, (k, p) in enumerate(zip(ids, params)):
+                if not self._owns(i, p):
+                    state[k] = {"step": self.state[p]["step"] if "step" in self.state.get(p, {}) else
+                                torch.zeros((), dtype=torch.float32)}
+                elif "soap_step" not in state.get(k, {}):
+                    group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+                    state[k] = {name: (dict(v.parts) if isinstance(v, QState) else v)
+                                for name, v in self._template(p, group).items()}
         return {"state": state, "param_groups": sd["param_groups"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, shapes, dtypes) before anything is written; then torch's group restore."""
+        parts, shapes, dtypes) before anything is written; then torch's group restore. Under
+        FSDP2 a rank takes the states of the params it owns and ``step`` of the others."""
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
@@ -238,8 +351,10 @@ class SOAP(torch.optim.Optimizer):
             p = by_id[k]
             group = next(g for g in saved_groups if k in g["params"])
             group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
-            fresh, _ = self._fresh(p.detach(), group)
-            fresh["step"] = torch.zeros((), dtype=torch.float32)
+            fresh = self._template(p, group)
+            if not self._owns(ids.index(k), p):  # FSDP2: another rank keeps this param's states
+                fresh = {"step": fresh["step"]}
+                entries = {name: v for name, v in entries.items() if name == "step"}
             if set(entries) != set(fresh):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: param {k} has states {sorted(entries)}, "
                                  f"this optimizer keeps {sorted(fresh)} (another state_format, precond_format "

@@ -943,3 +943,160 @@ def step_in_backward_worker(rank, world, steps=3):
             ref_opt.zero_grad()
     _assert_same_sharded(model, ref, opt, ref_opt, "accumulation")
     assert all(float(opt.state[p]["step"]) == 2 for p in params)
+
+
+# ----------------------------------------------------------------------------
+# SOAP: each param stepped whole on its owner rank
+# ----------------------------------------------------------------------------
+def _soap_states(opt, p) -> dict:
+    """``opt.state[p]`` as plain tensors (a QState's parts under ``name::part``)."""
+    from bridge import QState
+
+    out = {}
+    for name, v in opt.state[p].items():
+        if isinstance(v, QState):
+            for part, t in v.parts.items():
+                out[f"{name}::{part}"] = t.clone()
+        else:
+            out[name] = v.clone()
+    return out
+
+
+def soap_exact_worker(rank, world, steps=7):
+    """SOAP (fp32), SOAP8bit and SOAP4bit under FSDP2 (uneven shards; an empty one at 3 ranks), fed the
+    same global gradients as an unsharded optimizer in this process, refreshing the eigenbases
+    every 2 steps: every param, and every state of each param on its owner rank (index modulo
+    world), bit for bit the unsharded run's; a non-owner keeps ``step`` only. Returns the bytes
+    this rank sent in the last step, per class."""
+    import bridge
+
+    sent = {}
+    for cls in (bridge.SOAP, bridge.SOAP8bit, bridge.SOAP4bit):
+        _mark(rank, "soap", cls.__name__)
+        model = make_model()
+        ref = copy.deepcopy(model)
+        shard(model, world)
+        kw = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64)
+        opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+        for step in range(steps):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            opt.step()
+            ref_opt.step()
+        owned = torch.zeros(1)
+        for i, (p, rp) in enumerate(zip(model.parameters(), ref.parameters())):
+            what = f"{cls.__name__} param {i} at {world} ranks"
+            assert torch.equal(p.full_tensor(), rp.detach()), what
+            if i % world == rank:
+                got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
+                assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+                for k in want:
+                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, k)
+                owned += 1
+            else:
+                assert sorted(opt.state[p]) == ["step"], (what, sorted(opt.state[p]))
+                assert opt.state[p]["step"].item() == steps
+        dist.all_reduce(owned)
+        assert owned.item() == len(list(ref.parameters())), owned
+        assert int(ref_opt.state[next(ref.parameters())]["soap_step"]) == steps
+        if cls is not bridge.SOAP:  # the test reaches quantized bases
+            assert any(isinstance(v, bridge.QState) for st in ref_opt.state.values() for n, v in st.items()
+                       if n.startswith("eigenbasis"))
+        sent[cls.__name__] = opt.communication()
+        # state_report: each rank its own rows; over ranks the unsharded total, plus each
+        # non-owner's copy of ``step``
+        mine = torch.tensor([opt.state_report()[-1].nbytes])
+        dist.all_reduce(mine)
+        ref_rows = ref_opt.state_report()
+        steps_bytes = sum(r.nbytes for r in ref_rows if r.path.endswith("/step"))
+        assert mine.item() == ref_rows[-1].nbytes + (world - 1) * steps_bytes, (mine, ref_rows[-1])
+        # float32 rows padded to the largest shard's: each non-owner's param and gradient rows
+        # to the owner, the owner's update rows to each other rank
+        padded = sum(4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * (world - 1) for p in ref.parameters())
+        total = torch.tensor([sent[cls.__name__]["gather"], sent[cls.__name__]["scatter"]])
+        dist.all_reduce(total)
+        assert total.tolist() == [2 * padded, padded], (total, padded)
+    _soap_refusals(world)
+    return sent
+
+
+def _soap_refusals(world):
+    """Shardings SOAP does not step are refused by name when the optimizer is built."""
+    import bridge
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for placement, kw, words in ((Replicate(), {}, "only FSDP2"), (Shard(1), {}, "only FSDP2"),
+                                 (Shard(0), {"skip_nonfinite": True}, "skip_nonfinite=True")):
+        p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [placement]))
+        try:
+            bridge.SOAP([p], **kw)
+        except ValueError as e:
+            assert words in str(e) and "SOAP" in str(e), e
+        else:
+            raise AssertionError(f"{placement} {kw} was not refused")
+
+
+SOAP_KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64)
+
+
+def _soap_pair(cls, world, steps):
+    """An unsharded SOAP run of ``steps`` steps in this process, and an FSDP2 copy of its model
+    with a fresh optimizer (params as the reference's after those steps)."""
+    ref = make_model()
+    ref_opt = cls(ref.parameters(), **SOAP_KW)
+    for step in range(steps):
+        set_global_grads(ref, step)
+        ref_opt.step()
+    model = shard(copy.deepcopy(ref), world)
+    return ref, ref_opt, model, cls(model.parameters(), **SOAP_KW)
+
+
+def _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what):
+    for i, (p, rp) in enumerate(zip(model.parameters(), ref.parameters())):
+        assert torch.equal(p.full_tensor(), rp.detach()), (what, i)
+        if i % world == rank:
+            got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
+            assert sorted(got) == sorted(want), (what, i, sorted(got), sorted(want))
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, i, k)
+        else:
+            assert sorted(opt.state[p]) == ["step"] and torch.equal(opt.state[p]["step"], ref_opt.state[rp]["step"])
+
+
+def soap_dcp_save_worker(rank, world, workdir, steps=4):
+    """SOAP and SOAP8bit under FSDP2, ``steps`` steps, then ``dcp.save`` of ``opt.state_dict()``
+    (each param's states from its owner rank)."""
+    import torch.distributed.checkpoint as dcp
+    import bridge
+
+    for cls in (bridge.SOAP, bridge.SOAP8bit):
+        model = shard(make_model(), world)
+        opt = cls(model.parameters(), **SOAP_KW)
+        for step in range(steps):
+            set_global_grads(model, step)
+            opt.step()
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(workdir, cls.__name__))
+
+
+def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3):
+    """The checkpoint of :func:`soap_dcp_save_worker` loaded at ``world`` ranks (owners change):
+    each rank's owned states bit for bit the unsharded run's after ``steps`` steps, and the
+    same again after ``more`` steps (an eigenbasis refresh among them)."""
+    import torch.distributed.checkpoint as dcp
+    import bridge
+
+    for cls in (bridge.SOAP, bridge.SOAP8bit):
+        ref, ref_opt, model, opt = _soap_pair(cls, world, steps)
+        sd = opt.state_dict()
+        dcp.load({"optim": sd}, checkpoint_id=os.path.join(workdir, cls.__name__))
+        opt.load_state_dict(sd)
+        what = f"{cls.__name__} loaded at {world} ranks"
+        _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what)
+        for step in range(steps, steps + more):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            opt.step()
+            ref_opt.step()
+        _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what + ", continued")

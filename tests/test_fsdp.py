@@ -180,3 +180,22 @@ def test_full_gather_of_every_state_loads_into_one_process_bit_exact(tmp_path, f
     for p, rp in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, rp)
     W.assert_states_equal(W.full_states(opt), W.full_states(ref_opt), exact=True, what=f"{fmt} next step")
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("world", [2, 3])
+def test_soap_fsdp_exact_on_owner_ranks(world):
+    """SOAP (fp32), SOAP8bit and SOAP4bit under FSDP2 (uneven shards, an empty one at 3 ranks), 7 steps with
+    an eigenbasis refresh every 2: params and every state of each param on its owner rank bit for
+    bit those of one process; the other ranks keep ``step`` only."""
+    W.launch(W.soap_exact_worker, world)
+
+
+@pytest.mark.extended
+def test_soap_dcp_save_at_2_resume_at_1_and_3(tmp_path):
+    """SOAP and SOAP8bit under FSDP2: ``dcp.save(opt.state_dict())`` at 2 ranks, loaded at 1 and
+    3 (each param's owner changes): owned states bit for bit the unsharded run's, and after 3
+    more steps (a refresh among them) params and states too."""
+    W.launch(W.soap_dcp_save_worker, 2, str(tmp_path))
+    W.launch(W.soap_dcp_load_worker, 1, str(tmp_path))
+    W.launch(W.soap_dcp_load_worker, 3, str(tmp_path))
