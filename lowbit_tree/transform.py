@@ -25,7 +25,7 @@ import torch
 
 from . import kernels, moments, rules
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
-                   scalar_value, state_names)
+                   scalar_value)
 from .kernels.pure_rows import PureRows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
@@ -353,29 +353,9 @@ def scale_by_adam(
     Returns:
       A transformation with state :class:`ScaleByAdamState`.
     """
-    formats = moments.state_formats(state_format, state_names(ScaleByAdamState))
-    moments.resolve_rank1(rank1_normalization, formats["exp_avg_sq"])  # True needs a 4-bit exp_avg_sq
-
-    def moment(name, signed):
-        rank1 = rank1_normalization is not False and moments.default_rank1(formats[name])
-        return lambda p: moments.init_moment(
-            p, formats[name], signed=signed, block_size=block_size, min_quant_size=min_quant_size, rank1=rank1,
-        )
-
-    def init(params):
-        mu = map_leaves(moment("exp_avg", True), params)
-        nu = map_leaves(moment("exp_avg_sq", False), params)
-        nu_max = map_leaves(moment("max_exp_avg_sq", False), params) if amsgrad else None
-        return ScaleByAdamState(init_count(params), mu, nu, nu_max)
-
-    def trees_of(state):
-        return (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
-
-    def rebuild(state, new):
-        return ScaleByAdamState(state.count + 1, new[0], new[1], new[2] if amsgrad else None)
-
-    return _rule_link(kernels.StepSpec("adam", amsgrad=amsgrad), trees_of, rebuild, dict(b1=b1, b2=b2, eps=eps),
-                      _count, init)
+    return _declared_rule("adam", ScaleByAdamState, dict(amsgrad=amsgrad), dict(b1=b1, b2=b2, eps=eps),
+                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                          rank1_normalization=rank1_normalization)
 
 
 def scale_by_lion(
@@ -457,31 +437,17 @@ def scale_by_ademamix(
     Returns:
       A transformation with state :class:`ScaleByAdEMAMixState`.
     """
-    formats = moments.state_formats(state_format, state_names(ScaleByAdEMAMixState),
-                                    slow_state_format=slow_state_format)
     for name, t in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{name} must be a positive int (steps) or None, got {t!r}")
-
-    def moment(name, signed):
-        return lambda p: moments.init_moment(p, formats[name], signed=signed, block_size=block_size,
-                                             min_quant_size=min_quant_size)
-
-    def init(params):
-        return ScaleByAdEMAMixState(
-            init_count(params), map_leaves(moment("exp_avg", True), params),
-            map_leaves(moment("exp_avg_sq", False), params), map_leaves(moment("exp_avg_slow", True), params),
-        )
 
     def rule_hyper(count):
         b3_t, alpha_t = ademamix_warmups(count, b1, b3, alpha, t_alpha, t_beta3)
         return dict(b1=b1, b2=b2, eps=eps, b3=b3_t, alpha=alpha_t)
 
-    def rebuild(state, new):
-        return ScaleByAdEMAMixState(state.count + 1, *new)
-
-    return _rule_link(kernels.StepSpec("ademamix"), lambda state: (state.mu, state.nu, state.mu_slow), rebuild,
-                      rule_hyper, _count, init)
+    return _declared_rule("ademamix", ScaleByAdEMAMixState, {}, rule_hyper, state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size,
+                          format_args=dict(slow_state_format=slow_state_format))
 
 
 def trace(

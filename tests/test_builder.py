@@ -19,12 +19,6 @@ from lowbit_tree import rules, transform
 from lowbit_tree.base import GradientTransformation
 
 HAND_BUILT = {
-    # Adam's second moments may be rank-1 records (init_moment(rank1=...), rank1_normalization);
-    # the builder makes every state with the block layout only.
-    "scale_by_adam",
-    # AdEMAMix's b3 and alpha are functions of the count (t_alpha / t_beta3 warm-ups); the builder
-    # takes its hyperparameters as a dict, fixed for every step.
-    "scale_by_ademamix",
     # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update.
     "scale_by_muon",
 }
