@@ -318,3 +318,23 @@ def test_job_variant_has_bit_i_for_the_rules_ith_variant(tmp_path):
     assert done.returncode == 0, done.stderr
     got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert dict(zip(cases, got)) == expected
+
+
+def _instantiated_variants() -> set:
+    """``{(rule id name, VAR)}`` that cpu.c's LBT_ALL_RULES instantiates (any transform, decoding
+    or epilogue)."""
+    code = c_code((KERNELS / "cpu.c").read_text()).replace("\\\n", " ")
+    (body,) = re.findall(r"#define LBT_ALL_RULES\s+(.*)", code)
+    return {(r, int(v)) for r, v in re.findall(r"LBT_RUN(?:5|3E|3)?\(\s*LBT_(\w+)\s*,\s*(\d+)", body)}
+
+
+def test_every_declared_rule_and_variant_is_instantiated():
+    """Each rule of rules.py with each combination of its declared variant flags (VAR
+    0 .. 2**n - 1, as LBT_JOB_VARIANT numbers them) has a kernel instantiation in cpu.c, and cpu.c
+    instantiates nothing else: a rule or variant declared without its C code fails here, not at a
+    step's abort()."""
+    declared = {(r.upper(), v) for r, d in lt.rules.RULE_DEFS.items() for v in range(2 ** len(d.variants))}
+    found = _instantiated_variants()
+    assert len(found) > 10, "the parse of LBT_ALL_RULES found too little"
+    assert declared - found == set(), f"declared but not instantiated in cpu.c's LBT_ALL_RULES: {sorted(declared - found)}"
+    assert found - declared == set(), f"instantiated but not declared in rules.py: {sorted(found - declared)}"
