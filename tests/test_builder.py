@@ -19,7 +19,9 @@ from lowbit_tree import rules, transform
 from lowbit_tree.base import GradientTransformation
 
 HAND_BUILT = {
-    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update.
+    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update
+    # (run_rule on a residual buffer, written in place in the records); it takes the rule's vector
+    # entries from the declaration (RuleDef.hyper) but builds its state and step by hand.
     "scale_by_muon",
 }
 """The public rules not (yet) made by the builder, each with what the builder lacks for it."""
