@@ -39,7 +39,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import kernels, moments
+from . import kernels, moments, rules
 from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
@@ -242,6 +242,7 @@ def scale_by_muon(
         raise ValueError(f"momentum must be >= 0, got {momentum!r}")
     check_momentum_rank(momentum_rank, buffer_format)
     spec = kernels.StepSpec("muon", nesterov=nesterov)
+    rule_hyper = rules.rule("muon").hyper(momentum=momentum)  # the vector entries, by the declaration's slots
     hook = orthogonalize or local_orthogonalize
 
     def ns(x: torch.Tensor) -> torch.Tensor:
@@ -282,7 +283,7 @@ def scale_by_muon(
                 t2[i] = kernels.dequantize_fast(rec.residual)  # a new tensor: the rule's scratch state
                 g2[i] = g_leaves[i].float().sub(old_low[i])
             rule_grads, rule_trace = treespec.unflatten(g2), treespec.unflatten(t2)
-        u_tree, (new_trace,) = run_rule(spec, dict(b1=momentum), rule_grads, (rule_trace,), None, 0, Fusion(),
+        u_tree, (new_trace,) = run_rule(spec, rule_hyper, rule_grads, (rule_trace,), None, 0, Fusion(),
                                          inplace=inplace, leaf_offset=offset)
         u_leaves = treespec.flatten_up_to(u_tree)
         b_leaves = treespec.flatten_up_to(new_trace)

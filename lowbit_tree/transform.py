@@ -25,7 +25,7 @@ import torch
 
 from . import kernels, moments, rules
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
-                   scalar_value, state_names)
+                   scalar_value)
 from .kernels.pure_rows import PureRows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
@@ -308,9 +308,14 @@ def _count(state):
     return state.count
 
 
-def _link(update, kind: str, **info):
-    """Mark ``update`` as a link :func:`~lowbit_tree.chain` may fuse into a rule's kernel."""
-    update.lowbit_link = (kind, info)
+def _no_count(state):
+    return None
+
+
+def _link(update, tag: str, **info):
+    """Mark ``update`` as a link :func:`~lowbit_tree.chain` may fuse into a rule's kernel (``tag``:
+    which link it is, as ``combine._link_tag`` reads it)."""
+    update.lowbit_link = (tag, info)
     return update
 
 
@@ -348,29 +353,9 @@ def scale_by_adam(
     Returns:
       A transformation with state :class:`ScaleByAdamState`.
     """
-    formats = moments.state_formats(state_format, state_names(ScaleByAdamState))
-    moments.resolve_rank1(rank1_normalization, formats["exp_avg_sq"])  # True needs a 4-bit exp_avg_sq
-
-    def moment(name, signed):
-        rank1 = rank1_normalization is not False and moments.default_rank1(formats[name])
-        return lambda p: moments.init_moment(
-            p, formats[name], signed=signed, block_size=block_size, min_quant_size=min_quant_size, rank1=rank1,
-        )
-
-    def init(params):
-        mu = map_leaves(moment("exp_avg", True), params)
-        nu = map_leaves(moment("exp_avg_sq", False), params)
-        nu_max = map_leaves(moment("max_exp_avg_sq", False), params) if amsgrad else None
-        return ScaleByAdamState(init_count(params), mu, nu, nu_max)
-
-    def trees_of(state):
-        return (state.mu, state.nu) + ((state.nu_max,) if amsgrad else ())
-
-    def rebuild(state, new):
-        return ScaleByAdamState(state.count + 1, new[0], new[1], new[2] if amsgrad else None)
-
-    return _rule_link(kernels.StepSpec("adam", amsgrad=amsgrad), trees_of, rebuild, dict(b1=b1, b2=b2, eps=eps),
-                      _count, init)
+    return _declared_rule("adam", ScaleByAdamState, dict(amsgrad=amsgrad), dict(b1=b1, b2=b2, eps=eps),
+                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                          rank1_normalization=rank1_normalization)
 
 
 def scale_by_lion(
@@ -452,31 +437,17 @@ def scale_by_ademamix(
     Returns:
       A transformation with state :class:`ScaleByAdEMAMixState`.
     """
-    formats = moments.state_formats(state_format, state_names(ScaleByAdEMAMixState),
-                                    slow_state_format=slow_state_format)
     for name, t in (("t_alpha", t_alpha), ("t_beta3", t_beta3)):
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"{name} must be a positive int (steps) or None, got {t!r}")
-
-    def moment(name, signed):
-        return lambda p: moments.init_moment(p, formats[name], signed=signed, block_size=block_size,
-                                             min_quant_size=min_quant_size)
-
-    def init(params):
-        return ScaleByAdEMAMixState(
-            init_count(params), map_leaves(moment("exp_avg", True), params),
-            map_leaves(moment("exp_avg_sq", False), params), map_leaves(moment("exp_avg_slow", True), params),
-        )
 
     def rule_hyper(count):
         b3_t, alpha_t = ademamix_warmups(count, b1, b3, alpha, t_alpha, t_beta3)
         return dict(b1=b1, b2=b2, eps=eps, b3=b3_t, alpha=alpha_t)
 
-    def rebuild(state, new):
-        return ScaleByAdEMAMixState(state.count + 1, *new)
-
-    return _rule_link(kernels.StepSpec("ademamix"), lambda state: (state.mu, state.nu, state.mu_slow), rebuild,
-                      rule_hyper, _count, init)
+    return _declared_rule("ademamix", ScaleByAdEMAMixState, {}, rule_hyper, state_format=state_format,
+                          block_size=block_size, min_quant_size=min_quant_size,
+                          format_args=dict(slow_state_format=slow_state_format))
 
 
 def trace(
@@ -493,57 +464,74 @@ def trace(
     first moment: signed format when quantized. ``state_format``: as
     :func:`scale_by_adam`; the state's name is ``"momentum_buffer"``.
     """
-    fmt = moments.state_formats(state_format, state_names(TraceState))["momentum_buffer"]
-
-    def init(params):
-        buf = map_leaves(
-            lambda p: moments.init_moment(p, fmt, signed=True, block_size=block_size, min_quant_size=min_quant_size),
-            params,
-        )
-        return TraceState(buf)
-
-    return _rule_link(kernels.StepSpec("momentum", nesterov=nesterov), lambda state: (state.trace,),
-                      lambda state, new: TraceState(new[0]), dict(b1=momentum), lambda state: None, init)
+    return _declared_rule("momentum", TraceState, dict(nesterov=nesterov), dict(momentum=momentum),
+                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
 
 
-def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper: dict, *, state_format: StateFormat,
-                   block_size: int | None, min_quant_size: int, advance=None) -> GradientTransformation:
+def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, state_format: StateFormat,
+                   block_size: int | None, min_quant_size: int, advance=None, rank1_normalization: bool | None = False,
+                   format_args: dict | None = None) -> GradientTransformation:
     """A rule whose states are all its declaration says (:data:`lowbit_tree.rules.RULE_DEFS`): each
     kept state made by ``moments.init_moment`` in its format and signedness, the others ``None``;
-    ``state_type`` has a ``count``, one field per declared scalar (a 0-d float32 tensor, its
-    initial value) and one per declared state. A rule with scalars gives ``advance(count,
-    scalars)``: this step's vector entries beyond ``rule_hyper`` and the scalars' next values."""
+    ``state_type`` has a ``count`` (unless the rule keeps none: :class:`TraceState`, as
+    torch.optim.SGD), one field per declared scalar (a 0-d float32 tensor, its initial value)
+    and one per declared state.
+
+    ``rule_hyper``: the rule's hyperparameters by argument name, a dict or a function of the
+    count returning one (AdEMAMix's warm-ups). A rule with scalars gives ``advance(count,
+    scalars)``: this step's vector entries beyond ``rule_hyper`` and the scalars' next values.
+    ``rank1_normalization``: as :func:`scale_by_adam` (``False``: no rank-1 records, the rule
+    does not offer them); ``format_args``: ``moments.state_formats``' arguments beside
+    ``state_format`` (``slow_state_format``). The transformation's ``init`` carries the
+    declaration as ``lowbit_rule``: the builder's mark."""
     declared = rules.rule(name)
-    formats = moments.state_formats(state_format, declared.state_names)
+    formats = moments.state_formats(state_format, declared.state_names, **(format_args or {}))
     kept = declared.kept(**variants)
+    counted = "count" in state_type._fields
+    if declared.scalars and not counted:
+        raise TypeError(f"{state_type.__name__} needs a count: the {name} rule's scalars advance with it")
+    second = next((s.name for s in declared.states if not s.signed), None)
+    if rank1_normalization is not False:  # True needs a 4-bit second moment
+        moments.resolve_rank1(rank1_normalization, formats[second])
 
     def moment(s):
+        rank1 = rank1_normalization is not False and moments.default_rank1(formats[s.name])
         return lambda p: moments.init_moment(p, formats[s.name], signed=s.signed, block_size=block_size,
-                                             min_quant_size=min_quant_size)
+                                             min_quant_size=min_quant_size, rank1=rank1)
 
     def init(params):
         trees = {s.field: map_leaves(moment(s), params) if s in kept else None for s in declared.states}
+        if not counted:
+            return state_type(**trees)
         count = init_count(params)
         scalars = {f: torch.full((), v, dtype=torch.float32, device=count.device) for f, v in declared.scalars}
         return state_type(count=count, **scalars, **trees)
+
+    init.lowbit_rule = declared
 
     def trees_of(state):
         return tuple(getattr(state, s.field) for s in kept)
 
     def rebuild(state, new, scalars=()):
-        return state._replace(count=state.count + 1, **{s.field: t for s, t in zip(kept, new)},
+        step = {"count": state.count + 1} if counted else {}
+        return state._replace(**step, **{s.field: t for s, t in zip(kept, new)},
                               **{f: v for (f, _), v in zip(declared.scalars, scalars)})
 
-    hyper = declared.hyper(**rule_hyper)
     spec = kernels.StepSpec(name, **variants)
+    count_of = _count if counted else _no_count
+    if callable(rule_hyper):
+        def hyper(count):
+            return declared.hyper(**rule_hyper(count))
+    else:
+        hyper = declared.hyper(**rule_hyper)
     if not declared.scalars:
-        return _rule_link(spec, trees_of, rebuild, hyper, _count, init)
+        return _rule_link(spec, trees_of, rebuild, hyper, count_of, init)
 
     def hyper_and_scalars(count, scalars):
         extra, new = advance(count, scalars)
-        return dict(hyper, **extra), new
+        return dict(hyper(count) if callable(hyper) else hyper, **extra), new
 
-    return _rule_link(spec, trees_of, rebuild, hyper_and_scalars, _count, init,
+    return _rule_link(spec, trees_of, rebuild, hyper_and_scalars, count_of, init,
                       scalars_of=lambda state: tuple(getattr(state, f) for f, _ in declared.scalars))
 
 

@@ -19,15 +19,9 @@ from lowbit_tree import rules, transform
 from lowbit_tree.base import GradientTransformation
 
 HAND_BUILT = {
-    # Adam's second moments may be rank-1 records (init_moment(rank1=...), rank1_normalization);
-    # the builder makes every state with the block layout only.
-    "scale_by_adam",
-    # AdEMAMix's b3 and alpha are functions of the count (t_alpha / t_beta3 warm-ups); the builder
-    # takes its hyperparameters as a dict, fixed for every step.
-    "scale_by_ademamix",
-    # TraceState has no step count (torch.optim.SGD keeps none); the builder makes and advances one.
-    "trace",
-    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update.
+    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update
+    # (run_rule on a residual buffer, written in place in the records); it takes the rule's vector
+    # entries from the declaration (RuleDef.hyper) but builds its state and step by hand.
     "scale_by_muon",
 }
 """The public rules not (yet) made by the builder, each with what the builder lacks for it."""
@@ -37,10 +31,9 @@ EXAMPLE_ARGS = {"learning_rate": 1e-2, "momentum": 0.9, "step_size": 0.5, "max_n
 
 
 def made_by_builder(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` is a rule that ``transform._declared_rule`` built: its ``init`` is the
-    builder's own (the builder's body is not marked otherwise; its functions' qualified names are
-    the mark)."""
-    return tx.init.__qualname__.startswith(f"{transform._declared_rule.__name__}.<locals>.")
+    """Whether ``tx`` is a rule that ``transform._declared_rule`` built: the builder marks its
+    ``init`` with the declaration it built from (``lowbit_rule``)."""
+    return isinstance(getattr(tx.init, "lowbit_rule", None), rules.RuleDef)
 
 
 def _rule_of(state):
@@ -103,6 +96,9 @@ def test_the_walk_finds_every_declared_rule(public):
 def test_every_rule_is_built_by_the_builder_or_a_listed_exception(public):
     rules_by_name = {name: tx for name, (tx, state) in public.items() if _rule_of(state) is not None}
     hand_built = {name for name, tx in rules_by_name.items() if not made_by_builder(tx)}
+    for name, tx in rules_by_name.items():
+        if made_by_builder(tx):  # the mark names the rule whose states the builder made
+            assert tx.init.lowbit_rule.name == _rule_of(public[name][1]), name
     assert hand_built - HAND_BUILT == set(), (
         f"{sorted(hand_built - HAND_BUILT)} build their rule by hand: build it with transform._declared_rule "
         f"from its RuleDef")

@@ -281,3 +281,60 @@ def test_step_hyperparams_puts_each_value_under_its_name(rule):
         h = Hyper(*vec.tolist())
         for name in HYPER_NAMES:
             assert getattr(h, name) == np.float32(want[name]), (rule, name)
+
+
+def test_cpu_c_reads_a_jobs_variant_from_the_header_only():
+    """cpu.c tests no variant flag itself: a job's variant (rule_run's VAR) is the header's
+    LBT_JOB_VARIANT, generated from the rules' declared variants, so a variant declared in
+    rules.py cannot be missed by a hand-written switch in C."""
+    code = c_code((KERNELS / "cpu.c").read_text())
+    for flag in lt.rules.VARIANT_FLAGS:
+        name = f"LBT_{flag.upper()}"
+        assert not re.search(rf"\b{name}\b", code), f"cpu.c tests {name} itself: use job_variant (LBT_JOB_VARIANT)"
+    assert "LBT_JOB_VARIANT(" in code
+
+
+def test_job_variant_has_bit_i_for_the_rules_ith_variant(tmp_path):
+    """The generated LBT_JOB_VARIANT, compiled, gives each rule and combination of its flags the
+    VAR rule_run reads: RMSprop has_momentum 1, centered 2 (cpu.c's rule_run, ``VAR & 2``), Adam
+    amsgrad 1, SGD and Muon nesterov 1; a rule's flag set on another rule is no variant of it;
+    every other rule is 0."""
+    cc = _compiler_or_skip()
+    expected = {("adam", ("amsgrad",)): 1, ("momentum", ("nesterov",)): 1, ("muon", ("nesterov",)): 1,
+                ("rmsprop", ("has_momentum",)): 1, ("rmsprop", ("centered",)): 2,
+                ("rmsprop", ("has_momentum", "centered")): 3, ("adam", ("nesterov",)): 0,
+                ("momentum", ("amsgrad", "centered")): 0}
+    expected.update({(r, ()): 0 for r in RULES})
+    expected.update({(r, tuple(lt.rules.VARIANT_FLAGS)): 0 for r in RULES
+                     if not lt.rules.RULE_DEFS[r].variants})
+    (tmp_path / "abi.h").write_text(native.abi_header())
+    cases = list(expected)
+    lines = [f"printf(\"%d\\n\", LBT_JOB_VARIANT(LBT_{r.upper()}, "
+             f"{' | '.join(f'LBT_{f.upper()}' for f in flags) or '0'}));" for r, flags in cases]
+    (tmp_path / "v.c").write_text('#include <stdio.h>\n#include "abi.h"\nint main(void) {\n'
+                                  + "\n".join(lines) + "\nreturn 0;\n}\n")
+    exe = tmp_path / "v"
+    done = subprocess.run([cc, "-std=gnu99", str(tmp_path / "v.c"), "-o", str(exe)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert dict(zip(cases, got)) == expected
+
+
+def _instantiated_variants() -> set:
+    """``{(rule id name, VAR)}`` that cpu.c's LBT_ALL_RULES instantiates (any transform, decoding
+    or epilogue)."""
+    code = c_code((KERNELS / "cpu.c").read_text()).replace("\\\n", " ")
+    (body,) = re.findall(r"#define LBT_ALL_RULES\s+(.*)", code)
+    return {(r, int(v)) for r, v in re.findall(r"LBT_RUN(?:5|3E|3)?\(\s*LBT_(\w+)\s*,\s*(\d+)", body)}
+
+
+def test_every_declared_rule_and_variant_is_instantiated():
+    """Each rule of rules.py with each combination of its declared variant flags (VAR
+    0 .. 2**n - 1, as LBT_JOB_VARIANT numbers them) has a kernel instantiation in cpu.c, and cpu.c
+    instantiates nothing else: a rule or variant declared without its C code fails here, not at a
+    step's abort()."""
+    declared = {(r.upper(), v) for r, d in lt.rules.RULE_DEFS.items() for v in range(2 ** len(d.variants))}
+    found = _instantiated_variants()
+    assert len(found) > 10, "the parse of LBT_ALL_RULES found too little"
+    assert declared - found == set(), f"declared but not instantiated in cpu.c's LBT_ALL_RULES: {sorted(declared - found)}"
+    assert found - declared == set(), f"instantiated but not declared in rules.py: {sorted(found - declared)}"

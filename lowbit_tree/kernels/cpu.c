@@ -1833,14 +1833,9 @@ typedef struct {
     int32_t amax[LBT_STATE_SLOTS];
 } run_io;
 
-/* The rule's variant as rule_run's VAR: ADAM amsgrad; RMSPROP has_momentum (1) and centered (2);
- * MOMENTUM and MUON nesterov (the flags spec.VARIANT_FLAGS the rules declare) */
-static inline int job_variant(const lbt_job *J) {
-    const int flags = (int)J->flags;
-    if (J->rule == LBT_ADAM) return !!(flags & LBT_AMSGRAD);
-    if (J->rule == LBT_RMSPROP) return !!(flags & LBT_HAS_MOMENTUM) | (flags & LBT_CENTERED ? 2 : 0);
-    return !!(flags & LBT_NESTEROV);
-}
+/* The rule's variant as rule_run's VAR (the generated header's LBT_JOB_VARIANT: bit i is the
+ * rule's i-th declared variant flag, e.g. RMSPROP has_momentum 1 and centered 2) */
+static inline int job_variant(const lbt_job *J) { return LBT_JOB_VARIANT((int)J->rule, (int)J->flags); }
 
 /* Every instantiated (rule, variant, transform, decoded, epilogue) combination, in terms of
  * LBT_RUN / LBT_RUN5 / LBT_RUN3, which each rule_variant* defines before expanding it. */
@@ -2212,7 +2207,7 @@ static void rank1_maxima_tile(const lbt_job *J, int64_t r0, int64_t nr, int64_t 
         p = B->p;
     }
     const float *restrict g = prologue(J, off, n, p, B->g);
-    const int ams = (flags & LBT_AMSGRAD) && J->rule == LBT_ADAM && J->st[2].bs == LBT_RANK1;
+    const int ams = J->rule == LBT_ADAM && job_variant(J) && J->st[2].bs == LBT_RANK1;
     decode_state(J, 1, r0, nr, j0, len, &io);
     if (ams) decode_state(J, 2, r0, nr, j0, len, &io);
     const float b2 = J->hyper[LBT_H_B2], omb2 = J->hyper[LBT_H_OMB2];
