@@ -6,7 +6,7 @@
 # Always: this project's wheel, optree, numpy, pytest (with their dependencies). Then the
 # anchors, smallest first, each while the folder stays under the limit: FlashOptim, torchao,
 # bitsandbytes (the parity extra's versions); one that does not fit is named and left out.
-set -eu
+set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: benchmarks/gpu_wheels.sh OUT_DIR}"
 LIMIT=$((64 * 1024 * 1024))
@@ -16,22 +16,27 @@ mkdir -p "$OUT"
 get() {
   "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$OUT" "$@" 2>&1 | grep -v "is ignored" || true
+    --platform manylinux2014_x86_64 --platform any -d "$OUT" "$@" 2>&1 | { grep -v "is ignored" || true; }
 }
 size() { du -sb "$OUT" | cut -f1; }
 
 src=$(mktemp -d)  # built from a copy of the work tree's files, leaving no build folders in it
 git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C "$src"
-"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "$src" 2>&1 | grep -v "is ignored" || true
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "$src" 2>&1 | { grep -v "is ignored" || true; }
 rm -rf "$src"
 get "optree>=0.13" "numpy" "pytest>=8"  # with their dependencies (typing-extensions, pluggy, ...)
 # the anchors without their dependencies (torch and triton are the image's)
 PARITY=$(sed -n 's/^parity = \[\(.*\)\]/\1/p' pyproject.toml | tr -d '" ' | tr ',' ' ')
 for pkg in flashoptim $PARITY; do
   tmp=$(mktemp -d)
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  if ! "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$tmp" "$pkg" 2>&1 | grep -v "is ignored" || true
+    --platform manylinux2014_x86_64 --platform any -d "$tmp" "$pkg" >"$tmp.log" 2>&1; then
+    echo "left out: $pkg (no cp312 wheel could be downloaded: $(tail -n 1 "$tmp.log"))"
+    rm -rf "$tmp" "$tmp.log"
+    continue
+  fi
+  rm -f "$tmp.log"
   add=$(du -sb "$tmp" | cut -f1)
   if [ $(( $(size) + add )) -lt "$LIMIT" ]; then
     mv "$tmp"/*.whl "$OUT"/
@@ -41,6 +46,7 @@ for pkg in flashoptim $PARITY; do
   rm -rf "$tmp"
 done
 ls -1 "$OUT"
+ls "$OUT"/lowbit_tree-*.whl >/dev/null || { echo "the project's wheel is missing from $OUT" >&2; exit 1; }
 total=$(size)
 echo "$OUT: $((total / 1024)) KiB"
 [ "$total" -lt "$LIMIT" ] || { echo "over the 64 MiB limit" >&2; exit 1; }

@@ -1,5 +1,5 @@
 """Every public rule of ``lowbit_tree`` is made by the one declared-rule builder
-(``transform._declared_rule``) from its ``RuleDef`` (issue 45, "One builder").
+(``transform._declared_rule``) from its ``RuleDef`` (one builder for every rule).
 
 The rules are found by introspection, never listed: every function in ``lowbit_tree.__all__``
 that returns a :class:`~lowbit_tree.GradientTransformation` (combinators, which take

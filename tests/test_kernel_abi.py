@@ -318,6 +318,10 @@ def test_job_variant_has_bit_i_for_the_rules_ith_variant(tmp_path):
     assert done.returncode == 0, done.stderr
     got = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert dict(zip(cases, got)) == expected
+    # The Python side's number (the Triton launcher's VAR) is the same definition.
+    for (r, flags), var in expected.items():
+        own = [f for f in flags if f in lt.rules.RULE_DEFS[r].variants]
+        assert StepSpec(r, **{f: True for f in own}).variant == var, (r, flags)
 
 
 def _instantiated_variants() -> set:

@@ -80,7 +80,7 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
 @pytest.mark.extended  # two C builds of the gate's prototype: about 10 s of CPU
 @pytest.mark.skipif(not AB_SCRIPT.exists(), reason="benchmarks/ not in this checkout")
 def test_formats_gate_prototype_has_its_torch_mirrors_bits(tmp_path):
-    """kernel_ab's arithmetic-coded candidates (issue 46's gate): two steps through the C
+    """kernel_ab's arithmetic-coded candidates (the formats gate): two steps through the C
     prototype give the codes and scales of the same steps in torch (the mirror the quality proxy
     uses), and a prototype whose zero-free floor is altered does not."""
     from lowbit_tree.kernels import native as kernels_cpu

@@ -179,6 +179,12 @@ class StepSpec:
         """``{flag: value}`` of the rule's own variant flags."""
         return {flag: getattr(self, flag) for flag in RULE_DEFS[self.rule].variants}
 
+    @property
+    def variant(self) -> int:
+        """The kernels' variant number: bit ``i`` set where the rule's ``i``-th declared variant
+        flag is (C computes the same from a job's flags: the header's ``LBT_JOB_VARIANT``)."""
+        return sum(1 << i for i, on in enumerate(self.variants.values()) if on)
+
     # (read from the declaration's data, not its methods: a step never enters lowbit_tree.rules)
     @property
     def nstates(self) -> int:

@@ -25,7 +25,7 @@ from . import tables
 from .spec import FLAGS, RULES, StepSpec
 from . import triton_step as ts
 
-__all__ = ["run_step", "TritonLaunch", "TritonSteps", "launch_key", "format_tables", "LAUNCHES", "FORMAT_IDS", "tile_length",
+__all__ = ["run_step", "TritonLaunch", "TritonSteps", "launch_key", "format_tables", "launch_kernel", "FORMAT_IDS", "tile_length",
            "MAX_TILE"]
 
 FORMAT_IDS = {name: i for i, name in enumerate(FORMATS)}
@@ -36,8 +36,10 @@ MAX_TILE = 4096
 
 _DT = {torch.float32: ts.DT_F32, torch.bfloat16: ts.DT_BF16, torch.float16: ts.DT_F16}
 
-LAUNCHES = [0]
-"""Kernel launches so far (tests count them)."""
+def launch_kernel(programs: int, *args, **kwargs) -> None:
+    """One launch of the step kernel over ``programs`` programs (the one place that launches:
+    tests count launches by wrapping it)."""
+    ts.step_kernel[(programs,)](*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -90,7 +92,7 @@ def tile_length(block_sizes: Sequence[int]) -> int:
         lcm = lcm * b // math.gcd(lcm, b)
     if lcm > MAX_TILE:
         raise ValueError(f"block sizes {tuple(quant)} have no common tile of at most {MAX_TILE} elements (their "
-                         "least common multiple is {lcm}); the triton backend needs states whose block sizes "
+                         f"least common multiple is {lcm}); the triton backend needs states whose block sizes "
                          "divide a common tile: choose block sizes that are powers of two")
     pow2 = all(b & (b - 1) == 0 for b in quant)
     return lcm * max(1, (1024 if pow2 else 128) // lcm)
@@ -108,9 +110,7 @@ def _constexprs(spec: StepSpec, key: tuple) -> dict:
     kinds = list(kinds) + [(0, 0)] * (3 - len(kinds))
     L, unit = tile_length([b for _, b in kinds]), tile_unit([b for _, b in kinds])
     tile = triton_next_pow2(L)
-    var = {"adam": int(spec.amsgrad), "rmsprop": int(spec.has_momentum) | (2 if spec.centered else 0)}.get(
-        spec.rule, int(spec.nesterov))
-    out = dict(RULE=RULES.index(spec.rule), VAR=var, NS=spec.nstates, PDT=pdt, GDT=gdt,
+    out = dict(RULE=RULES.index(spec.rule), VAR=spec.variant, NS=spec.nstates, PDT=pdt, GDT=gdt,
                P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile)
     out["UNIT"] = unit  # not a kernel argument: the launcher's row padding
     for i, (k, b) in enumerate(kinds):
@@ -201,10 +201,9 @@ class TritonLaunch:
             self.table.copy_(self.host, non_blocking=True)
             self._dirty = False
         hyper = hyper.to(device=self.table.device, dtype=torch.float32).contiguous()
-        LAUNCHES[0] += 1
         cx = {k: v for k, v in self.constexprs.items() if k != "UNIT"}
-        ts.step_kernel[(self.programs,)](self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links, **cx,
-                                         enable_fp_fusion=False)
+        launch_kernel(self.programs, self.table, self.tile_leaf, hyper, self.ftab, self.etab, self.links, **cx,
+                      enable_fp_fusion=False)
 
 
 class TritonSteps:
