@@ -75,7 +75,7 @@ def wrap_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _chunks(n: int, k: int) -> list[int]:
+def row_chunks(n: int, k: int) -> list[int]:
     """The sizes of ``torch.chunk(range(n), k)`` padded with empty chunks to ``k`` (how
     DTensor's ``Shard`` splits a dim, unevenly and possibly with empty shards)."""
     c = -(-n // k) if n else 0
@@ -116,7 +116,7 @@ def column_extents(p: torch.Tensor) -> list[int] | None:
                             "with state_format='fp32')")
     sizes = [p.shape[1]]
     for mdim in cols:
-        sizes = [s for e in sizes for s in _chunks(e, p.device_mesh.size(mdim))]
+        sizes = [s for e in sizes for s in row_chunks(e, p.device_mesh.size(mdim))]
     return sizes if cols else None
 
 

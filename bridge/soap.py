@@ -35,7 +35,9 @@ import torch.distributed as dist
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from .distributed import _chunks, is_dtensor, to_local
+from . import group_args
+from .collectives import group_for
+from .distributed import row_chunks, is_dtensor, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -92,6 +94,7 @@ class SOAP(torch.optim.Optimizer):
                  data_format: str = "channels_first", correct_bias: bool = True, *, state_format=None,
                  precond_format: Optional[str] = None, bjorck_steps: Optional[int] = None,
                  block_size: Optional[int] = None, min_quant_size: int = 4096, skip_nonfinite: bool = False):
+        group_args.betas(type(self).__name__, betas)
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim,
                         merge_dims=merge_dims, precondition_1d=precondition_1d, normalize_grads=normalize_grads,
@@ -108,10 +111,16 @@ class SOAP(torch.optim.Optimizer):
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the group's arguments checked (a ValueError naming the class and the
-        argument) and its params: DTensors are refused."""
+        argument) and its params: a DTensor is refused unless it is FSDP2's (``Shard(0)`` on a 1-D
+        mesh) in a group without ``skip_nonfinite``."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         owner = type(self).__name__
+        try:
+            group_args.betas(owner, group["betas"])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         try:
             if group["merge_dims"] is not False:
                 raise ValueError("merge_dims=True is not implemented (the reference's folding of small "
@@ -216,14 +225,17 @@ class SOAP(torch.optim.Optimizer):
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
         """FSDP2: every rank's rows of the param and of its gradient gathered to the owner (``index``
         modulo the mesh size, each rank's rows padded to the largest), which steps the whole param
-        and scatters each rank its rows of the update."""
+        and scatters each rank its rows of the update; both on :func:`~bridge.collectives.group_for`'s
+        group for the rows' device (the mesh's, or a registered host group)."""
         mesh = p.device_mesh
         pg, world, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
         owner = index % world
         src = dist.get_global_rank(pg, owner)
-        sizes = _chunks(p.shape[0], world)
+        sizes = row_chunks(p.shape[0], world)
         local, grad = to_local(p.detach()), to_local(p.grad)
         top = max(sizes)
+        gather_pg = group_for(pg, local.device, "SOAP's gather of a param's and its gradient's rows to the owner")
+        scatter_pg = group_for(pg, local.device, "SOAP's scatter of the update's rows from the owner")
 
         def padded(t):
             out = torch.zeros((top, *p.shape[1:]), dtype=t.dtype, device=local.device)
@@ -233,7 +245,7 @@ class SOAP(torch.optim.Optimizer):
         def whole(t):
             mine = padded(t)
             dst = [torch.empty_like(mine) for _ in range(world)] if me == owner else None
-            dist.gather(mine, dst, dst=src, group=pg)
+            dist.gather(mine, dst, dst=src, group=gather_pg)
             if me != owner:
                 self._sent["gather"] += mine.numel() * mine.element_size()
                 return None
@@ -250,7 +262,7 @@ class SOAP(torch.optim.Optimizer):
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
             state["step"] += 1
         recv = torch.empty((top, *p.shape[1:]), dtype=p.dtype, device=local.device)
-        dist.scatter(recv, chunks, src=src, group=pg)
+        dist.scatter(recv, chunks, src=src, group=scatter_pg)
         local.add_(recv[: sizes[me]])
 
     def communication(self) -> dict:

@@ -80,7 +80,7 @@ PRECOND_FORMATS = {"fp32": None, "8bit": "dynamic8", "4bit": "normal4"}
 tensors). 4-bit takes the normal-float map: an eigenbasis's entries are spread like a normal
 sample, and on a random orthogonal 512 x 512 matrix (blocks of 64, two Bjorck steps) it lands
 0.065 (RMS per entry, times sqrt(n)) from the exact one against 0.099 for the signed dynamic 4-bit
-map (docs/guide/soap.md, "Choices")."""
+map (tests/test_soap_lowbit.py::test_normal_float_4bit_bases_land_nearer_than_dynamic_4bit)."""
 
 PRECOND_BLOCK_SIZE = 64
 DEFAULT_BJORCK_STEPS = {"fp32": 0, "8bit": 2, "4bit": 3}
@@ -329,8 +329,9 @@ def scale_by_soap(
       learning_rate, weight_decay: ``None`` (default): the update is the step's direction
         ``sqrt(1 - b2^t) / (1 - b1^t) u`` (``u`` without ``correct_bias``), to chain with
         :func:`~lowbit_tree.add_decayed_weights` and :func:`~lowbit_tree.scale_by_learning_rate`
-        (which decay before the step: AdamW's order, not the reference's). A float, 0-d tensor
-        or schedule: the update is the reference's whole param step, decay after (needs params).
+        (which decay before the step: AdamW's order, not the reference's); a non-zero
+        ``weight_decay`` is then refused (a ValueError). A float, 0-d tensor or schedule: the
+        update is the reference's whole param step, decay after (needs params).
       state_format, block_size, min_quant_size: the Adam moments' storage, as
         :func:`~lowbit_tree.scale_by_adam`'s (default ``"fp32"``; a mapping names ``exp_avg`` /
         ``exp_avg_sq``; 4-bit second moments are rank-1 normalized).
@@ -344,6 +345,10 @@ def scale_by_soap(
     """
     _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_precond_dim, precondition_1d,
            normalize_grads, data_format, correct_bias, precond_format, bjorck_steps)
+    if learning_rate is None and isinstance(weight_decay, (numbers.Real, torch.Tensor)) and float(weight_decay) != 0:
+        raise ValueError(f"scale_by_soap: weight_decay={weight_decay!r} needs a learning_rate (the decay is "
+                         "p <- p - lr wd p); pass learning_rate, or weight_decay=0 and chain "
+                         "add_decayed_weights(wd) and scale_by_learning_rate(lr)")
     formats = moments.state_formats(state_format, ("exp_avg", "exp_avg_sq"))
     rank1 = moments.resolve_rank1(None, formats["exp_avg_sq"])
     block_format = PRECOND_FORMATS[precond_format]

@@ -487,7 +487,7 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, s
     declared = rules.rule(name)
     formats = moments.state_formats(state_format, declared.state_names, **(format_args or {}))
     kept = declared.kept(**variants)
-    counted = "count" in state_type._fields
+    counted = "count" in state_type.__annotations__  # a NamedTuple's fields
     if declared.scalars and not counted:
         raise TypeError(f"{state_type.__name__} needs a count: the {name} rule's scalars advance with it")
     second = next((s.name for s in declared.states if not s.signed), None)

@@ -1017,7 +1017,65 @@ def soap_exact_worker(rank, world, steps=7):
         dist.all_reduce(total)
         assert total.tolist() == [2 * padded, padded], (total, padded)
     _soap_refusals(world)
+    _soap_host_group(world)
     return sent
+
+
+def _soap_host_group(world, steps=3):
+    """The mesh's group reported as carrying cuda alone (an NCCL-only group, simulated by patching
+    :func:`bridge.collectives.device_types`), params offloaded to the host: SOAP's step raises
+    ``group_for``'s error naming its gather and the fix; with a gloo group over the same ranks
+    passed to ``bridge.set_host_group``, its gathers and scatters run on that group, and the
+    params are bit for bit those of one process."""
+    import bridge
+    from bridge import collectives as C
+
+    real, real_gather, real_scatter = C.device_types, dist.gather, dist.scatter
+    host = dist.new_group(list(range(world)), backend="gloo")
+    groups = []
+
+    def recording(fn):
+        def call(*args, group=None, **kw):
+            groups.append(group)
+            return fn(*args, group=group, **kw)
+        return call
+
+    C.device_types = lambda g: real(g) if g is host else {"cuda"}
+    try:
+        model = shard(make_model(), world, offload=True)
+        opt = bridge.SOAP(model.parameters(), **SOAP_KW)
+        set_global_grads(model, 0)
+        try:
+            opt.step()
+        except RuntimeError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("SOAP: an offloaded step over an NCCL-only group did not raise")
+        assert msg.startswith("SOAP's gather of a param's and its gradient's rows to the owner: a collective of "
+                              "cpu tensors"), msg
+        for fix in ("init_process_group(backend='cpu:gloo,cuda:nccl')", "bridge.set_host_group(...)",
+                    "carries only ['cuda']"):
+            assert fix in msg, (fix, msg)
+        C.set_host_group(host)
+        dist.gather, dist.scatter = recording(real_gather), recording(real_scatter)
+        try:
+            ref = make_model()
+            model = shard(copy.deepcopy(ref), world, offload=True)
+            opt, ref_opt = bridge.SOAP(model.parameters(), **SOAP_KW), bridge.SOAP(ref.parameters(), **SOAP_KW)
+            for step in range(steps):
+                set_global_grads(model, step)
+                set_global_grads(ref, step)
+                opt.step()
+                ref_opt.step()
+        finally:
+            dist.gather, dist.scatter = real_gather, real_scatter
+            C.set_host_group()
+        n = len(list(ref.parameters()))
+        assert len(groups) == 3 * steps * n and all(g is host for g in groups), (len(groups), groups[:3])
+        for p, rp in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.full_tensor(), rp.detach())
+    finally:
+        C.device_types = real
 
 
 def _soap_refusals(world):

@@ -187,7 +187,9 @@ def test_full_gather_of_every_state_loads_into_one_process_bit_exact(tmp_path, f
 def test_soap_fsdp_exact_on_owner_ranks(world):
     """SOAP (fp32), SOAP8bit and SOAP4bit under FSDP2 (uneven shards, an empty one at 3 ranks), 7 steps with
     an eigenbasis refresh every 2: params and every state of each param on its owner rank bit for
-    bit those of one process; the other ranks keep ``step`` only."""
+    bit those of one process; the other ranks keep ``step`` only. Offloaded over an NCCL-only
+    mesh group (simulated), the step names the fix; with a registered host group its gathers and
+    scatters run there."""
     W.launch(W.soap_exact_worker, world)
 
 

@@ -276,6 +276,18 @@ def test_bad_arguments_are_refused_by_name(name, value):
         lt.soap(**{name: value})
 
 
+@pytest.mark.parametrize("wd", [0.01, 1e-30])
+def test_weight_decay_without_a_learning_rate_is_refused(wd):
+    """Without ``learning_rate`` the update is a direction: a decay (``lr wd p``) has nothing to
+    scale it, so a non-zero ``weight_decay`` is refused, naming it and both fixes; zero is fine."""
+    with pytest.raises(ValueError, match=r"weight_decay=.*needs a learning_rate.*pass learning_rate.*add_decayed_weights"):
+        lt.scale_by_soap(weight_decay=wd)
+    with pytest.raises(ValueError, match="weight_decay"):
+        lt.soap(None, weight_decay=wd)
+    lt.scale_by_soap(weight_decay=0.0)
+    lt.scale_by_soap(learning_rate=0.1, weight_decay=wd)
+
+
 def test_the_direction_chains_with_decay_and_learning_rate_links():
     """``scale_by_soap()`` without a learning rate is the direction; chained with
     ``scale_by_learning_rate`` (and no decay) it gives ``soap``'s params up to rounding order."""

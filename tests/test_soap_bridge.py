@@ -119,3 +119,21 @@ def test_skip_nonfinite_skips_the_whole_step():
 def test_bad_arguments_are_refused_by_name(kw, name):
     with pytest.raises(ValueError, match=f"SOAP.*{name}"):
         bridge.SOAP(_params(), **kw)
+
+
+@pytest.mark.parametrize("betas,words", [((1.2, 0.95), r"invalid betas\[0\] value 1.2: must be in \[0.0, 1.0\)"),
+                                         ((0.9, -0.1), r"invalid betas\[1\] value -0.1"),
+                                         ((0.9, float("nan")), r"invalid betas\[1\] value nan"),
+                                         ((0.9, 0.95, 0.99), r"betas must be a pair \(beta1, beta2\)"),
+                                         ((0.9,), r"betas must be a pair"), (0.9, r"betas must be a pair")])
+@pytest.mark.parametrize("cls", [bridge.SOAP, bridge.SOAP4bit])
+def test_bad_betas_are_refused_naming_betas(cls, betas, words):
+    """``betas``, not the core's ``b1`` / ``b2``, in the constructor and in ``add_param_group``
+    (which then leaves the optimizer's groups as they were)."""
+    with pytest.raises(ValueError, match=f"^{cls.__name__}: {words}"):
+        cls(_params(), betas=betas)
+    params = _params()
+    opt = cls(params[:1])
+    with pytest.raises(ValueError, match=f"^{cls.__name__}: {words}"):
+        opt.add_param_group({"params": params[1:], "betas": betas})
+    assert len(opt.param_groups) == 1
