@@ -75,7 +75,7 @@ def _unsupported_sharding(p, group: dict) -> str:
 
 class SOAP(torch.optim.Optimizer):
     """SOAP (github.com/nikhilvyas/SOAP ``soap.py`` at a1e5535: same arguments, defaults and
-    param steps; :mod:`lowbit_tree.soap_transform` has the algorithm) with states in
+    param steps; ``lowbit_tree.soap_transform`` has the algorithm) with states in
     ``state_format`` (the Adam moments, as the other classes) and ``precond_format`` (the
     eigenbases and couplings: ``"fp32"``, ``"8bit"``, ``"4bit"``).
 
@@ -413,7 +413,7 @@ class SOAP8bit(SOAP):
 class SOAP4bit(SOAP):
     """SOAP with 4-bit eigenbases and couplings (the normal-float map, blocks of 64, three Bjorck
     steps after decoding) and ``exp_avg`` (normal-float, blocks of 32); ``exp_avg_sq`` is 8-bit
-    (:data:`SOAP4BIT_STATE_FORMAT`): 3.9 state bytes a param on a 2048 x 2048 matrix."""
+    (``SOAP4BIT_STATE_FORMAT``): 3.9 state bytes a param on a 2048 x 2048 matrix."""
 
     _default_precond_format = "4bit"
 

@@ -62,8 +62,8 @@ class RuleDef:
     slow_ema: bool = False
     """``1 - b3`` (AdEMAMix's slow EMA); otherwise the entry is 0."""
     rectified: bool = False
-    """RAdam's variance rectification: the vector's ``cm`` and ``rect`` from ``b1``, ``b2`` and the
-    count (``kernels.spec.radam_terms``); otherwise they are 0."""
+    """Whether the rule is RAdam's variance-rectified step, whose vector holds ``cm`` and ``rect``
+    from ``b1``, ``b2`` and the count (``kernels.spec.radam_terms``); otherwise they are 0."""
     scalars: tuple = ()
     """``((field, initial value), ...)``: 0-d float32 states of the whole transformation beside the
     count (NAdam's ``mu_product``), under torch.optim's name ``field``; the core advances them

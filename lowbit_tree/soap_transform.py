@@ -39,7 +39,7 @@ a param on a square matrix, as the reference); with ``"8bit"`` / ``"4bit"`` ``ba
 ``coupling`` are block-wise records (:data:`PRECOND_FORMATS`, blocks of
 :data:`PRECOND_BLOCK_SIZE`), as 4-bit Shampoo (Wang et al., NeurIPS 2024) keeps eigenvectors,
 and each decoded basis is made orthogonal again by ``bjorck_steps`` iterations
-(:data:`DEFAULT_BJORCK_STEPS`) of
+(``DEFAULT_BJORCK_STEPS``) of
 ``Q <- 1.5 Q - 0.5 Q Q^T Q``. The Adam moments take ``state_format`` like
 :func:`~lowbit_tree.scale_by_adam`'s (via :mod:`lowbit_tree.moments`).
 
@@ -322,10 +322,12 @@ def scale_by_soap(
     """SOAP's update (the module docstring's steps, the reference's arguments and defaults).
 
     Args:
-      b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, precondition_1d,
-        normalize_grads, data_format, correct_bias: the reference's (``betas = (b1, b2)``;
-        ``shampoo_beta`` ``None`` or negative: ``b2``). ``data_format`` changes nothing here (it
-        only matters with the reference's ``merge_dims``, which this does not implement).
+      b1, b2, shampoo_beta, eps: the reference's (``betas = (b1, b2)``; ``shampoo_beta`` ``None``
+        or negative: ``b2``).
+      precondition_frequency, max_precond_dim, precondition_1d, normalize_grads, data_format: the
+        reference's; ``data_format`` changes nothing here (it only matters with the reference's
+        ``merge_dims``, which this does not implement).
+      correct_bias: the reference's bias correction.
       learning_rate, weight_decay: ``None`` (default): the update is the step's direction
         ``sqrt(1 - b2^t) / (1 - b1^t) u`` (``u`` without ``correct_bias``), to chain with
         :func:`~lowbit_tree.add_decayed_weights` and :func:`~lowbit_tree.scale_by_learning_rate`
@@ -336,10 +338,10 @@ def scale_by_soap(
         :func:`~lowbit_tree.scale_by_adam`'s (default ``"fp32"``; a mapping names ``exp_avg`` /
         ``exp_avg_sq``; 4-bit second moments are rank-1 normalized).
       precond_format: ``"fp32"``, ``"8bit"`` or ``"4bit"``: the bases and couplings
-        (:data:`PRECOND_FORMATS`) of ``n x n >= min_quant_size``; smaller ones and the
+        (``PRECOND_FORMATS``) of ``n x n >= min_quant_size``; smaller ones and the
         eigenvalues are float32 in every format.
       bjorck_steps: Bjorck iterations after decoding a quantized basis (``None``:
-        :data:`DEFAULT_BJORCK_STEPS`; float32 bases take none).
+        ``DEFAULT_BJORCK_STEPS``; float32 bases take none).
     Returns:
       A transformation with state :class:`ScaleBySoapState`; updates are float32.
     """
@@ -522,9 +524,9 @@ def soap(
                          bjorck_steps=bjorck_steps, block_size=block_size, min_quant_size=min_quant_size)
 
 
-def soap_report(state: ScaleBySoapState) -> list[SoapLeafReport]:
+def soap_report(state: ScaleBySoapState) -> list:
     """One row per leaf with a state: its preconditioner's shape, rotated dimensions, gradients
-    seen and failed refreshes (the module docstring's "Failures")."""
+    seen and failed refreshes (``SoapLeafReport`` rows; the module docstring's "Failures")."""
     rows = []
     steps = flatten(state.steps)[0]
     treespec = flatten(state.steps)[1]
