@@ -9,6 +9,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # golden_maps, helpers
 
+# Triton decides at import whether @triton.jit functions run under its interpreter, and any test
+# module may import it first (torch's compile stack does): without a GPU, the triton tests'
+# CPU tensors need the interpreter, so it is set before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 

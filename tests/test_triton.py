@@ -123,10 +123,6 @@ def _check(rule, variant, fmt, dtype, links_list, shapes, seed=0):
                     assert all(same(a, b) for a, b in zip(new, want_states)), (k, where)
 
 
-@NATIVE
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
-
 def count_launches(monkeypatch) -> list:
     """The triton backend's kernel launches from here on (one entry each)."""
     from lowbit_tree.kernels import triton_backend
@@ -135,6 +131,10 @@ def count_launches(monkeypatch) -> list:
     monkeypatch.setattr(triton_backend, "launch_kernel", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
     return calls
 
+
+@NATIVE
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
 def test_triton_step_matches_native_and_reference(rule, variant, fmt):
     """float32 params; the fused-link sets taken in turn over the combinations."""
     k = RULES.index((rule, variant)) + FORMATS.index(fmt)
