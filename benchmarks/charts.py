@@ -1,6 +1,7 @@
 """The results page's pictures, drawn from the benchmarks' results (matplotlib, PNG): the host
 step of each implementation against its memory floor (``memory_floor.py``), and the convergence
-curves of each format against its reference (``convergence.py``'s JSON)."""
+curves of each format against its reference (``convergence.py``'s JSON), and SOAP's training
+curves beside the other optimizers' (``soap_quality.py``'s JSON)."""
 from __future__ import annotations
 
 import math
@@ -96,6 +97,39 @@ def convergence_chart(conv: dict, reference_of, tolerance: dict, path: str) -> N
     flat[min(1, len(flat) - 1)].set_ylabel("held-out loss vs reference, %", fontsize=8)
     fig.suptitle(f"held-out loss during training, {conv['params']:,} params, seeds "
                  f"{conv['config']['seeds']}, {conv['config']['steps']} steps (red dashed: the target)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def soap_chart(result: dict, names: dict, path: str, window: int = 20) -> None:
+    """Per variant its training loss per step, the mean over seeds in a running mean of ``window``
+    steps (left); per variant and seed its final held-out loss relative to fp32 SOAP's of the same
+    seed, in % (right, the mean as a bar)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    variants = result["variants"]
+    for v in variants:
+        runs = result["curves"][v]
+        mean = [statistics.fmean(r[i] for r in runs) for i in range(len(runs[0]))]
+        smooth = [statistics.fmean(mean[max(0, i - window + 1): i + 1]) for i in range(len(mean))]
+        left.plot(range(1, len(smooth) + 1), smooth, lw=1.3, label=names.get(v, v))
+    left.set_xlabel("step", fontsize=8)
+    left.set_ylabel(f"training loss (mean over seeds, running mean of {window})", fontsize=8)
+    left.set_ylim(top=min(4.0, left.get_ylim()[1]))
+    left.legend(fontsize=7)
+    left.grid(alpha=0.3)
+    ref = result["losses"]["soap"]
+    others = [v for v in variants if v != "soap"]
+    for x, v in enumerate(others):
+        rel = [100.0 * (a / b - 1.0) for a, b in zip(result["losses"][v], ref)]
+        right.bar(x, statistics.fmean(rel), color="tab:blue", alpha=0.35)
+        right.plot([x] * len(rel), rel, ".", color="tab:blue")
+    right.axhline(0, color="k", lw=0.8)
+    right.set_xticks(range(len(others)), [names.get(v, v) for v in others], fontsize=7, rotation=20)
+    right.set_ylabel("final held-out loss vs fp32 SOAP, % (a dot a seed)", fontsize=8)
+    right.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"byte-level GPT, {result['config']['steps']} steps, seeds {result['seeds']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

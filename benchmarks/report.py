@@ -4,7 +4,8 @@ command that measured it, the machine, the versions and the date.
 It runs the batteries by calling the benchmark scripts themselves (``step_time.py``,
 ``memory_floor.py``, ``offload_bytes.py``, ``convergence.py``, ``digits_mlp.py``,
 ``second_moment_formats.py``, ``training_state_bytes.py``, ``step_in_backward.py``, the demo and
-``lowbit-tree roundtrip``) in this one process, and builds the page's summary ("choose a format")
+``lowbit-tree roundtrip``) in this one process, and ``soap_quality.py`` and ``triton_compile.py`` in
+subprocesses, and builds the page's summary ("choose a format")
 from their results. Its pictures (``charts.py``) are PNGs beside the page, named after it
 (``docs/results-*.png``). Step times are medians of three runs
 of ``step_time.py``, whose timed steps interleave every implementation; each ratio is printed
@@ -48,6 +49,7 @@ import requantize_drift  # noqa: E402
 import second_moment_formats  # noqa: E402
 import step_in_backward  # noqa: E402
 import step_overhead  # noqa: E402
+import soap_quality  # noqa: E402
 import step_time  # noqa: E402
 import training_state_bytes  # noqa: E402
 
@@ -112,6 +114,22 @@ FLOOR_FULL: list[str] = []  # case (a), every row of memory_floor.py, 10 rounds 
 FLOOR_QUICK = ["--quick"]
 OFFLOAD_BYTES_FULL: list[str] = []  # d_model 512, 4 layers
 OFFLOAD_BYTES_QUICK = ["--d-model", "128", "--ffn", "384", "--heads", "2", "--layers", "2"]
+# SOAP (soap_quality.py): bytes, 12 paired seeds of the GPT (run as two processes of half the seeds
+# each, one thread each), step time against HeavyBall's SOAP (compiled, as its users get it: minutes
+# of compilation, so not in --quick)
+SOAP_VARIANTS = ["adamw", "adamw8", "muon4", "soap", "soap8", "soap4", "heavyball"]
+SOAP_BYTES_FULL = ["--bytes", "--variants", ",".join(SOAP_VARIANTS)]
+SOAP_BYTES_QUICK = ["--bytes", "--variants", "adamw,adamw8,muon4,soap,soap8,soap4"]
+SOAP_QUALITY_FULL = ["--steps", "200", "--seeds", ",".join(str(s) for s in range(12)), "--variants",
+                     ",".join(SOAP_VARIANTS)]
+SOAP_QUALITY_QUICK = ["--steps", "10", "--seeds", "0,1", "--d-model", "32", "--layers", "1", "--seq-len", "32",
+                      "--batch", "8", "--eval-windows", "16", "--variants", "adamw,soap,soap8,soap4"]
+SOAP_TIME_FULL = ["--time", "--variants", "adamw,adamw8,soap,soap8,soap4,heavyball"]
+SOAP_TIME_QUICK = ["--time", "--size", "128", "--variants", "adamw,soap,soap4"]
+SOAP_TARGETS = {"soap8": 0.5, "soap4": 1.0}  # % over fp32 SOAP's held-out loss (issue's acceptance)
+# the Triton kernel's compile step (triton_compile.py): every variant, sm_80 and sm_90; --quick the first few
+TRITON_FULL = ["--arch", "80,90", "--jobs", "2"]
+TRITON_QUICK = ["--arch", "80,90", "--jobs", "2", "--limit", "3"]
 
 
 # ----------------------------------------------------------------------------- plumbing
@@ -164,7 +182,7 @@ def version(dist: str) -> str | None:
         return None
 
 
-ANCHORS = ("torchao", "bitsandbytes", "scikit-learn", "deepspeed")
+ANCHORS = ("torchao", "bitsandbytes", "scikit-learn", "deepspeed", "heavyball")
 """What the full page compares with (the ``parity`` and ``bench`` extras): without one, its rows
 and tables would be missing from the page, so the full run refuses to start."""
 
@@ -521,6 +539,137 @@ def convergence_picture(conv: dict, out: str, name: str) -> str:
     return f"![held-out loss of each variant relative to its reference, per evaluation]({os.path.basename(path)})"
 
 
+# ----------------------------------------------------------------------------- SOAP
+
+
+def script(name: str, argv: list[str], out_json: str, procs_argv: list[list[str]] | None = None) -> dict:
+    """Runs ``benchmarks/name`` with ``argv`` (or, in parallel, with each of ``procs_argv``) in
+    subprocesses writing JSON; returns the JSON (of each process, in order, as a list when parallel)."""
+    path = os.path.join(HERE, name)
+    runs = procs_argv or [argv]
+    procs = []
+    for i, a in enumerate(runs):
+        procs.append(subprocess.Popen([sys.executable, path, *a, "--json", f"{out_json}.{i}"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for i, pr in enumerate(procs):
+        text, _ = pr.communicate()
+        if pr.returncode != 0:
+            raise RuntimeError(f"{name} {' '.join(runs[i])} failed (exit {pr.returncode}):\n{text[-4000:]}")
+        with open(f"{out_json}.{i}") as f:
+            outs.append(json.load(f))
+    return outs if procs_argv else outs[0]
+
+
+def soap_runs(quality_args: list[str], tmp: str) -> dict:
+    """soap_quality.py's GPT runs, the seeds split over two processes, merged in seed order."""
+    i = quality_args.index("--seeds")
+    seeds = quality_args[i + 1].split(",")
+    halves = [h for h in (seeds[: (len(seeds) + 1) // 2], seeds[(len(seeds) + 1) // 2:]) if h]
+    parts = script("soap_quality.py", quality_args, os.path.join(tmp, "soap_q.json"),
+                   [quality_args[:i + 1] + [",".join(h)] + quality_args[i + 2:] for h in halves])
+    out = dict(parts[0])
+    for key in ("seeds",):
+        out[key] = [x for p in parts for x in p[key]]
+    for key in ("losses", "curves"):
+        out[key] = {v: [x for p in parts for x in p[key][v]] for v in out["variants"]}
+    return out
+
+
+def soap_section(nbytes: dict, quality: dict, times: dict, args: tuple, out: str, picture: str) -> str:
+    bytes_args, quality_args, time_args = args
+    names = soap_quality.NAMES
+    n_gpt = quality["params"]
+    rows = []
+    for v in nbytes["variants"]:
+        b = nbytes["bytes"][v]
+        rows.append([names[v], f"{b['2048x2048']:.2f}", f"{b['2048x512']:.2f}",
+                     f"{quality['bytes_gpt'][v]:.2f}" if v in quality["bytes_gpt"] else "-"])
+    cfg = quality["config"]
+    text = [
+        f"## SOAP\n\nState bytes a param: {cmd('benchmarks/soap_quality.py', bytes_args)} for the two matrices"
+        " (HeavyBall's counted from its states after one step; ours from the state report, on the meta device), and"
+        " the GPT's below (the states after its last step over all its params; its small tensors, under"
+        " `min_quant_size`, stay float32 in every low-bit optimizer). Muon4bit: rank-16 factors and an `nf4` residual"
+        " for the matrices, 8-bit AdamW states for the rest.\n\n"
+        + table(["optimizer", "2048 x 2048", "2048 x 512", f"the GPT ({n_gpt:,} params)"], rows)]
+    ref = quality["losses"]["soap"]
+    rows = []
+    for v in quality["variants"]:
+        rel = soap_quality.relative(quality["losses"][v], ref)
+        mean, se = soap_quality.mean_se(rel)
+        target = SOAP_TARGETS.get(v)
+        rows.append([names[v], f"{statistics.fmean(quality['losses'][v]):.4f}",
+                     "(reference)" if v == "soap" else f"{mean:+.2f}%", "" if v == "soap" else f"{se:.2f}",
+                     "" if v == "soap" else f"[{min(rel):+.2f}, {max(rel):+.2f}]",
+                     f"<= +{target}%" if target else ""])
+    text.append(
+        f"Held-out loss: {cmd('benchmarks/soap_quality.py', quality_args)} (two processes of half the seeds each, one"
+        f" thread each): the demo's byte-level GPT at d_model {cfg['d_model']}, layers {cfg['layers']}, sequence"
+        f" {cfg['seq_len']}, batch {cfg['batch']}, {cfg['steps']} steps, {len(quality['seeds'])} seeds; per seed"
+        " every optimizer starts from the same weights and sees the same batches, and its final held-out loss is"
+        " taken relative to fp32 SOAP's of the same seed (mean, standard error and range over the seeds). SOAP and"
+        f" Muon at lr {cfg['lr']}, AdamW at {cfg['adamw_lr']} (none tuned), weight decay {cfg['weight_decay']},"
+        f" SOAP's preconditioner refreshed every {cfg['frequency']} steps; HeavyBall's SOAP at our SOAP's"
+        " settings, eager.\n\n"
+        + table(["optimizer", "held-out loss", "vs fp32 SOAP", "s.e.", "range", "target"], rows)
+        + f"\n\n![training loss, and final held-out loss against fp32 SOAP per seed]({picture})")
+    rows = []
+    t = times["time"]
+    for v in times["variants"]:
+        rows.append([names[v], f"{1e3 * t[v]['step_s']:.2f}", f"{t[v]['step_s'] / t['adamw']['step_s']:.1f}x",
+                     f"{t[v]['first_s']:.1f}"])
+    text.append(
+        f"Step time: {cmd('benchmarks/soap_quality.py', time_args)}: one {times['size']} x {times['size']} float32"
+        " matrix,"
+        f" {times['threads']} threads, the functional step (ours) and `opt.step()` (HeavyBall's, compiled with its"
+        " default `torch.compile` mode, as its users run it); 3 interleaved rounds of 20 steps (two preconditioner"
+        " refreshes each, so their cost is amortized over the frequency), medians; `first 20 steps`: the building"
+        " step and, for HeavyBall, its compilation.\n\n"
+        + table(["optimizer", "ms/step", "vs AdamW (fp32)", "first 20 steps s"], rows))
+    del out
+    return "\n\n".join(text)
+
+
+# ----------------------------------------------------------------------------- the Triton kernels
+
+
+def triton_section(result: dict | None, targs: list[str]) -> str:
+    head = "## Triton kernels compiled for sm_80 and sm_90\n\n"
+    if result is None:
+        return head + "Skipped: triton is not installed (`pip install -e \".[triton]\"`)."
+    by_name: dict = {}
+    for r in result["results"]:
+        by_name.setdefault(r["name"], {})[str(r["arch"])] = r
+    rows = []
+    for name, arches in by_name.items():
+        a80, a90 = arches.get("80", {}), arches.get("90", {})
+        cells = []
+        for key in ("regs", "spills", "shared"):
+            cells.append(f"{a80.get(key, '-')} / {a90.get(key, '-')}")
+        any_r = a80 or a90
+        rows.append([name, *cells, any_r.get("fma_count", "-"), f"{any_r['bytes']:.2f}" if "bytes" in any_r else "-"])
+    cold = [r for r in result["results"] if not r.get("cached")]
+    n = len(result["results"])
+    how = ("all compiled in this run" if len(cold) == n else
+           f"{len(cold)} compiled in this run, {n - len(cold)} from the cache of earlier runs (keyed by the kernel"
+           " source's sha256)")
+    return head + (
+        f"{cmd('benchmarks/triton_compile.py', targs)} with triton {result['triton']} and its bundled `ptxas`, no"
+        f" GPU: {len(by_name)} variants of `lowbit_tree/kernels/triton_step.py`'s one kernel (every declared rule and"
+        " variant x every state format with float32 params written in place, and per rule with 8-bit states:"
+        " bfloat16 params with stochastic rounding, with the int8 correction, and the float32 update), each for"
+        f" sm_80 and sm_90: {len(result['results'])} compiles ({how}), {result['wall_s']:.0f} s wall with"
+        f" {result['jobs']} processes; {result['failed']} failed the PTX scan (banned: `div.full`, `div.approx`,"
+        " `sqrt.approx`, `rsqrt.approx`, `ex2.approx`, `lg2.approx`; `fma` only where the source writes"
+        " `tl.fma`). Formats that differ only by their value table (`8bit`, `8bit_bnb`, `fp8`) share a variant."
+        " Registers, spills (local memory bytes) and shared memory from `cuobjdump --dump-resource-usage`, sm_80 /"
+        " sm_90; `fma`: the `fma.rn.f32` in the PTX; `bytes/param`: what the step reads and writes per param"
+        " element (gradient, param, states' codes and scales), the floor of a GPU step at its memory bandwidth."
+        " Not run on a GPU here: docs/guide/gpu.md says what has run where.\n\n"
+        + table(["variant", "registers", "spills", "shared", "fma", "bytes/param"], rows))
+
+
 # ----------------------------------------------------------------------------- the summary
 
 
@@ -675,6 +824,20 @@ def main(argv=None) -> int:
         from bridge.cli import main as cli
 
         rt = captured(cli, ["roundtrip"])
+        log("SOAP: bytes, held-out loss over the seeds, step time against HeavyBall's")
+        soap_args = ((SOAP_BYTES_QUICK, SOAP_QUALITY_QUICK, SOAP_TIME_QUICK) if args.quick else
+                     (SOAP_BYTES_FULL, SOAP_QUALITY_FULL, SOAP_TIME_FULL))
+        soap_bytes = script("soap_quality.py", soap_args[0], os.path.join(tmp, "soap_b.json"))
+        soap_quality_runs = soap_runs(soap_args[1], tmp)
+        soap_times = script("soap_quality.py", soap_args[2], os.path.join(tmp, "soap_t.json"))
+        soap_picture = figure(args.out, "soap")
+        charts.soap_chart(soap_quality_runs, soap_quality.NAMES, soap_picture)
+        targs = TRITON_QUICK if args.quick else TRITON_FULL
+        if version("triton") is None:
+            triton_result = None
+        else:
+            log("the Triton kernels' compile step (sm_80, sm_90)")
+            triton_result = script("triton_compile.py", targs, os.path.join(tmp, "triton.json"))
 
     elapsed = time.perf_counter() - t0
     load = f"{load_start:.1f} / {os.getloadavg()[0]:.1f} (other processes share the cores)"
@@ -796,6 +959,9 @@ def main(argv=None) -> int:
                     " requantized at every step, as every step does (design.md, \"Scales are float32\"): a uniform"
                     " decay keeps its codes (1.0000: none), and the steady first moment of a constant gradient at each"
                     " block's largest element.\n\n```\n" + drift + "\n```")
+    sections.append(soap_section(soap_bytes, soap_quality_runs, soap_times, soap_args, args.out,
+                                 os.path.basename(soap_picture)))
+    sections.append(triton_section(triton_result, targs))
     sections.append(f"## Round-trip error of each format\n\n`lowbit-tree roundtrip`: a heavy-tailed 256x1024 tensor"
                     " through each format's default block size.\n\n```\n" + rt + "\n```")
     text = "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"

@@ -2,7 +2,7 @@
 PTX for instructions that would change the bits, and print a table of each variant's registers,
 spills, shared memory and bytes moved per param element.
 
-    python benchmarks/triton_compile.py [--arch 80,90] [--jobs 2] [--limit N] [--cache DIR]
+    python benchmarks/triton_compile.py [--arch 80,90] [--jobs 2] [--limit N] [--cache DIR] [--json FILE]
 
 A variant is one constexpr combination of ``lowbit_tree/kernels/triton_step.py``'s kernel
 (``triton_backend.launch_key``): every declared rule and variant x every state format (each
@@ -155,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="compile only the variants whose name matches this regex")
     default_cache = Path(os.environ.get("LOWBIT_TREE_CACHE", Path.home() / ".cache" / "lowbit_tree")) / "triton"
     ap.add_argument("--cache", default=str(default_cache))
+    ap.add_argument("--json", default="", help="also write every compile's result and the run's totals to this file")
     a = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
     todo = variants()[: a.limit or None]
@@ -187,6 +188,12 @@ def main(argv=None) -> int:
           f"{sum(not r['cached'] for r in results)} not cached, {wall:.1f} s wall with {a.jobs} processes")
     for r in failed:
         print(f"FAIL {r['name']} sm_{r['arch']}: {r.get('error') or 'banned PTX: ' + ', '.join(r['banned'])}")
+    if a.json:
+        import triton
+
+        with open(a.json, "w") as f:
+            json.dump(dict(results=results, wall_s=wall, jobs=a.jobs, triton=triton.__version__,
+                           archs=a.arch.split(","), failed=len(failed)), f, indent=1)
     print("PTX scan: " + ("clean" if not failed else f"{len(failed)} failing") + f" (banned: {', '.join(BANNED)}; "
           "fma only where the source writes tl.fma)")
     return 1 if failed else 0
