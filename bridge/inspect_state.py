@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -95,12 +96,9 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
         rank = parts["row_factor"][0][-1] if len(parts["row_factor"][0]) == 2 else "?"
         return ReportRow(path, f"{row.format}+rank{rank}", row.shape, nbytes, row.block, detail)
     codes, scale = parts.get("codes"), parts.get("scale")
-    state_format = _state_format_of(group, name)
-    signed = SIGNED_STATES.get(name)
-    if state_format not in STATE_FORMATS or signed is None or codes is None or scale is None:
+    fmt, block, state_format = _format_of(group, name)
+    if fmt is None or codes is None or scale is None:
         return ReportRow(path, f"?({state_format})", codes[0] if codes else (), nbytes, "?", detail)
-    fmt = get_format(STATE_FORMATS[state_format][0 if signed else 1])
-    block = group.get("block_size") or fmt.default_block_size
     if len(codes[0]) != 2 or len(scale[0]) != 2:
         return ReportRow(path, fmt.name, tuple(codes[0]), nbytes, "?", detail + "  [not a (rows, cols) layout]")
     rows, cols = codes[0]
@@ -114,6 +112,27 @@ def _quantized_row(path: str, name: str, group: dict, parts: dict[str, tuple]) -
     if packed:  # two codes a byte: the row length is 2*cols or 2*cols - 1
         detail += "  [row view; 4-bit rows may be one shorter]"
     return ReportRow(path, fmt.name, (rows, 2 * cols if packed else cols), nbytes, block_text, detail)
+
+
+def _format_of(group: dict, name: str) -> tuple:
+    """(block format or ``None`` where unknown, block size, the group's format argument) of
+    quantized state ``name``: SOAP's bases and couplings (``eigenbasis_d``, ``coupling_d``) by the
+    group's ``precond_format`` at :data:`~lowbit_tree.soap_transform.PRECOND_BLOCK_SIZE`, a moment
+    by its ``state_format`` (first or second moment by name) at the group's ``block_size``."""
+    if _SOAP_FACTOR.fullmatch(name) and "precond_format" in group:
+        from lowbit_tree.soap_transform import PRECOND_BLOCK_SIZE, PRECOND_FORMATS
+
+        kind = PRECOND_FORMATS.get(group["precond_format"])
+        return (get_format(kind) if kind else None), PRECOND_BLOCK_SIZE, group["precond_format"]
+    state_format = _state_format_of(group, name)
+    signed = SIGNED_STATES.get(name)
+    if state_format not in STATE_FORMATS or signed is None:
+        return None, None, state_format
+    fmt = get_format(STATE_FORMATS[state_format][0 if signed else 1])
+    return fmt, group.get("block_size") or fmt.default_block_size, state_format
+
+
+_SOAP_FACTOR = re.compile(r"(eigenbasis|coupling)_\d+")
 
 
 def _state_format_of(group: dict, name: str):
