@@ -192,11 +192,9 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "v1_state_dict.pt")
 
 
 def _v1_fixture():
-    import importlib.util
+    import repo_scripts
 
-    spec = importlib.util.spec_from_file_location("make_v1_state_dict", DATA.replace("v1_state_dict.pt", "make_v1_state_dict.py"))
-    v1 = importlib.util.module_from_spec(spec)  # how the fixture was written: its shapes, groups and steps
-    spec.loader.exec_module(v1)
+    v1 = repo_scripts.load(DATA.replace("v1_state_dict.pt", "make_v1_state_dict.py"))  # how the fixture was written
     return v1, torch.load(DATA, weights_only=True)
 
 

@@ -1,16 +1,14 @@
 """CI runs the README's two commands as written, the test command before any extra is installed:
 .ci/run takes them from README.md through .ci/readme_commands.py (one definition), so the two
 cannot drift; these tests fail when the README loses its shape or .ci/run stops using it."""
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+import repo_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("readme_commands", ROOT / ".ci" / "readme_commands.py")
-readme_commands = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(readme_commands)
+readme_commands = repo_scripts.load(ROOT / ".ci" / "readme_commands.py")
 
 
 def test_the_readme_opens_with_the_demo_and_the_test_command():

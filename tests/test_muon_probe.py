@@ -3,11 +3,11 @@
 low-rank buffer whole; a short run prints its JSON line."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import repo_scripts
 import torch
 
 from lowbit_tree import kernels
@@ -19,10 +19,7 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in 
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("muon_momentum_probe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_scripts.load(SCRIPT)
 
 
 def brute_force_blocks(e: torch.Tensor, block: int = 32) -> torch.Tensor:

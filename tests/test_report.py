@@ -1,19 +1,16 @@
 """benchmarks/report.py refuses a full run without the packages the page compares with, naming
 them and the extras to install, before it measures or writes anything; names the CPU's vector
 ISA; renders the offload sections and draws its pictures."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+import repo_scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "report.py"
 
 
 def load_report():
-    spec = importlib.util.spec_from_file_location("report", SCRIPT)
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    return report
+    return repo_scripts.load(SCRIPT)
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")

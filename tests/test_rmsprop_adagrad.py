@@ -6,11 +6,11 @@ the low-bit formats on the digits MLP of benchmarks/digits_mlp.py."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
 import pathlib
 
 import pytest
+import repo_scripts
 import torch
 
 import bridge
@@ -285,11 +285,7 @@ def test_native_equals_eager_bits(name, options, fmt, monkeypatch):
 
 # ---------------------------------------------------------------------------- convergence
 def _digits():
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "digits_mlp.py"
-    spec = importlib.util.spec_from_file_location("digits_mlp", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_scripts.load("benchmarks/digits_mlp.py")
 
 
 # README (docs/results.md, the digits MLP, held-out loss vs fp32 of the same optimizer, over 10

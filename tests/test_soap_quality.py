@@ -1,19 +1,14 @@
 """benchmarks/soap_quality.py's byte counts, the results page's SOAP table: ours from the state
 report and HeavyBall's from its states, each against the layout written out by hand."""
-import importlib.util
-from pathlib import Path
-
 import pytest
+import repo_scripts
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "soap_quality.py"
+SCRIPT = repo_scripts.ROOT / "benchmarks" / "soap_quality.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("soap_quality", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_scripts.load(SCRIPT)
 
 
 def soap_fp32_bytes(m: int, n: int) -> float:

@@ -1,20 +1,17 @@
 """benchmarks/step_time.py runs end to end on the small case and reports every
 column the performance issue asks for (a smoke test: speed itself is never
 asserted in tests, only printed by the benchmark)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import repo_scripts
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("step_time", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return repo_scripts.load(SCRIPT)
 
 
 @pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ not in this checkout")
@@ -53,9 +50,7 @@ def test_kernel_ab_flags_a_build_with_different_output(tmp_path, capsys):
     assert old in src
     altered = tmp_path / "altered.c"
     altered.write_text(src.replace(old, "u = num / (sr * rsbc2 + 2 * eps);"))
-    spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = repo_scripts.load(AB_SCRIPT)
     # Each distinct source compiled once for both runs: 2 builds instead of 6 (the harness
     # names a build by its source's hash, so identical sources load one library anyway).
     builds, build = {}, mod.build
@@ -87,9 +82,7 @@ def test_formats_gate_prototype_has_its_torch_mirrors_bits(tmp_path):
 
     if not kernels_cpu.available():
         pytest.skip("no C compiler")
-    spec = importlib.util.spec_from_file_location("kernel_ab", AB_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = repo_scripts.load(AB_SCRIPT)
     assert mod.gate_check_bits(mod.build_gate(tmp_path)) == 0
     old = "uv[k] = (uint8_t)(c > 1 ? c : 1);"
     assert old in mod.GATE_C

@@ -2,11 +2,11 @@
 optimizer states, against a count of the live tensors themselves (every param, every
 ``p.grad`` after backward, the parts of every ``opt.state`` tensor), and with the steps in
 backward against the gradient bytes a hook sees alive."""
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+import repo_scripts
 import torch
 
 import bridge
@@ -125,9 +125,7 @@ def test_benchmark_measures_what_is_counted(capsys):
     """benchmarks/training_state_bytes.py on the --tiny demo model: what its dispatcher-level
     tracker finds alive between steps is the counted params + states (plus the plans' scalars:
     hyperparameter vectors, step counts), and at the peak at least the counted total."""
-    spec = importlib.util.spec_from_file_location("training_state_bytes", BENCHMARK)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = repo_scripts.load(BENCHMARK)
     n = torch.get_num_threads()
     try:
         rows = {r["name"]: r for r in mod.main(["--quick", "--setups", "8bit,8bit-bf16c-bw"])}
