@@ -35,9 +35,8 @@ import torch.distributed as dist
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from . import group_args
-from .collectives import group_for
-from .distributed import row_chunks, is_dtensor, to_local
+from . import group_args, owner_step
+from .distributed import is_dtensor, local_grad, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -55,6 +54,11 @@ def _wrap(leaf):
 
 def _unwrap(value):
     return value.record if isinstance(value, QState) else value
+
+
+_GATHER = "SOAP's gather of a param's and its gradient's blocks to the owner"
+_SCATTER = "SOAP's scatter of the update's blocks from the owner"
+_REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
 
 
 def _unsupported_sharding(p, group: dict) -> str:
@@ -223,47 +227,23 @@ class SOAP(torch.optim.Optimizer):
         return u
 
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
-        """FSDP2: every rank's rows of the param and of its gradient gathered to the owner (``index``
-        modulo the mesh size, each rank's rows padded to the largest), which steps the whole param
-        and scatters each rank its rows of the update; both on :func:`~bridge.collectives.group_for`'s
-        group for the rows' device (the mesh's, or a registered host group)."""
-        mesh = p.device_mesh
-        pg, world, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
-        owner = index % world
-        src = dist.get_global_rank(pg, owner)
-        sizes = row_chunks(p.shape[0], world)
-        local, grad = to_local(p.detach()), to_local(p.grad)
-        top = max(sizes)
-        gather_pg = group_for(pg, local.device, "SOAP's gather of a param's and its gradient's rows to the owner")
-        scatter_pg = group_for(pg, local.device, "SOAP's scatter of the update's rows from the owner")
-
-        def padded(t):
-            out = torch.zeros((top, *p.shape[1:]), dtype=t.dtype, device=local.device)
-            out[: t.shape[0]] = t
-            return out
-
-        def whole(t):
-            mine = padded(t)
-            dst = [torch.empty_like(mine) for _ in range(world)] if me == owner else None
-            dist.gather(mine, dst, dst=src, group=gather_pg)
-            if me != owner:
-                self._sent["gather"] += mine.numel() * mine.element_size()
-                return None
-            return torch.cat([d[:n] for d, n in zip(dst, sizes)])
-
-        full_p, full_g = whole(local), whole(grad)
-        chunks = None
-        if me == owner:
-            u = self._unsharded_step(tx, group, p, full_p, full_g)
-            chunks = [padded(c) for c in torch.split(u, sizes)]
-            self._sent["scatter"] += sum(c.numel() * c.element_size() for r, c in enumerate(chunks) if r != me)
+        """A DTensor param: every rank's block of the param and of its gradient gathered to the
+        owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps the whole param
+        and scatters each rank its block of the update; each collective on
+        :func:`~bridge.collectives.group_for`'s group for the blocks' device (the mesh's, or a
+        registered host group)."""
+        lay = owner_step.layout(p, index, type(self).__name__, _REMEDY)
+        local = to_local(p.detach())
+        box = owner_step.whole_box
+        whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
+        u = None
+        if whole is not None:
+            u = self._unsharded_step(tx, group, p, *whole)
         else:
             state = self.state[p]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
             state["step"] += 1
-        recv = torch.empty((top, *p.shape[1:]), dtype=p.dtype, device=local.device)
-        dist.scatter(recv, chunks, src=src, group=scatter_pg)
-        local.add_(recv[: sizes[me]])
+        local.add_(owner_step.scatter(lay, [(u, box, p.dtype)], _SCATTER, self._sent, "scatter", local.device)[0])
 
     def communication(self) -> dict:
         """Bytes this rank sent in the last step under FSDP2: ``gather`` (its rows of the params
@@ -303,8 +283,10 @@ class SOAP(torch.optim.Optimizer):
     # -- state dicts ---------------------------------------------------------------------------
     def _owns(self, index: int, p) -> bool:
         """Whether this rank steps param ``p`` (position ``index`` over all groups): always
-        unsharded; under FSDP2 the rank ``index`` modulo the mesh size."""
-        return not is_dtensor(p) or p.device_mesh.get_local_rank() == index % p.device_mesh.size()
+        unsharded; a DTensor on its owner rank (:func:`bridge.owner_step.owner_rank`)."""
+        if not is_dtensor(p):
+            return True
+        return dist.get_rank() == owner_step.owner_rank(p, index, type(self).__name__, _REMEDY)
 
     def _template(self, p, group: dict) -> dict:
         """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,

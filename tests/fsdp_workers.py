@@ -1051,7 +1051,7 @@ def _soap_host_group(world, steps=3):
             msg = str(e)
         else:
             raise AssertionError("SOAP: an offloaded step over an NCCL-only group did not raise")
-        assert msg.startswith("SOAP's gather of a param's and its gradient's rows to the owner: a collective of "
+        assert msg.startswith("SOAP's gather of a param's and its gradient's blocks to the owner: a collective of "
                               "cpu tensors"), msg
         for fix in ("init_process_group(backend='cpu:gloo,cuda:nccl')", "bridge.set_host_group(...)",
                     "carries only ['cuda']"):
