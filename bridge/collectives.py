@@ -2,7 +2,7 @@
 tensor's device.
 
 The bridge's collectives (a rank-1 record's all-reduce MAX of maxima, Muon's gathers and scatters
-of Newton-Schulz blocks, ``skip_nonfinite``'s all-reduce MIN) act on the tensors where the params
+of Newton-Schulz blocks, SOAP's of param blocks, ``skip_nonfinite``'s all-reduce MIN) act on the tensors where the params
 live: CUDA tensors on a GPU cluster, host tensors under FSDP2's ``CPUOffloadPolicy``. An NCCL-only
 group carries no host tensor, so :func:`group_for` picks, for a tensor's device: the param's own
 group where its backend has one for that device (``init_process_group(backend="cpu:gloo,cuda:nccl")``
@@ -43,8 +43,8 @@ def set_host_group(*groups) -> None:
     """Register process groups with a CPU backend (e.g. ``dist.new_group(ranks, backend="gloo")``)
     for the bridge's collectives of host tensors (FSDP2's ``CPUOffloadPolicy``) whose own group has
     no CPU backend (NCCL only). Each serves the collectives over its exact set of ranks (a 1-D
-    mesh's group; a 2-D mesh's dims need one each; Muon on a 2-D mesh and ``skip_nonfinite`` use
-    all ranks). Call it on every rank; ``set_host_group()`` clears the registry."""
+    mesh's group; a 2-D mesh's dims need one each; Muon and SOAP on a 2-D mesh and ``skip_nonfinite``
+    use all ranks). Call it on every rank; ``set_host_group()`` clears the registry."""
     if not groups:
         _HOST_GROUPS.clear()
         return

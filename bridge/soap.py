@@ -17,13 +17,14 @@ The core's in-place plan steps these tensors themselves (a QState's record share
 ``weights_only=True``; ``load_state_dict`` checks every name and part shape against a fresh
 state before it writes anything.
 
-Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param has an owner rank,
-its index over all groups modulo the mesh size: the ranks gather the param's and its gradient's
-rows to the owner, which alone runs the unsharded step, keeps every core state of that param as
-plain tensors and scatters each rank its rows of the update (in the param's dtype) to add -- the
-same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
-``state_dict()`` keys each state by param index, saved by its owner, so DCP reshards by owner.
-Tensor parallel, HSDP and ``skip_nonfinite`` under FSDP2 are refused by name.
+A DTensor param (FSDP2, tensor parallel, both, HSDP: any ``Shard`` / ``Replicate`` placements on a
+1-D mesh or a 2-D mesh over all processes) has an owner rank, :func:`bridge.owner_step.owner_rank`
+of its index over all groups (on a 1-D mesh: that index modulo the mesh size): the ranks gather
+their blocks of the param and of its gradient to the owner, which alone runs the unsharded step,
+keeps every core state of that param as plain tensors and scatters each rank its block of the
+update (in the param's dtype) to add -- the same bits as one process. A non-owner's
+``state[p]`` holds ``step`` only; ``state_dict()`` keys each state by param index, saved by its
+owner, so DCP reshards by owner. ``skip_nonfinite`` with DTensor params is refused by name.
 """
 from __future__ import annotations
 
@@ -62,18 +63,22 @@ _REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
 
 
 def _unsupported_sharding(p, group: dict) -> str:
-    """Why a param's sharding is not supported (empty if it is): FSDP2's ``Shard(0)`` over a 1-D
-    mesh only, without ``skip_nonfinite``."""
+    """Why a param's sharding is not supported (empty if it is): ``Shard`` and ``Replicate``
+    placements (FSDP2, tensor parallel, both, HSDP) on a 1-D mesh or a 2-D mesh over all
+    processes, without ``skip_nonfinite``."""
     if not is_dtensor(p):
         return ""
-    from torch.distributed.tensor import Shard
-
     placements = tuple(p.placements)
-    if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements):
-        return (f"placed {placements} on a {p.device_mesh.ndim}-D mesh: only FSDP2 (Shard(0) on a 1-D mesh) is "
-                "implemented; not tensor parallel or HSDP")
+    mesh = p.device_mesh
+    if mesh.ndim > 2 or not all(pl.is_replicate() or pl.is_shard() or type(pl).__name__ == "_StridedShard"
+                                for pl in placements):
+        return (f"placed {placements} on a {mesh.ndim}-D mesh: only Shard and Replicate placements on a 1-D or "
+                "2-D mesh are implemented (FSDP2, tensor parallel, both, HSDP)")
+    if mesh.ndim == 2 and mesh.mesh.numel() != dist.get_world_size():
+        return (f"placed {placements} on a {tuple(mesh.shape)} mesh over {mesh.mesh.numel()} of "
+                f"{dist.get_world_size()} processes: a 2-D mesh must span every process; {_REMEDY}")
     if group["skip_nonfinite"]:
-        return "under FSDP2 with skip_nonfinite=True: not implemented; use skip_nonfinite=False"
+        return "with skip_nonfinite=True: not implemented for DTensor params; use skip_nonfinite=False"
     return ""
 
 
@@ -115,8 +120,8 @@ class SOAP(torch.optim.Optimizer):
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the group's arguments checked (a ValueError naming the class and the
-        argument) and its params: a DTensor is refused unless it is FSDP2's (``Shard(0)`` on a 1-D
-        mesh) in a group without ``skip_nonfinite``."""
+        argument) and its params: a DTensor is refused unless placed ``Shard`` / ``Replicate`` on a
+        1-D mesh or a 2-D mesh over all processes, in a group without ``skip_nonfinite``."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         owner = type(self).__name__
@@ -246,9 +251,9 @@ class SOAP(torch.optim.Optimizer):
         local.add_(owner_step.scatter(lay, [(u, box, p.dtype)], _SCATTER, self._sent, "scatter", local.device)[0])
 
     def communication(self) -> dict:
-        """Bytes this rank sent in the last step under FSDP2: ``gather`` (its rows of the params
-        it does not own and of their gradients, padded to the largest rank's), ``scatter`` (the
-        other ranks' padded rows of the updates of the params it owns)."""
+        """Bytes this rank sent in the last step for DTensor params: ``gather`` (its blocks of the
+        params it does not own and of their gradients, padded to the largest rank's extents),
+        ``scatter`` (the other ranks' padded blocks of the updates of the params it owns)."""
         return dict(getattr(self, "_sent", {"gather": 0, "scatter": 0}))
 
     # -- reports -----------------------------------------------------------------------------
@@ -269,7 +274,7 @@ class SOAP(torch.optim.Optimizer):
         out = []
         for i, p in enumerate(self._params()):
             state = self.state.get(p)
-            if not state or "soap_step" not in state:  # none yet, or another rank owns it (FSDP2)
+            if not state or "soap_step" not in state:  # none yet, or another rank owns it
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
@@ -298,8 +303,8 @@ class SOAP(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout, every state a plain tensor: a quantized state is a dict of its parts.
 
-        Under FSDP2 each rank lists the whole states of the params it owns and ``step`` of the
-        others, every param included (fresh zero states for those not stepped yet): the same
+        With DTensor params each rank lists the whole states of the params it owns and ``step`` of
+        the others, every param included (fresh zero states for those not stepped yet): the same
         keys at any world size, each saved by one rank, so ``torch.distributed.checkpoint``
         loads them at another world size into the new owners' state dicts."""
         sd = super().state_dict()
@@ -322,8 +327,8 @@ class SOAP(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, shapes, dtypes) before anything is written; then torch's group restore. Under
-        FSDP2 a rank takes the states of the params it owns and ``step`` of the others."""
+        parts, shapes, dtypes) before anything is written; then torch's group restore. With
+        DTensor params a rank takes the states of the params it owns and ``step`` of the others."""
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
@@ -346,7 +351,7 @@ class SOAP(torch.optim.Optimizer):
             group = next(g for g in saved_groups if k in g["params"])
             group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
             fresh = self._template(p, group)
-            if not self._owns(ids.index(k), p):  # FSDP2: another rank keeps this param's states
+            if not self._owns(ids.index(k), p):  # another rank keeps this param's states
                 fresh = {"step": fresh["step"]}
                 entries = {name: v for name, v in entries.items() if name == "step"}
             if set(entries) != set(fresh):
