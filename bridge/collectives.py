@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["set_host_group", "host_groups", "group_for", "device_types"]
+__all__ = ["set_host_group", "host_groups", "group_for", "device_types", "all_ranks_finite"]
 
 _HOST_GROUPS: dict[tuple[int, ...], object] = {}
 
@@ -88,3 +88,14 @@ def group_for(group, device: torch.device, what: str):
         f"{list(ranks)} on every rank (torch.distributed.new_group({list(ranks)}, backend='gloo')) and pass it to "
         "bridge.set_host_group(...)"
     )
+
+
+def all_ranks_finite(ok: torch.Tensor) -> bool:
+    """``skip_nonfinite``'s decision, the same on every process: this rank's finiteness flag
+    ``ok`` (a 0-d tensor, true where all its gradients are finite) and-ed over the default group
+    by an all-reduce MIN (of int32: gloo has no bool), on :func:`group_for`'s group for its
+    device. Every process calls it, once a step."""
+    dist = _dist()
+    flag = ok.to(torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
+    return bool(flag)

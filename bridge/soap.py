@@ -24,7 +24,7 @@ their blocks of the param and of its gradient to the owner, which alone runs the
 keeps every core state of that param as plain tensors and scatters each rank its block of the
 update (in the param's dtype) to add -- the same bits as one process. A non-owner's
 ``state[p]`` holds ``step`` only; ``state_dict()`` keys each state by param index, saved by its
-owner, so DCP reshards by owner. ``skip_nonfinite`` with DTensor params is refused by name.
+owner, so DCP reshards by owner. ``skip_nonfinite`` decides on every rank alike (an all-reduce).
 """
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
 from . import group_args, owner_step
+from .collectives import all_ranks_finite
 from .distributed import is_dtensor, local_grad, to_local
 from .qstate import QState
 
@@ -62,10 +63,10 @@ _SCATTER = "SOAP's scatter of the update's blocks from the owner"
 _REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
 
 
-def _unsupported_sharding(p, group: dict) -> str:
+def _unsupported_sharding(p) -> str:
     """Why a param's sharding is not supported (empty if it is): ``Shard`` and ``Replicate``
     placements (FSDP2, tensor parallel, both, HSDP) on a 1-D mesh or a 2-D mesh over all
-    processes, without ``skip_nonfinite``."""
+    processes."""
     if not is_dtensor(p):
         return ""
     placements = tuple(p.placements)
@@ -77,8 +78,6 @@ def _unsupported_sharding(p, group: dict) -> str:
     if mesh.ndim == 2 and mesh.mesh.numel() != dist.get_world_size():
         return (f"placed {placements} on a {tuple(mesh.shape)} mesh over {mesh.mesh.numel()} of "
                 f"{dist.get_world_size()} processes: a 2-D mesh must span every process; {_REMEDY}")
-    if group["skip_nonfinite"]:
-        return "with skip_nonfinite=True: not implemented for DTensor params; use skip_nonfinite=False"
     return ""
 
 
@@ -90,7 +89,8 @@ class SOAP(torch.optim.Optimizer):
 
     ``merge_dims=True`` is refused (not implemented); ``data_format`` is checked and, without it,
     changes nothing (as in the reference). ``skip_nonfinite=True`` skips the whole step (params,
-    states, steps) when any gradient is NaN or infinite. ``bjorck_steps``, ``block_size``,
+    states, steps) when any gradient of its groups is NaN or infinite (with DTensor params: in any
+    rank's block; every rank skips). ``bjorck_steps``, ``block_size``,
     ``min_quant_size``: :func:`lowbit_tree.scale_by_soap`'s.
     """
 
@@ -121,7 +121,7 @@ class SOAP(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the group's arguments checked (a ValueError naming the class and the
         argument) and its params: a DTensor is refused unless placed ``Shard`` / ``Replicate`` on a
-        1-D mesh or a 2-D mesh over all processes, in a group without ``skip_nonfinite``."""
+        1-D mesh or a 2-D mesh over all processes."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         owner = type(self).__name__
@@ -143,7 +143,7 @@ class SOAP(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
         for p in group["params"]:
-            why = _unsupported_sharding(p, group)
+            why = _unsupported_sharding(p)
             if why:
                 self.param_groups.pop()
                 raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
@@ -194,11 +194,8 @@ class SOAP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(g["skip_nonfinite"] for g in self.param_groups):
-            finite = all(bool(torch.isfinite(p.grad).all()) for g in self.param_groups if g["skip_nonfinite"]
-                         for p in g["params"] if p.grad is not None)
-            if not finite:
-                return loss
+        if any(g["skip_nonfinite"] for g in self.param_groups) and not self._all_finite():
+            return loss
         index = 0
         self._sent = {"gather": 0, "scatter": 0}
         for group in self.param_groups:
@@ -214,6 +211,18 @@ class SOAP(torch.optim.Optimizer):
                 else:
                     self._unsharded_step(tx, group, p, p.detach(), p.grad)
         return loss
+
+    def _all_finite(self) -> bool:
+        """Whether every gradient of the groups with ``skip_nonfinite`` is finite: with DTensor
+        params, on every rank alike (each rank's blocks, then
+        :func:`bridge.collectives.all_ranks_finite` over all processes)."""
+        grads = [local_grad(p) for g in self.param_groups if g["skip_nonfinite"] for p in g["params"]
+                 if p.grad is not None]
+        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
+        if any(is_dtensor(p) for p in self._params()):
+            device = grads[0].device if grads else to_local(self._params()[0]).device
+            return all_ranks_finite(ok.to(device))
+        return bool(ok)
 
     def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
         """One param's step on whole tensors: its states in ``self.state[p]`` (made at the first

@@ -1079,22 +1079,27 @@ def _soap_host_group(world, steps=3):
 
 
 def _soap_refusals(world):
-    """Any Shard / Replicate placement on a 1-D mesh is taken (tests/test_soap_tp.py steps them);
-    skip_nonfinite under sharding is refused by name when the optimizer is built."""
+    """Any Shard / Replicate placement on a 1-D mesh is taken, with skip_nonfinite too
+    (tests/test_soap_tp.py steps them); a 2-D mesh over some of the processes is refused by name."""
     import bridge
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     for placement in (Replicate(), Shard(1), Shard(0)):
-        bridge.SOAP([torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [placement]))])
-    p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)]))
-    try:
-        bridge.SOAP([p], skip_nonfinite=True)
-    except ValueError as e:
-        assert "skip_nonfinite=True" in str(e) and "SOAP" in str(e), e
-    else:
-        raise AssertionError("skip_nonfinite=True under FSDP2 was not refused")
+        bridge.SOAP([torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [placement]))], skip_nonfinite=True)
+    if world == 3:  # a (1, 2) mesh over ranks 0 and 1 of 3
+        from torch.distributed.device_mesh import DeviceMesh
+
+        sub = DeviceMesh("cpu", [[0, 1]])
+        if dist.get_rank() < 2:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), sub, [Shard(0), Shard(1)]))
+            try:
+                bridge.SOAP([p])
+            except ValueError as e:
+                assert "a 2-D mesh must span every process" in str(e) and "SOAP" in str(e), e
+            else:
+                raise AssertionError("a 2-D mesh over 2 of 3 processes was not refused")
 
 
 SOAP_KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import tp_workers as T
 from fsdp_workers import launch  # noqa: F401  (re-exported for test_soap_tp.py)
 
-KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64)
+KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64, skip_nonfinite=True)
 CLASSES = ("SOAP", "SOAP4bit")
 EXTRA = "hsdp.weight"  # a param beside the model's: (Replicate(), Shard(0)) on the 2x2 mesh, (Shard(0),) on a 1-D one
 
@@ -111,10 +111,12 @@ def assert_exact(opt, params: dict, ref_opt, ref_params: dict, what: str) -> int
     return owned
 
 
-def exact_worker(rank, world, mesh_shape, names, steps, workdir=None, save_at=None):
+def exact_worker(rank, world, mesh_shape, names, steps, nan_at, workdir=None, save_at=None):
     """SOAP and SOAP4bit on ``mesh_shape``, ``steps`` steps with an eigenbasis refresh every 2:
     params and every owned state bit for bit the unsharded run's, each sharded param owned by one
-    rank of its mesh (tp-replicated FSDP2 params by one rank of each dp group). With ``workdir``,
+    rank of its mesh (tp-replicated FSDP2 params by one rank of each dp group). At step
+    ``nan_at`` the last rank alone finds a NaN in its block of fc1's gradient: every rank skips
+    the step (``skip_nonfinite=True``), and the reference does not take it. With ``workdir``,
     ``dcp.save`` of ``opt.state_dict()`` after ``save_at`` steps, under ``workdir/<class>``."""
     import torch.distributed.checkpoint as dcp
 
@@ -127,11 +129,18 @@ def exact_worker(rank, world, mesh_shape, names, steps, workdir=None, save_at=No
                 dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(workdir, cls_name))
             set_whole_grads(ref_params, step)
             set_sharded_grads(params, step)
+            if step == nan_at:
+                if rank == world - 1:
+                    params["fc1.weight"].grad.to_local()[0, -1] = float("nan")
+                before = {n: p.full_tensor() for n, p in params.items() if n != "emb.weight"}
+                opt.step()
+                assert all(torch.equal(params[n].full_tensor(), b) for n, b in before.items()), "a NaN step moved params"
+                continue
             ref_opt.step()
             opt.step()
         what = f"{cls_name} on {tuple(mesh_shape)}"
         owned = torch.tensor([assert_exact(opt, params, ref_opt, ref_params, what)])
-        assert int(ref_opt.state[ref_params["fc2.weight"]]["soap_step"]) == steps
+        assert int(ref_opt.state[ref_params["fc2.weight"]]["soap_step"]) == steps - (nan_at is not None)
         if cls_name == "SOAP4bit":  # the test reaches quantized bases
             assert any(type(v).__name__ == "QState" for n, v in ref_opt.state[ref_params["fc1.weight"]].items()
                        if n.startswith("eigenbasis"))
