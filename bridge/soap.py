@@ -218,10 +218,12 @@ class SOAP(torch.optim.Optimizer):
         :func:`bridge.collectives.all_ranks_finite` over all processes)."""
         grads = [local_grad(p) for g in self.param_groups if g["skip_nonfinite"] for p in g["params"]
                  if p.grad is not None]
-        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
+        device = grads[0].device if grads else to_local(self._params()[0]).device
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        for g in grads:
+            ok &= torch.isfinite(g).all().to(device)
         if any(is_dtensor(p) for p in self._params()):
-            device = grads[0].device if grads else to_local(self._params()[0]).device
-            return all_ranks_finite(ok.to(device))
+            return all_ranks_finite(ok)
         return bool(ok)
 
     def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
