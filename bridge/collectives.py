@@ -2,7 +2,7 @@
 tensor's device.
 
 The bridge's collectives (a rank-1 record's all-reduce MAX of maxima, Muon's gathers and scatters
-of Newton-Schulz blocks, ``skip_nonfinite``'s all-reduce MIN) act on the tensors where the params
+of Newton-Schulz blocks, SOAP's of param blocks, ``skip_nonfinite``'s all-reduce MIN) act on the tensors where the params
 live: CUDA tensors on a GPU cluster, host tensors under FSDP2's ``CPUOffloadPolicy``. An NCCL-only
 group carries no host tensor, so :func:`group_for` picks, for a tensor's device: the param's own
 group where its backend has one for that device (``init_process_group(backend="cpu:gloo,cuda:nccl")``
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["set_host_group", "host_groups", "group_for", "device_types"]
+__all__ = ["set_host_group", "host_groups", "group_for", "device_types", "all_ranks_finite"]
 
 _HOST_GROUPS: dict[tuple[int, ...], object] = {}
 
@@ -43,8 +43,8 @@ def set_host_group(*groups) -> None:
     """Register process groups with a CPU backend (e.g. ``dist.new_group(ranks, backend="gloo")``)
     for the bridge's collectives of host tensors (FSDP2's ``CPUOffloadPolicy``) whose own group has
     no CPU backend (NCCL only). Each serves the collectives over its exact set of ranks (a 1-D
-    mesh's group; a 2-D mesh's dims need one each; Muon on a 2-D mesh and ``skip_nonfinite`` use
-    all ranks). Call it on every rank; ``set_host_group()`` clears the registry."""
+    mesh's group; a 2-D mesh's dims need one each; Muon and SOAP on a 2-D mesh and ``skip_nonfinite``
+    use all ranks). Call it on every rank; ``set_host_group()`` clears the registry."""
     if not groups:
         _HOST_GROUPS.clear()
         return
@@ -88,3 +88,14 @@ def group_for(group, device: torch.device, what: str):
         f"{list(ranks)} on every rank (torch.distributed.new_group({list(ranks)}, backend='gloo')) and pass it to "
         "bridge.set_host_group(...)"
     )
+
+
+def all_ranks_finite(ok: torch.Tensor) -> bool:
+    """``skip_nonfinite``'s decision, the same on every process: this rank's finiteness flag
+    ``ok`` (a 0-d tensor, true where all its gradients are finite) and-ed over the default group
+    by an all-reduce MIN (of int32: gloo has no bool), on :func:`group_for`'s group for its
+    device. Every process calls it, once a step."""
+    dist = _dist()
+    flag = ok.to(torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
+    return bool(flag)

@@ -14,7 +14,7 @@ about a quarter of the bytes of gathering float32 rows. One collective at a time
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.optim.optimizer import ParamsT
@@ -26,45 +26,27 @@ from lowbit_tree.muon_transform import (DEFAULT_NS_COEFFICIENTS, ScaleByMuonStat
                                        ns_matrix, refresh_record)
 from lowbit_tree.transform import ScaleByAdamState
 
-from .collectives import group_for
+from . import owner_step
 from .distributed import is_dtensor
 from . import group_args
 from .classes import TorchOptimizerBase
 
 __all__ = ["ADAMW_FORMATS", "Muon", "Muon8bit", "Muon4bit", "ShardedNS", "muon_param_groups"]
 
-
-class _Layout(NamedTuple):
-    """Where every rank's block of a sharded matrix lies, and which rank owns the matrix."""
-
-    pg: Any  # the process group (None: the default group)
-    blocks: dict  # global rank -> (rows, cols, row offset, col offset) of its block
-    group_rank: dict  # global rank -> rank in pg
-    me: int
-    owner: int
-    shape: tuple  # the whole matrix's (rows, cols)
-
-    def on(self, device, what: str) -> "_Layout":
-        """This layout over the group that carries tensors on ``device``
-        (:func:`bridge.collectives.group_for`: the mesh's, or a host group over the same ranks)."""
-        import torch.distributed as dist
-
-        pg = group_for(self.pg, device, what)
-        if pg is self.pg:
-            return self
-        return self._replace(pg=pg, group_rank={g: dist.get_group_rank(pg, g) for g in self.blocks})
+_SCATTER = "Muon's scatter of Newton-Schulz results"
 
 
 def _geometry(kind: str, width=None):
-    """A part's place in the whole: ``(nr, nc, r0, c0) -> (row0, nrows, col0, ncols)`` in that part's
-    own 2-D layout. ``"block"``: the block's rows and its columns through ``width`` (codes of 4-bit
-    values, scales of blocks); ``"rows"``: a factor over the rows (``(rows, K)``); ``"cols"``: one over
-    the columns (``(cols, K)``, whole on every rank that holds all columns)."""
+    """A part's place in the whole: ``(block shape, block offset) -> (offsets, extents)`` in that
+    part's own 2-D layout (:func:`bridge.owner_step.gather`'s geometry). ``"block"``: the block's
+    rows and its columns through ``width`` (codes of 4-bit values, scales of blocks); ``"rows"``: a
+    factor over the rows (``(rows, K)``); ``"cols"``: one over the columns (``(cols, K)``, whole on
+    every rank that holds all columns)."""
     if kind == "block":
-        return lambda nr, nc, r0, c0: (r0, nr, width(c0), width(nc))
+        return lambda s, o: ((o[0], width(o[1])), (s[0], width(s[1])))
     if kind == "rows":
-        return lambda nr, nc, r0, c0, k=width: (r0, nr, 0, k)
-    return lambda nr, nc, r0, c0, k=width: (c0, nc, 0, k)
+        return lambda s, o, k=width: ((o[0], 0), (s[0], k))
+    return lambda s, o, k=width: ((o[1], 0), (s[1], k))
 
 
 def _record_parts(x) -> list:
@@ -120,102 +102,6 @@ class ShardedNS:
             k += 1
         return out
 
-    def _layout(self, p, k: int) -> _Layout:
-        """Every rank's block of matrix ``p`` (offsets from DTensor's own
-        ``_compute_local_shape_and_global_offset``: uneven, empty and strided shards place
-        themselves) and its owner, the ``k``-th rank round-robin."""
-        import itertools
-
-        import torch.distributed as dist
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-        mesh = p.device_mesh
-        if mesh.ndim == 1:
-            pg = mesh.get_group()
-        elif mesh.mesh.numel() == dist.get_world_size():
-            pg = None  # a mesh over every process (FSDP2 + TP): the default group
-        else:
-            raise NotImplementedError(
-                f"Muon: the param of shape {tuple(p.shape)} lives on a {tuple(mesh.shape)} mesh over "
-                f"{mesh.mesh.numel()} of {dist.get_world_size()} processes; distributed Newton-Schulz takes 1-D "
-                "meshes and meshes over all processes: give this param to a group with use_muon=False"
-            )
-        blocks = {}
-        for coord in itertools.product(*(range(n) for n in mesh.shape)):
-            shape, off = _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(coord), p.placements)
-            blocks[int(mesh.mesh[coord])] = (shape[0], shape[1], off[0], off[1])
-        group_rank = {g: (dist.get_group_rank(pg, g) if pg is not None else g) for g in blocks}
-        owner = sorted(blocks, key=group_rank.get)[k % len(blocks)]
-        return _Layout(pg, blocks, group_rank, dist.get_rank(), owner, tuple(p.shape))
-
-    def _gather(self, lay: _Layout, parts: list, key: str):
-        """Each part's whole tensor on the owner (``None`` elsewhere): every rank's local part as
-        bytes, padded to the largest, gathered one part at a time; a part the owner already holds
-        whole (a factor replicated over the shards) is not sent."""
-        import torch.distributed as dist
-
-        rows, cols = lay.shape
-        whole = []
-        for t, geom in parts:
-            lay = lay.on(t.device, "Muon's gather of Newton-Schulz inputs")
-            unit = t.element_size()
-            where = {g: geom(*b) for g, b in lay.blocks.items()}
-            if where[lay.owner] == geom(rows, cols, 0, 0):  # the owner holds all of it (a factor its shard
-                whole.append(t)                              # replicates, e.g. R under FSDP2): nothing to send
-                continue
-            mr, mc = max(w[1] for w in where.values()), max(w[3] for w in where.values()) * unit
-            b = t.contiguous().view(torch.uint8)
-            pad = torch.zeros(mr, mc, dtype=torch.uint8, device=t.device)
-            pad[: b.shape[0], : b.shape[1]] = b
-            dst = [torch.empty_like(pad) for _ in lay.blocks] if lay.me == lay.owner else None
-            dist.gather(pad, dst, dst=lay.owner, group=lay.pg)
-            if lay.me != lay.owner:
-                self.sent[key] += pad.numel()
-                continue
-            _, nrows, _, ncols = geom(rows, cols, 0, 0)
-            out = torch.zeros(nrows, ncols * unit, dtype=torch.uint8, device=t.device)
-            for g, (r0, nr, c0, nc) in where.items():
-                out[r0:r0 + nr, c0 * unit:(c0 + nc) * unit] = dst[lay.group_rank[g]][:nr, :nc * unit]
-            whole.append(out.view(t.dtype))
-        return whole if lay.me == lay.owner else None
-
-    def _scatter(self, lay: _Layout, parts: list, key: str, device) -> list:
-        """Each rank's piece of each ``(whole tensor on the owner, geometry, dtype)`` part, in one
-        scatter of bytes (each piece padded to the largest rank's)."""
-        import torch.distributed as dist
-
-        lay = lay.on(device, "Muon's scatter of Newton-Schulz results")
-        specs, total = [], 0
-        for _, geom, dtype in parts:
-            unit = torch.empty((), dtype=dtype).element_size()
-            where = {g: geom(*b) for g, b in lay.blocks.items()}
-            mr, mc = max(w[1] for w in where.values()), max(w[3] for w in where.values())
-            specs.append((where, mr, mc, unit, dtype))
-            total += mr * mc * unit
-        chunks = None
-        if lay.me == lay.owner:
-            chunks = [None] * len(lay.blocks)
-            for g in lay.blocks:
-                buf = torch.zeros(total, dtype=torch.uint8, device=device)
-                off = 0
-                for (whole, _, _), (where, mr, mc, unit, dtype) in zip(parts, specs):
-                    r0, nr, c0, nc = where[g]
-                    piece = torch.zeros(mr, mc, dtype=dtype, device=device)
-                    piece[:nr, :nc] = whole[r0:r0 + nr, c0:c0 + nc]
-                    buf[off:off + mr * mc * unit] = piece.view(torch.uint8).reshape(-1)
-                    off += mr * mc * unit
-                chunks[lay.group_rank[g]] = buf
-                if g != lay.owner:
-                    self.sent[key] += total
-        recv = torch.empty(total, dtype=torch.uint8, device=device)
-        dist.scatter(recv, chunks, src=lay.owner, group=lay.pg)
-        out, off = [], 0
-        for where, mr, mc, unit, dtype in specs:
-            _, nr, _, nc = where[lay.me]
-            out.append(recv[off:off + mr * mc * unit].view(dtype).reshape(mr, mc)[:nr, :nc])
-            off += mr * mc * unit
-        return out
-
     def _sharded(self, p, x: Any, buffer: Any, ns, k: int):
         """Matrix ``p``'s Newton-Schulz result, rows and columns of this rank's block: every
         rank's block of ``x`` (in storage form, as bytes: gloo has no float8) goes to the owner,
@@ -223,13 +109,13 @@ class ShardedNS:
         ``(o, shape)``. With a low-rank ``buffer`` (``momentum_rank``) the owner also assembles it
         (its residual; its factors are ``x``'s) and sends back each rank's rows of the refreshed
         factors: ``(o, shape, (P rows, R rows))``."""
-        lay = self._layout(p, k)
+        lay = owner_step.layout(p, k, "Muon", "give this param to a group with use_muon=False")
         parts = _record_parts(x)
         if buffer is not None:
             parts += _record_parts(buffer)[:2]  # its codes and scales; the factors are x's
-        whole = self._gather(lay, parts, "gather")
+        whole = owner_step.gather(lay, parts, "Muon's gather of Newton-Schulz inputs", self.sent, "gather")
         if lay.me != lay.owner:
-            nr, nc = max(b[0] for b in lay.blocks.values()), max(b[1] for b in lay.blocks.values())
+            nr, nc = (max(b[0][d] for b in lay.blocks.values()) for d in (0, 1))
             self.sent["gather_float32"] += nr * nc * 4
         o = pf = rf = None
         if whole is not None:
@@ -248,9 +134,9 @@ class ShardedNS:
         dev = p.to_local().device
         out = [(o, _geometry("block", lambda c: c), torch.bfloat16)]
         if buffer is None:
-            return self._scatter(lay, out, "scatter", dev)[0], tuple(p.shape)
+            return owner_step.scatter(lay, out, _SCATTER, self.sent, "scatter", dev)[0], tuple(p.shape)
         out += [(pf, _geometry("rows", x.rank), x.row_factor.dtype), (rf, _geometry("cols", x.rank), x.col_factor.dtype)]
-        o, p_rows, r_rows = self._scatter(lay, out, "scatter", dev)
+        o, p_rows, r_rows = owner_step.scatter(lay, out, _SCATTER, self.sent, "scatter", dev)
         return o, tuple(p.shape), (p_rows, r_rows)
 
 

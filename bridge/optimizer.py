@@ -30,7 +30,7 @@ from lowbit_tree.rules import STATIC_ARGS
 from lowbit_tree.wrappers import inject_hyperparams
 
 from . import report
-from .collectives import group_for
+from .collectives import all_ranks_finite
 from .distributed import is_dtensor, local_grad, to_local
 from .param_states import SCALARS, ParamStates
 from .plan import GroupPlan
@@ -250,11 +250,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return None
         ok = torch.stack([f.to(device) for f in flags]).all()
         if any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
-            import torch.distributed as dist
-
-            flag = ok.to(torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group_for(None, flag.device, "skip_nonfinite's all-reduce MIN"))
-            ok = flag.bool()
+            return all_ranks_finite(ok)
         return bool(ok)
 
     @torch.no_grad()

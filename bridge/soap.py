@@ -17,13 +17,14 @@ The core's in-place plan steps these tensors themselves (a QState's record share
 ``weights_only=True``; ``load_state_dict`` checks every name and part shape against a fresh
 state before it writes anything.
 
-Under FSDP2 (a DTensor param sharded ``Shard(0)`` over a 1-D mesh) each param has an owner rank,
-its index over all groups modulo the mesh size: the ranks gather the param's and its gradient's
-rows to the owner, which alone runs the unsharded step, keeps every core state of that param as
-plain tensors and scatters each rank its rows of the update (in the param's dtype) to add -- the
-same bits as one process. A non-owner's ``state[p]`` holds ``step`` only;
-``state_dict()`` keys each state by param index, saved by its owner, so DCP reshards by owner.
-Tensor parallel, HSDP and ``skip_nonfinite`` under FSDP2 are refused by name.
+A DTensor param (FSDP2, tensor parallel, both, HSDP: any ``Shard`` / ``Replicate`` placements on a
+1-D mesh or a 2-D mesh over all processes) has an owner rank, :func:`bridge.owner_step.owner_rank`
+of its index over all groups (on a 1-D mesh: that index modulo the mesh size): the ranks gather
+their blocks of the param and of its gradient to the owner, which alone runs the unsharded step,
+keeps every core state of that param as plain tensors and scatters each rank its block of the
+update (in the param's dtype) to add -- the same bits as one process. A non-owner's
+``state[p]`` holds ``step`` only; ``state_dict()`` keys each state by param index, saved by its
+owner, so DCP reshards by owner. ``skip_nonfinite`` decides on every rank alike (an all-reduce).
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ import torch.distributed as dist
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from . import group_args
-from .collectives import group_for
-from .distributed import row_chunks, is_dtensor, to_local
+from . import group_args, owner_step
+from .collectives import all_ranks_finite
+from .distributed import is_dtensor, local_grad, to_local
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -57,19 +58,26 @@ def _unwrap(value):
     return value.record if isinstance(value, QState) else value
 
 
-def _unsupported_sharding(p, group: dict) -> str:
-    """Why a param's sharding is not supported (empty if it is): FSDP2's ``Shard(0)`` over a 1-D
-    mesh only, without ``skip_nonfinite``."""
+_GATHER = "SOAP's gather of a param's and its gradient's blocks to the owner"
+_SCATTER = "SOAP's scatter of the update's blocks from the owner"
+_REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
+
+
+def _unsupported_sharding(p) -> str:
+    """Why a param's sharding is not supported (empty if it is): ``Shard`` and ``Replicate``
+    placements (FSDP2, tensor parallel, both, HSDP) on a 1-D mesh or a 2-D mesh over all
+    processes."""
     if not is_dtensor(p):
         return ""
-    from torch.distributed.tensor import Shard
-
     placements = tuple(p.placements)
-    if p.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) and pl.dim == 0 for pl in placements):
-        return (f"placed {placements} on a {p.device_mesh.ndim}-D mesh: only FSDP2 (Shard(0) on a 1-D mesh) is "
-                "implemented; not tensor parallel or HSDP")
-    if group["skip_nonfinite"]:
-        return "under FSDP2 with skip_nonfinite=True: not implemented; use skip_nonfinite=False"
+    mesh = p.device_mesh
+    if mesh.ndim > 2 or not all(pl.is_replicate() or pl.is_shard() or type(pl).__name__ == "_StridedShard"
+                                for pl in placements):
+        return (f"placed {placements} on a {mesh.ndim}-D mesh: only Shard and Replicate placements on a 1-D or "
+                "2-D mesh are implemented (FSDP2, tensor parallel, both, HSDP)")
+    if mesh.ndim == 2 and mesh.mesh.numel() != dist.get_world_size():
+        return (f"placed {placements} on a {tuple(mesh.shape)} mesh over {mesh.mesh.numel()} of "
+                f"{dist.get_world_size()} processes: a 2-D mesh must span every process; {_REMEDY}")
     return ""
 
 
@@ -81,7 +89,8 @@ class SOAP(torch.optim.Optimizer):
 
     ``merge_dims=True`` is refused (not implemented); ``data_format`` is checked and, without it,
     changes nothing (as in the reference). ``skip_nonfinite=True`` skips the whole step (params,
-    states, steps) when any gradient is NaN or infinite. ``bjorck_steps``, ``block_size``,
+    states, steps) when any gradient of its groups is NaN or infinite (with DTensor params: in any
+    rank's block; every rank skips). ``bjorck_steps``, ``block_size``,
     ``min_quant_size``: :func:`lowbit_tree.scale_by_soap`'s.
     """
 
@@ -111,8 +120,8 @@ class SOAP(torch.optim.Optimizer):
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the group's arguments checked (a ValueError naming the class and the
-        argument) and its params: a DTensor is refused unless it is FSDP2's (``Shard(0)`` on a 1-D
-        mesh) in a group without ``skip_nonfinite``."""
+        argument) and its params: a DTensor is refused unless placed ``Shard`` / ``Replicate`` on a
+        1-D mesh or a 2-D mesh over all processes."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         owner = type(self).__name__
@@ -134,7 +143,7 @@ class SOAP(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
         for p in group["params"]:
-            why = _unsupported_sharding(p, group)
+            why = _unsupported_sharding(p)
             if why:
                 self.param_groups.pop()
                 raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
@@ -185,11 +194,8 @@ class SOAP(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(g["skip_nonfinite"] for g in self.param_groups):
-            finite = all(bool(torch.isfinite(p.grad).all()) for g in self.param_groups if g["skip_nonfinite"]
-                         for p in g["params"] if p.grad is not None)
-            if not finite:
-                return loss
+        if any(g["skip_nonfinite"] for g in self.param_groups) and not self._all_finite():
+            return loss
         index = 0
         self._sent = {"gather": 0, "scatter": 0}
         for group in self.param_groups:
@@ -205,6 +211,20 @@ class SOAP(torch.optim.Optimizer):
                 else:
                     self._unsharded_step(tx, group, p, p.detach(), p.grad)
         return loss
+
+    def _all_finite(self) -> bool:
+        """Whether every gradient of the groups with ``skip_nonfinite`` is finite: with DTensor
+        params, on every rank alike (each rank's blocks, then
+        :func:`bridge.collectives.all_ranks_finite` over all processes)."""
+        grads = [local_grad(p) for g in self.param_groups if g["skip_nonfinite"] for p in g["params"]
+                 if p.grad is not None]
+        device = grads[0].device if grads else to_local(self._params()[0]).device
+        ok = torch.ones((), dtype=torch.bool, device=device)
+        for g in grads:
+            ok &= torch.isfinite(g).all().to(device)
+        if any(is_dtensor(p) for p in self._params()):
+            return all_ranks_finite(ok)
+        return bool(ok)
 
     def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
         """One param's step on whole tensors: its states in ``self.state[p]`` (made at the first
@@ -223,52 +243,28 @@ class SOAP(torch.optim.Optimizer):
         return u
 
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
-        """FSDP2: every rank's rows of the param and of its gradient gathered to the owner (``index``
-        modulo the mesh size, each rank's rows padded to the largest), which steps the whole param
-        and scatters each rank its rows of the update; both on :func:`~bridge.collectives.group_for`'s
-        group for the rows' device (the mesh's, or a registered host group)."""
-        mesh = p.device_mesh
-        pg, world, me = mesh.get_group(0), mesh.size(), mesh.get_local_rank()
-        owner = index % world
-        src = dist.get_global_rank(pg, owner)
-        sizes = row_chunks(p.shape[0], world)
-        local, grad = to_local(p.detach()), to_local(p.grad)
-        top = max(sizes)
-        gather_pg = group_for(pg, local.device, "SOAP's gather of a param's and its gradient's rows to the owner")
-        scatter_pg = group_for(pg, local.device, "SOAP's scatter of the update's rows from the owner")
-
-        def padded(t):
-            out = torch.zeros((top, *p.shape[1:]), dtype=t.dtype, device=local.device)
-            out[: t.shape[0]] = t
-            return out
-
-        def whole(t):
-            mine = padded(t)
-            dst = [torch.empty_like(mine) for _ in range(world)] if me == owner else None
-            dist.gather(mine, dst, dst=src, group=gather_pg)
-            if me != owner:
-                self._sent["gather"] += mine.numel() * mine.element_size()
-                return None
-            return torch.cat([d[:n] for d, n in zip(dst, sizes)])
-
-        full_p, full_g = whole(local), whole(grad)
-        chunks = None
-        if me == owner:
-            u = self._unsharded_step(tx, group, p, full_p, full_g)
-            chunks = [padded(c) for c in torch.split(u, sizes)]
-            self._sent["scatter"] += sum(c.numel() * c.element_size() for r, c in enumerate(chunks) if r != me)
+        """A DTensor param: every rank's block of the param and of its gradient gathered to the
+        owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps the whole param
+        and scatters each rank its block of the update; each collective on
+        :func:`~bridge.collectives.group_for`'s group for the blocks' device (the mesh's, or a
+        registered host group)."""
+        lay = owner_step.layout(p, index, type(self).__name__, _REMEDY)
+        local = to_local(p.detach())
+        box = owner_step.whole_box
+        whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
+        u = None
+        if whole is not None:
+            u = self._unsharded_step(tx, group, p, *whole)
         else:
             state = self.state[p]
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
             state["step"] += 1
-        recv = torch.empty((top, *p.shape[1:]), dtype=p.dtype, device=local.device)
-        dist.scatter(recv, chunks, src=src, group=scatter_pg)
-        local.add_(recv[: sizes[me]])
+        local.add_(owner_step.scatter(lay, [(u, box, p.dtype)], _SCATTER, self._sent, "scatter", local.device)[0])
 
     def communication(self) -> dict:
-        """Bytes this rank sent in the last step under FSDP2: ``gather`` (its rows of the params
-        it does not own and of their gradients, padded to the largest rank's), ``scatter`` (the
-        other ranks' padded rows of the updates of the params it owns)."""
+        """Bytes this rank sent in the last step for DTensor params: ``gather`` (its blocks of the
+        params it does not own and of their gradients, padded to the largest rank's extents),
+        ``scatter`` (the other ranks' padded blocks of the updates of the params it owns)."""
         return dict(getattr(self, "_sent", {"gather": 0, "scatter": 0}))
 
     # -- reports -----------------------------------------------------------------------------
@@ -289,7 +285,7 @@ class SOAP(torch.optim.Optimizer):
         out = []
         for i, p in enumerate(self._params()):
             state = self.state.get(p)
-            if not state or "soap_step" not in state:  # none yet, or another rank owns it (FSDP2)
+            if not state or "soap_step" not in state:  # none yet, or another rank owns it
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
@@ -303,8 +299,10 @@ class SOAP(torch.optim.Optimizer):
     # -- state dicts ---------------------------------------------------------------------------
     def _owns(self, index: int, p) -> bool:
         """Whether this rank steps param ``p`` (position ``index`` over all groups): always
-        unsharded; under FSDP2 the rank ``index`` modulo the mesh size."""
-        return not is_dtensor(p) or p.device_mesh.get_local_rank() == index % p.device_mesh.size()
+        unsharded; a DTensor on its owner rank (:func:`bridge.owner_step.owner_rank`)."""
+        if not is_dtensor(p):
+            return True
+        return dist.get_rank() == owner_step.owner_rank(p, index, type(self).__name__, _REMEDY)
 
     def _template(self, p, group: dict) -> dict:
         """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,
@@ -316,8 +314,8 @@ class SOAP(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout, every state a plain tensor: a quantized state is a dict of its parts.
 
-        Under FSDP2 each rank lists the whole states of the params it owns and ``step`` of the
-        others, every param included (fresh zero states for those not stepped yet): the same
+        With DTensor params each rank lists the whole states of the params it owns and ``step`` of
+        the others, every param included (fresh zero states for those not stepped yet): the same
         keys at any world size, each saved by one rank, so ``torch.distributed.checkpoint``
         loads them at another world size into the new owners' state dicts."""
         sd = super().state_dict()
@@ -340,8 +338,8 @@ class SOAP(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, shapes, dtypes) before anything is written; then torch's group restore. Under
-        FSDP2 a rank takes the states of the params it owns and ``step`` of the others."""
+        parts, shapes, dtypes) before anything is written; then torch's group restore. With
+        DTensor params a rank takes the states of the params it owns and ``step`` of the others."""
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
@@ -364,7 +362,7 @@ class SOAP(torch.optim.Optimizer):
             group = next(g for g in saved_groups if k in g["params"])
             group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
             fresh = self._template(p, group)
-            if not self._owns(ids.index(k), p):  # FSDP2: another rank keeps this param's states
+            if not self._owns(ids.index(k), p):  # another rank keeps this param's states
                 fresh = {"step": fresh["step"]}
                 entries = {name: v for name, v in entries.items() if name == "step"}
             if set(entries) != set(fresh):

@@ -58,14 +58,37 @@ def _step(fmt: str, offload: bool, world: int, **kw):
     return rec.calls, mesh.get_group()
 
 
+def _soap_step(offload: bool, world: int):
+    """One SOAP step (``skip_nonfinite=True``) under FSDP2, then one on a 1 x ``world`` mesh over
+    every process (tensor-parallel columns, as FSDP2 + TP's 2-D meshes), each recorded:
+    ``(FSDP2 calls, the mesh's group, 2-D calls)``."""
+    import bridge
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = W.shard(W.make_model(), world, offload=offload)
+    opt = bridge.SOAP(model.parameters(), skip_nonfinite=True, **W.SOAP_KW)
+    W.set_global_grads(model, 1)
+    with Recorder() as rec:
+        opt.step()
+    mesh = init_device_mesh("cpu", (1, world))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Shard(1)]))
+    p.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Shard(1)])
+    opt2 = bridge.SOAP([p], **W.SOAP_KW)
+    with Recorder() as rec2:
+        opt2.step()
+    return rec.calls, next(model.parameters()).device_mesh.get_group(), rec2.calls
+
+
 def _names(calls) -> set:
     return {c[0] for c in calls}
 
 
 def placement_worker(rank, world):
-    """AdamW4bit (rank-1 maxima, ``skip_nonfinite``) and Muon8bit (gathers and scatters), with and
-    without offload, over gloo (carries host tensors): each collective runs on the mesh's group
-    (``skip_nonfinite``'s on the default group) on the params' device, the host."""
+    """AdamW4bit (rank-1 maxima, ``skip_nonfinite``), Muon8bit and SOAP (gathers and scatters), with
+    and without offload, over gloo (carries host tensors): each collective runs on the mesh's group
+    (``skip_nonfinite``'s, and SOAP's on a 2-D mesh, on the default group) on the params' device,
+    the host."""
     for offload in (False, True):
         calls, mesh_pg = _step("4bit", offload, world, skip_nonfinite=True)
         assert calls[0] == ("all_reduce", None, "cpu"), calls[0]  # skip_nonfinite's MIN over every rank
@@ -73,6 +96,11 @@ def placement_worker(rank, world):
         calls, mesh_pg = _step("muon8bit", offload, world)
         assert _names(calls) == {"gather", "scatter"}, calls
         assert all(c[1] is mesh_pg and c[2] == "cpu" for c in calls), (offload, calls)
+        calls, mesh_pg, calls_2d = _soap_step(offload, world)
+        assert calls[0] == ("all_reduce", None, "cpu"), calls[0]  # skip_nonfinite's MIN over every rank
+        assert _names(calls[1:]) == {"gather", "scatter"}, calls
+        assert all(c[1] is mesh_pg and c[2] == "cpu" for c in calls[1:]), (offload, calls)
+        assert _names(calls_2d) == {"gather", "scatter"} and all(c[1] is None for c in calls_2d), calls_2d
 
 
 def nccl_only_worker(rank, world):

@@ -1051,7 +1051,7 @@ def _soap_host_group(world, steps=3):
             msg = str(e)
         else:
             raise AssertionError("SOAP: an offloaded step over an NCCL-only group did not raise")
-        assert msg.startswith("SOAP's gather of a param's and its gradient's rows to the owner: a collective of "
+        assert msg.startswith("SOAP's gather of a param's and its gradient's blocks to the owner: a collective of "
                               "cpu tensors"), msg
         for fix in ("init_process_group(backend='cpu:gloo,cuda:nccl')", "bridge.set_host_group(...)",
                     "carries only ['cuda']"):
@@ -1079,21 +1079,27 @@ def _soap_host_group(world, steps=3):
 
 
 def _soap_refusals(world):
-    """Shardings SOAP does not step are refused by name when the optimizer is built."""
+    """Any Shard / Replicate placement on a 1-D mesh is taken, with skip_nonfinite too
+    (tests/test_soap_tp.py steps them); a 2-D mesh over some of the processes is refused by name."""
     import bridge
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    for placement, kw, words in ((Replicate(), {}, "only FSDP2"), (Shard(1), {}, "only FSDP2"),
-                                 (Shard(0), {"skip_nonfinite": True}, "skip_nonfinite=True")):
-        p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [placement]))
-        try:
-            bridge.SOAP([p], **kw)
-        except ValueError as e:
-            assert words in str(e) and "SOAP" in str(e), e
-        else:
-            raise AssertionError(f"{placement} {kw} was not refused")
+    for placement in (Replicate(), Shard(1), Shard(0)):
+        bridge.SOAP([torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), mesh, [placement]))], skip_nonfinite=True)
+    if world == 3:  # a (1, 2) mesh over ranks 0 and 1 of 3
+        from torch.distributed.device_mesh import DeviceMesh
+
+        sub = DeviceMesh("cpu", [[0, 1]])
+        if dist.get_rank() < 2:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros(6, 4), sub, [Shard(0), Shard(1)]))
+            try:
+                bridge.SOAP([p])
+            except ValueError as e:
+                assert "a 2-D mesh must span every process" in str(e) and "SOAP" in str(e), e
+            else:
+                raise AssertionError("a 2-D mesh over 2 of 3 processes was not refused")
 
 
 SOAP_KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64)

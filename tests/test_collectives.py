@@ -69,9 +69,10 @@ def test_group_for_without_a_cpu_backend_names_the_fix(fake_world, monkeypatch):
 @gloo
 @pytest.mark.extended
 def test_each_collective_runs_on_the_mesh_group_on_the_params_device():
-    """2 gloo ranks: AdamW4bit (rank-1 maxima, skip_nonfinite) and Muon8bit (Newton-Schulz gathers
-    and scatters) under FSDP2, with and without CPUOffloadPolicy: every collective the bridge makes
-    on the mesh's group (skip_nonfinite's on the default group), on the host (the params' device)."""
+    """2 gloo ranks: AdamW4bit (rank-1 maxima, skip_nonfinite), Muon8bit (Newton-Schulz gathers
+    and scatters) and SOAP (owner gathers and scatters, skip_nonfinite) under FSDP2, with and without
+    CPUOffloadPolicy: every collective the bridge makes on the mesh's group (skip_nonfinite's, and
+    SOAP's on a 2-D mesh, on the default group), on the host (the params' device)."""
     import collectives_workers as CW
     import fsdp_workers as W
 
