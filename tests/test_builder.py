@@ -126,3 +126,24 @@ def test_made_by_builder_tells_the_two_apart():
                                    lambda s, new: s._replace(count=s.count + 1, mu=new[0]), dict(b1=0.9, b2=0.99),
                                    lambda s: s.count, init)
     assert not made_by_builder(by_hand)
+
+
+def test_a_staged_rule_is_the_builders_and_refuses_a_count_dependent_vector():
+    """``staged_rule`` marks its ``init`` as the builder does, runs the stage around the kernel
+    (here a stage that doubles the kernel's update of a plain momentum rule: SGD's first step is
+    ``u = g``), and refuses a rule whose vector depends on the count (Adam's bias correction),
+    which a stage's kernel call does not pass."""
+    def after(updates, out, new, context, params, count, inplace, offset):
+        return [2 * u for u in out], new
+
+    stage = transform.RuleStage(lambda p, record: record, lambda updates, trees: (updates, trees, None), after)
+    tx = transform.staged_rule("momentum", transform.TraceState, {}, dict(momentum=0.9), stage, state_format="fp32",
+                               block_size=None, min_quant_size=4096)
+    assert made_by_builder(tx) and tx.init.lowbit_rule.name == "momentum"
+    g = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    (u,), state = tx.update([g], tx.init([torch.zeros(4, 3)]))
+    torch.testing.assert_close(u, 2 * g, rtol=0, atol=0)
+    torch.testing.assert_close(state.trace[0], g, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="count"):
+        transform.staged_rule("adam", transform.ScaleByAdamState, {}, dict(b1=0.9, b2=0.999, eps=1e-8), stage,
+                              state_format="fp32", block_size=None, min_quant_size=4096)
