@@ -5,9 +5,9 @@ one-process state (a quantized one: a :class:`~bridge.QState` of this rank's row
 as :class:`~bridge.LowBitOptimizer` keeps its states):
 
 - ``exp_avg``, ``exp_avg_sq`` (shaped like the param): placed like the param, unless a quantized
-  one would have a block (or a 4-bit byte) cut by a column shard (tensor parallel's ``Shard(1)``)
-  or is 1-D: then by rows (``Shard(0)`` on every mesh dim), a 1-D one replicated. The owner's
-  step quantizes with the unsharded block size, so the shards cannot choose their own.
+  one (a matrix: 1-D states stay float32) would have a block (or a 4-bit byte) cut by a column
+  shard (tensor parallel's ``Shard(1)``): then by rows (``Shard(0)`` on every mesh dim). The
+  owner's step quantizes with the unsharded block size, so the shards cannot choose their own.
 - ``eigenbasis_d``, ``coupling_d`` (``(n, n)``) and ``eigenvalues_d`` (``(n,)``): ``Shard(0)`` on
   every mesh dim (``torch.chunk`` of the rows, then of each chunk); a block record's codes and
   scales are cut with its rows.
@@ -59,14 +59,11 @@ def _whole_units(p, q: QState) -> bool:
 def placements(p, name: str, t) -> tuple:
     """The placements of state ``name`` (template value ``t``: a whole state, possibly on the meta
     device) of DTensor param ``p`` (module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
 
-    n = p.device_mesh.ndim
-    if name in MOMENTS:
-        if not isinstance(t, QState) or (t.ndim >= 2 and _whole_units(p, t)):
-            return tuple(p.placements)
-        return (Shard(0),) * n if t.ndim >= 2 else (Replicate(),) * n
-    return (Shard(0),) * n
+    if name in MOMENTS and (not isinstance(t, QState) or _whole_units(p, t)):
+        return tuple(p.placements)
+    return (Shard(0),) * p.device_mesh.ndim
 
 
 def _axes(mesh, pls, ndim: int) -> dict:

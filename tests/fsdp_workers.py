@@ -1174,3 +1174,59 @@ def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3):
             opt.step()
             ref_opt.step()
         _assert_soap_states_equal(opt, model, ref_opt, ref, what + ", continued")
+
+
+def soap_full_tensor_worker(rank, world, steps=5):
+    """SOAP and SOAP4bit, ``steps`` steps (eigenbasis refreshes every 2): under FSDP2, and with
+    params placed on a 1-D mesh the ways that choose each placement of a moment (a 1-D one, float32,
+    and a quantized matrix whose shards hold whole blocks, like the param; a quantized matrix whose
+    column shards cut its blocks, by rows): every state a DTensor placed so, its
+    ``full_tensor()`` (a record's parts and value) bit for bit the one-process state's, and the
+    state gathers and scatters counted by ``communication()``."""
+    import bridge
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    whole = {"vec": (torch.randn(70, generator=g), Shard(0)), "cut": (torch.randn(9, 40, generator=g), Shard(1)),
+             "aligned": (torch.randn(4, 512, generator=g), Shard(1))}
+    for cls in (bridge.SOAP, bridge.SOAP4bit):
+        _mark(rank, "soap full_tensor", cls.__name__)
+        ref, ref_opt, model, opt = _soap_pair(cls, world, 0)
+        rps = [torch.nn.Parameter(t.clone()) for t, _ in whole.values()]
+        ps = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [pl])) for t, pl in whole.values()]
+        ropt2, opt2 = cls(rps, **SOAP_KW), cls(ps, **SOAP_KW)
+        for step in range(steps):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            for p, rp in zip(ps, rps):
+                grad = torch.randn(rp.shape, generator=torch.Generator().manual_seed(100 + step))
+                rp.grad = grad
+                p.grad = distribute_tensor(grad, mesh, p.placements, src_data_rank=None)
+            opt.step()
+            ref_opt.step()
+            opt2.step()
+            ropt2.step()
+        _assert_soap_states_equal(opt, model, ref_opt, ref, f"{cls.__name__} FSDP2")
+        for p, rp in zip(ps, rps):
+            got, want = _soap_states(opt2, p), _soap_states(ropt2, rp)
+            assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (cls.__name__, tuple(p.shape), k)
+        quantized = cls is bridge.SOAP4bit
+        for (name, (_, pl)), p in zip(whole.items(), ps):
+            st = opt2.state[p]
+            moment = {"vec": Shard(0), "cut": Shard(0) if quantized else Shard(1),
+                      "aligned": Shard(1)}[name]
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert isinstance(st[k], DTensor) and tuple(st[k].placements) == (moment,), (name, k, st[k].placements)
+                assert isinstance(st[k].to_local(), bridge.QState) == (quantized and name != "vec"), (name, k)
+            for k, v in st.items():
+                if k.startswith(("eigenbasis", "coupling", "eigenvalues")):
+                    assert tuple(v.placements) == (Shard(0),), (name, k, v.placements)
+        assert any(isinstance(v.to_local(), bridge.QState) for k, v in opt.state[next(model.parameters())].items()
+                   if k.startswith("eigenbasis")) == quantized
+        sent = torch.tensor([opt.communication()[k] for k in ("state_gather", "state_scatter")])
+        dist.all_reduce(sent)
+        assert sent.min() > 0, sent
