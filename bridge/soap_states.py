@@ -211,19 +211,13 @@ def load(v, value) -> None:
     """Copy a saved state (checked by the caller: whole shapes and dtypes) into DTensor state
     ``v``'s local storage."""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    me = dist.get_rank()
-    pls = v.placements
     local = v.to_local()
+    alongs = [part.along for part in local.kind.parts] if isinstance(local, QState) else [None]
     given = value if isinstance(value, dict) else {"": value}
-    for (name, t, boxes, _), along in zip(state_parts(v), [p.along for p in local.kind.parts]
-                                          if isinstance(local, QState) else ["param"]):
-        like = v if not name else None
-        s = given[name]
-        if like is None:
-            from torch.distributed.tensor import DTensor
-
-            like = DTensor.from_local(t, device_mesh=v.device_mesh, placements=_part_placements(pls, along),
-                                      run_check=False, shape=tuple(boxes.full[1]),
-                                      stride=_contiguous_stride(tuple(boxes.full[1])))
-        t.copy_(_saved_dtype(_local_of(s, like, boxes, me).to(t.device)))
+    for (name, t, boxes, whole), along in zip(state_parts(v), alongs):
+        like = v if along is None else DTensor.from_local(
+            t, device_mesh=v.device_mesh, placements=_part_placements(v.placements, along), run_check=False,
+            shape=whole, stride=_contiguous_stride(whole))
+        t.copy_(_saved_dtype(_local_of(given[name], like, boxes, dist.get_rank()).to(t.device)))

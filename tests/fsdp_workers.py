@@ -1181,8 +1181,9 @@ def soap_full_tensor_worker(rank, world, steps=5):
     params placed on a 1-D mesh the ways that choose each placement of a moment (a 1-D one, float32,
     and a quantized matrix whose shards hold whole blocks, like the param; a quantized matrix whose
     column shards cut its blocks, by rows): every state a DTensor placed so, its
-    ``full_tensor()`` (a record's parts and value) bit for bit the one-process state's, and the
-    state gathers and scatters counted by ``communication()``."""
+    ``full_tensor()`` (a record's parts and value) bit for bit the one-process state's, also after
+    loading the one-process state dict (whole tensors, cut to each rank's blocks), and the state
+    gathers and scatters counted by ``communication()``."""
     import bridge
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -1209,11 +1210,15 @@ def soap_full_tensor_worker(rank, world, steps=5):
             opt2.step()
             ropt2.step()
         _assert_soap_states_equal(opt, model, ref_opt, ref, f"{cls.__name__} FSDP2")
-        for p, rp in zip(ps, rps):
-            got, want = _soap_states(opt2, p), _soap_states(ropt2, rp)
-            assert sorted(got) == sorted(want), (sorted(got), sorted(want))
-            for k in want:
-                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (cls.__name__, tuple(p.shape), k)
+        # a one-process state dict (whole tensors) loads into the sharded optimizer: each rank takes its blocks
+        opt3 = cls(ps, **SOAP_KW)
+        opt3.load_state_dict(ropt2.state_dict())
+        for o in (opt2, opt3):
+            for p, rp in zip(ps, rps):
+                got, want = _soap_states(o, p), _soap_states(ropt2, rp)
+                assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+                for k in want:
+                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (cls.__name__, tuple(p.shape), k)
         quantized = cls is bridge.SOAP4bit
         for (name, (_, pl)), p in zip(whole.items(), ps):
             st = opt2.state[p]
