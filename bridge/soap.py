@@ -267,14 +267,14 @@ class SOAP(torch.optim.Optimizer):
         u, out = None, [None] * len(sharded)
         if whole is not None:
             full_state, at = {name: state[name] for name in soap_states.SCALARS}, 0
-            for k, (name, v, parts) in enumerate(sharded):
+            for name, v, parts in sharded:
                 full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
                 at += len(parts)
             u = self._unsharded_step(tx, group, p, *whole, state=full_state)
             out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
         else:
             state["step"] += 1
-        one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))
+        one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
         scalars = [state[n] for n in soap_states.SCALARS if n != "step"]
         parts = [(u, box, p.dtype)]
         parts += [(None if w is None else w[j], boxes, t.dtype) for (_, _, ps), w in zip(sharded, out)
@@ -292,10 +292,7 @@ class SOAP(torch.optim.Optimizer):
         (:func:`bridge.soap_states.create`: zeros are the core's ``init``)."""
         state = self.state[p]
         if "soap_step" not in state:
-            step = state.get("step")
             state.update(soap_states.create(p, self._whole_template(p, group)))
-            if step is not None:
-                state["step"] = step
         return state
 
     def _whole_template(self, p, group: dict) -> dict:
@@ -315,7 +312,8 @@ class SOAP(torch.optim.Optimizer):
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:
-        """One :class:`lowbit_tree.ReportRow` per state (``param{i}/{name}``), then a total."""
+        """One :class:`lowbit_tree.ReportRow` per state (``param{i}/{name}``), then a total: this
+        rank's blocks of a DTensor param's states."""
         rows = []
         for i, p in enumerate(self._params()):
             for name, value in self.state.get(p, {}).items():
