@@ -191,8 +191,9 @@ def saved(v):
         return v
     out = {}
     for (name, t, _, whole), part in zip(state_parts(v), local.kind.parts):
-        out[name] = DTensor.from_local(t, device_mesh=v.device_mesh, placements=_part_placements(v.placements, part.along),
-                                       run_check=False, shape=whole, stride=_contiguous_stride(whole))
+        out[name] = DTensor.from_local(t, device_mesh=v.device_mesh,
+                                       placements=_part_placements(v.placements, part.along), run_check=False,
+                                       shape=whole, stride=_contiguous_stride(whole))
     return out
 
 

@@ -1218,7 +1218,8 @@ def soap_full_tensor_worker(rank, world, steps=5):
                 got, want = _soap_states(o, p), _soap_states(ropt2, rp)
                 assert sorted(got) == sorted(want), (sorted(got), sorted(want))
                 for k in want:
-                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (cls.__name__, tuple(p.shape), k)
+                    what = (cls.__name__, tuple(p.shape), k)
+                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), what
         quantized = cls is bridge.SOAP4bit
         for (name, (_, pl)), p in zip(whole.items(), ps):
             st = opt2.state[p]
