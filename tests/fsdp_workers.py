@@ -1139,10 +1139,12 @@ def _assert_soap_states_equal(opt, model, ref_opt, ref, what):
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, i, k)
 
 
-def soap_dcp_save_worker(rank, world, workdir, steps=4):
+def soap_dcp_save_worker(rank, world, workdir, steps=4, helpers=False):
     """SOAP and SOAP8bit under FSDP2, ``steps`` steps, then ``dcp.save`` of ``opt.state_dict()``
-    (every state a DTensor but the 0-d scalars: each rank saves its blocks)."""
+    (every state a DTensor but the 0-d scalars: each rank saves its blocks); ``helpers``: of
+    torch's ``get_optimizer_state_dict`` (keys by param name, as torchtitan saves)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     import bridge
 
     for cls in (bridge.SOAP, bridge.SOAP8bit):
@@ -1151,21 +1153,27 @@ def soap_dcp_save_worker(rank, world, workdir, steps=4):
         for step in range(steps):
             set_global_grads(model, step)
             opt.step()
-        dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(workdir, cls.__name__))
+        sd = get_optimizer_state_dict(model, opt) if helpers else opt.state_dict()
+        dcp.save({"optim": sd}, checkpoint_id=os.path.join(workdir, cls.__name__))
 
 
-def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3):
+def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3, helpers=False):
     """The checkpoint of :func:`soap_dcp_save_worker` loaded at ``world`` ranks (blocks and owners
     change): ``full_tensor()`` of every state bit for bit the unsharded run's after ``steps``
-    steps, and the same again after ``more`` steps (an eigenbasis refresh among them)."""
+    steps, and the same again after ``more`` steps (an eigenbasis refresh among them);
+    ``helpers``: through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     import bridge
 
     for cls in (bridge.SOAP, bridge.SOAP8bit):
         ref, ref_opt, model, opt = _soap_pair(cls, world, steps)
-        sd = opt.state_dict()
+        sd = get_optimizer_state_dict(model, opt) if helpers else opt.state_dict()
         dcp.load({"optim": sd}, checkpoint_id=os.path.join(workdir, cls.__name__))
-        opt.load_state_dict(sd)
+        if helpers:
+            set_optimizer_state_dict(model, opt, sd)
+        else:
+            opt.load_state_dict(sd)
         what = f"{cls.__name__} loaded at {world} ranks"
         _assert_soap_states_equal(opt, model, ref_opt, ref, what)
         for step in range(steps, steps + more):

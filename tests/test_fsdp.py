@@ -210,3 +210,12 @@ def test_soap_dcp_save_at_2_resume_at_1_and_3(tmp_path):
     W.launch(W.soap_dcp_save_worker, 2, str(tmp_path))
     W.launch(W.soap_dcp_load_worker, 1, str(tmp_path))
     W.launch(W.soap_dcp_load_worker, 3, str(tmp_path))
+
+
+@pytest.mark.extended
+def test_soap_dcp_through_torch_state_dict_helpers(tmp_path):
+    """The same through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (what
+    torchtitan and accelerate call; keys by param name): saved at 2 ranks, loaded at 3, then 3 more
+    steps, bit for bit the unsharded run."""
+    W.launch(W.soap_dcp_save_worker, 2, str(tmp_path), 4, True)  # steps, helpers
+    W.launch(W.soap_dcp_load_worker, 3, str(tmp_path), 4, 3, True)  # steps, more, helpers
