@@ -65,15 +65,15 @@ def constexprs(rule: str, variant: dict, fmt: str, opts: dict) -> dict:
     from lowbit_tree.kernels.spec import StepSpec
 
     spec = StepSpec(rule, **variant, decay=True, lr=True)
-    kinds = []
+    storages = []
     for signed in spec.signed:
         if fmt in ("fp32", "bf16"):
-            kinds.append((ts.KIND_F32 if fmt == "fp32" else ts.KIND_BF16, 0))
+            storages.append((ts.STORAGE_F32 if fmt == "fp32" else ts.STORAGE_BF16, 0))
         else:
             f = FORMATS[STATE_FORMATS[fmt][0 if signed else 1]]
-            kinds.append((ts.KIND_Q4 if f.bits == 4 else ts.KIND_Q8, f.default_block_size))
+            storages.append((ts.STORAGE_Q4 if f.bits == 4 else ts.STORAGE_Q8, f.default_block_size))
     dt = {"f32": ts.DT_F32, "bf16": ts.DT_BF16}[opts["pdt"]]
-    key = (tuple(kinds), dt, dt, opts["write"], opts.get("sr", False), opts.get("corr", False))
+    key = (tuple(storages), dt, dt, opts["write"], opts.get("sr", False), opts.get("corr", False))
     del torch
     cx = tb._constexprs(spec, key)
     cx.pop("UNIT")  # the launcher's row padding, not a kernel argument

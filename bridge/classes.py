@@ -32,7 +32,7 @@ Every group (the constructor's defaults and each ``param_groups`` entry, also on
 added later) is checked before anything changes: hyperparameters must be numbers or
 1-element tensors in torch's ranges, flags booleans; the errors name the argument.
 
-Each class is one declaration (:class:`_Spec`: the alias it runs, torch.optim's arguments in
+Each class is one declaration (:class:`_ClassDecl`: the alias it runs, torch.optim's arguments in
 its order with its defaults, the meanings :data:`lowbit_tree.rules.ARGS` does not give for it);
 its constructor, its param group -> alias mapping, its group checks and its docstring's Args
 section are derived from it, so the API reference says what every argument does.
@@ -169,7 +169,7 @@ class TorchOptimizerBase(LowBitOptimizer):
 
 
 # ----------------------------------------------------------------------------
-# the named classes: one declaration each (_Spec), everything else derived
+# the named classes: one declaration each (_ClassDecl), everything else derived
 # ----------------------------------------------------------------------------
 def _warmup_steps(owner: str, name: str, value) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -194,7 +194,7 @@ lack would make DCP's load of them fail ("Missing key ..."); absent, the rule's 
 
 
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class _ClassDecl:
     """A named class's declaration: the core alias it runs, its arguments after ``params`` in
     its torch.optim namesake's order (``(name, default)``; those from ``keyword`` on are
     keyword-only), and what its arguments mean where :data:`lowbit_tree.rules.ARGS` does not
@@ -216,11 +216,11 @@ class _Spec:
 
 
 class _GroupKwargs:
-    """A param group -> its alias's keyword arguments, as a class's :class:`_Spec` maps them (one
+    """A param group -> its alias's keyword arguments, as a class's :class:`_ClassDecl` maps them (one
     object per class: its module makes the optimizer remember a group's split)."""
 
-    def __init__(self, spec: _Spec):
-        self.pairs = tuple((name, spec.arg(name).core) for name, _ in spec.args if spec.arg(name).core) + spec.core
+    def __init__(self, decl: _ClassDecl):
+        self.pairs = tuple((name, decl.arg(name).core) for name, _ in decl.args if decl.arg(name).core) + decl.core
 
     def __call__(self, group: dict) -> dict:
         out = {}
@@ -267,23 +267,23 @@ def _annotation(name: str, arg: rules.Arg, default) -> str:
     return out
 
 
-def declared_signature(spec: _Spec) -> inspect.Signature:
+def declared_signature(decl: _ClassDecl) -> inspect.Signature:
     """A declared class's constructor signature: ``params``, then the declaration's arguments in
-    order with their defaults and types (:func:`_annotation`), keyword-only from ``spec.keyword``
+    order with their defaults and types (:func:`_annotation`), keyword-only from ``decl.keyword``
     on. ``bridge/classes.pyi`` writes it out for static tools (:mod:`bridge.stub`)."""
     P = inspect.Parameter
     params = [P("self", P.POSITIONAL_OR_KEYWORD), P("params", P.POSITIONAL_OR_KEYWORD, annotation="ParamsT")]
     kind = P.POSITIONAL_OR_KEYWORD
-    for name, default in spec.args:
-        if name == spec.keyword:
+    for name, default in decl.args:
+        if name == decl.keyword:
             kind = P.KEYWORD_ONLY
-        params.append(P(name, kind, default=default, annotation=_annotation(name, spec.arg(name), default)))
+        params.append(P(name, kind, default=default, annotation=_annotation(name, decl.arg(name), default)))
     return inspect.Signature(params, return_annotation="None")
 
 
-def _constructor(spec: _Spec):
+def _constructor(decl: _ClassDecl):
     """The ``__init__`` a declared class gets: its signature is the declaration's."""
-    signature = declared_signature(spec)
+    signature = declared_signature(decl)
 
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
@@ -297,17 +297,17 @@ def _constructor(spec: _Spec):
 
 
 class _Declared(TorchOptimizerBase):
-    """A named class built from its :class:`_Spec` (``_spec``): its low-bit subclasses
+    """A named class built from its :class:`_ClassDecl` (``_decl``): its low-bit subclasses
     (``RMSprop8bit``) set only ``_default_format`` and a one-line ``_summary``."""
 
-    _spec: _Spec
+    _decl: _ClassDecl
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "_spec" in cls.__dict__:
-            cls.__init__ = _constructor(cls._spec)
-            cls._state_types = (_STATE_TYPES[cls._spec.rule],)
-        if cls.__dict__.get("__doc__") is None and ("_spec" in cls.__dict__ or "_summary" in cls.__dict__):
+        if "_decl" in cls.__dict__:
+            cls.__init__ = _constructor(cls._decl)
+            cls._state_types = (_STATE_TYPES[cls._decl.rule],)
+        if cls.__dict__.get("__doc__") is None and ("_decl" in cls.__dict__ or "_summary" in cls.__dict__):
             cls.__doc__ = _docstring(cls)  # ours; a user's subclass keeps its own (or inherits ours)
 
     def _prepare(self, values: dict) -> None:
@@ -315,10 +315,10 @@ class _Declared(TorchOptimizerBase):
 
     def _construct(self, params, values: dict) -> None:
         owner = type(self).__name__
-        spec = self._spec
+        decl = self._decl
         self._prepare(values)
-        for name, _ in spec.args:
-            check = spec.arg(name).check
+        for name, _ in decl.args:
+            check = decl.arg(name).check
             if check in ("betas", "betas3", "steps"):  # (as torch.optim: a bad pair fails before the params)
                 _CHECKS[check](owner, name, values[name])
         defaults = {}
@@ -330,13 +330,13 @@ class _Declared(TorchOptimizerBase):
             if name in _OPTIONAL and value == _OPTIONAL[name] and type(value) is type(_OPTIONAL[name]):
                 continue
             defaults[name] = value
-            if name == "momentum" and ("has_momentum", "has_momentum") in spec.core:
+            if name == "momentum" and ("has_momentum", "has_momentum") in decl.core:
                 defaults["has_momentum"] = value != 0  # fixed per group: whether a buffer exists
-        super().__init__(params, spec.alias, defaults, group_to_kwargs=_GroupKwargs(spec))
+        super().__init__(params, decl.alias, defaults, group_to_kwargs=_GroupKwargs(decl))
 
     def _check_group(self, owner, group):
-        for name, _ in self._spec.args:
-            check = self._spec.arg(name).check
+        for name, _ in self._decl.args:
+            check = self._decl.arg(name).check
             if check is not None and name in group:
                 _CHECKS[check](owner, name, group[name])
         self._check_rule(owner, group)
@@ -365,20 +365,20 @@ _WHEN = {"amsgrad": "``amsgrad=True``", "has_momentum": "``momentum != 0``", "ce
 def _docstring(cls) -> str:
     """The class's summary, its algorithm and its Args (meaning, default, allowed values) from
     its declaration, with its state names: the API reference's text, derived so it cannot drift."""
-    spec = getattr(cls, "_spec", None)
-    own = cls.__dict__.get("_summary") or (spec.summary if spec is not None else (cls.__doc__ or ""))
-    if spec is None:
+    decl = getattr(cls, "_decl", None)
+    own = cls.__dict__.get("_summary") or (decl.summary if decl is not None else (cls.__doc__ or ""))
+    if decl is None:
         return own
-    signature = declared_signature(spec)  # the declaration's, whatever __init__ a subclass writes
+    signature = declared_signature(decl)  # the declaration's, whatever __init__ a subclass writes
     names = [n for n in signature.parameters if n not in ("self", "params")]
     example = {state_names(*cls._state_types)[0]: "8bit"}
-    docs = {n: spec.arg(n) for n in names}
+    docs = {n: decl.arg(n) for n in names}
     if "state_format" in docs:
         a = docs["state_format"]
         docs["state_format"] = dataclasses.replace(a, doc=a.doc.format(example=repr(example)[1:-1]))
     defaults = {n: _format_default(cls, n, signature.parameters[n].default) for n in names}
     states = ", ".join(f"``{s.name}``" + (f" (with {_WHEN[s.when]})" if s.when else "")
-                       for s in rules.rule(spec.rule).states)
+                       for s in rules.rule(decl.rule).states)
     return f"{own}\n\nStates (``optimizer.state[p]``): ``step``, {states}.\n\n" + rules.args_section(names, docs, defaults)
 
 
@@ -401,8 +401,8 @@ _DECOUPLED = "Decoupled weight decay: ``p - lr * (update + weight_decay * p)``."
 _L2 = "L2 weight decay, added to the gradient before the rule (as torch.optim)."
 
 
-def _adam_spec(alias_fn, namesake: str, decay: str) -> _Spec:
-    return _Spec(
+def _adam_decl(alias_fn, namesake: str, decay: str) -> _ClassDecl:
+    return _ClassDecl(
         "adam", alias_fn,
         (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", None), ("amsgrad", False),
          *_TORCH_IMPL, *_STORAGE, ("rank1_normalization", None), ("param_correction", False)),
@@ -432,11 +432,11 @@ class _AdamBase(_Declared):
 
 
 class Adam(_AdamBase):
-    _spec = _adam_spec(alias.adam, "Adam", _L2)
+    _decl = _adam_decl(alias.adam, "Adam", _L2)
 
 
 class AdamW(_AdamBase):
-    _spec = _adam_spec(alias.adamw, "AdamW", _DECOUPLED)
+    _decl = _adam_decl(alias.adamw, "AdamW", _DECOUPLED)
     _default_wd = 1e-2
 
 
@@ -471,7 +471,7 @@ class AdamWFp8(AdamW):
 
 
 class Lion(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "lion", alias.lion,
         (("lr", 1e-4), ("betas", (0.9, 0.99)), ("weight_decay", 0.0), *_TORCH_IMPL, *_STORAGE,
          ("param_correction", False)),
@@ -495,7 +495,7 @@ class Lion4bit(Lion):
 
 
 class AdEMAMix(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "ademamix", alias.ademamix,
         (("lr", 1e-3), ("betas", (0.9, 0.999, 0.9999)), ("alpha", 5.0), ("t_alpha", None), ("t_beta3", None),
          ("eps", 1e-8), ("weight_decay", 1e-2), ("maximize", False), *_STORAGE, ("slow_state_format", None),
@@ -545,7 +545,7 @@ class AdEMAMix4bit(AdEMAMix):
 
 
 class SGD(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "momentum", alias.sgd,
         (("lr", 1e-3), ("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False),
          ("maximize", False), ("foreach", None), ("differentiable", False), ("fused", None), *_STORAGE,
@@ -574,7 +574,7 @@ class SGD8bit(SGD):
 
 
 class RMSprop(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "rmsprop", alias.rmsprop,
         (("lr", 1e-2), ("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0), ("momentum", 0), ("centered", False),
          ("capturable", False), ("foreach", None), ("maximize", False), ("differentiable", False),
@@ -607,7 +607,7 @@ class RMSpropFp8(RMSprop):
 
 
 class Adagrad(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "adagrad", alias.adagrad,
         (("lr", 1e-2), ("lr_decay", 0), ("weight_decay", 0), ("initial_accumulator_value", 0), ("eps", 1e-10),
          ("foreach", None), ("maximize", False), ("differentiable", False), ("fused", None),
@@ -638,7 +638,7 @@ class AdagradFp8(Adagrad):
 
 
 class Adamax(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "adamax", alias.adamax,
         (("lr", 2e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("foreach", None),
          ("maximize", False), ("differentiable", False), ("capturable", False), *_STORAGE, ("param_correction", False)),
@@ -669,7 +669,7 @@ class AdamaxFp8(Adamax):
 
 
 class Adadelta(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "adadelta", alias.adadelta,
         (("lr", 1.0), ("rho", 0.9), ("eps", 1e-6), ("weight_decay", 0), ("foreach", None), ("capturable", False),
          ("maximize", False), ("differentiable", False), *_STORAGE, ("param_correction", False)),
@@ -699,7 +699,7 @@ class AdadeltaFp8(Adadelta):
 
 
 class RAdam(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "radam", alias.radam,
         (("lr", 1e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("decoupled_weight_decay", False),
          ("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False), *_STORAGE,
@@ -732,7 +732,7 @@ class RAdamFp8(RAdam):
 
 
 class NAdam(_Declared):
-    _spec = _Spec(
+    _decl = _ClassDecl(
         "nadam", alias.nadam,
         (("lr", 2e-3), ("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0), ("momentum_decay", 4e-3),
          ("decoupled_weight_decay", False), ("foreach", None), ("maximize", False), ("capturable", False),

@@ -1,6 +1,6 @@
 """Writes ``bridge/classes.pyi``, the named classes' typed constructors, from their declarations.
 
-The classes' ``__init__`` is built at import from each :class:`~bridge.classes._Spec`
+The classes' ``__init__`` is built at import from each :class:`~bridge.classes._ClassDecl`
 (``classes.declared_signature``: each argument typed from its declared allowed values and its default),
 which static tools cannot run; the stub writes the same signature out, so mypy, pyright and IDEs
 see every argument and its type. It is generated, never edited:
@@ -27,7 +27,7 @@ def _public_base(cls) -> type:
 
 
 def _init(cls) -> list[str]:
-    signature = classes.declared_signature(cls._spec)
+    signature = classes.declared_signature(cls._decl)
     lines = ["    def __init__(", "        self,", "        params: ParamsT,"]
     star = False
     for p in list(signature.parameters.values())[2:]:
@@ -56,7 +56,7 @@ def render() -> str:
     for name in classes.__all__:
         cls = getattr(classes, name)
         out += ["", f"class {name}({_public_base(cls).__name__}):"]
-        out += _init(cls) if "_spec" in cls.__dict__ else ["    ..."]
+        out += _init(cls) if "_decl" in cls.__dict__ else ["    ..."]
     return "\n".join(out) + "\n"
 
 

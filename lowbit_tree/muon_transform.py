@@ -40,11 +40,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from . import kernels, moments, rules
-from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value, state_names
+from .base import STEP, GradientTransformation, ScalarOrSchedule, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
-from .transform import Fusion, run_rule
-from .tree_utils import flatten, map_leaves
+from .transform import RuleStage, staged_rule
+from .tree_utils import flatten
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
@@ -76,7 +76,7 @@ class ScaleByMuonState(NamedTuple):
     trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``);
     # with momentum_rank, quantized buffers are LowRankQTensor records
 
-    roles = {"count": STEP, "trace": "momentum_buffer"}
+    roles = rules.rule("muon").roles(STEP)
 
 
 class NSInput(NamedTuple):
@@ -241,50 +241,69 @@ def scale_by_muon(
     if isinstance(momentum, numbers.Real) and not 0 <= momentum:
         raise ValueError(f"momentum must be >= 0, got {momentum!r}")
     check_momentum_rank(momentum_rank, buffer_format)
-    spec = kernels.StepSpec("muon", nesterov=nesterov)
-    rule_hyper = rules.rule("muon").hyper(momentum=momentum)  # the vector entries, by the declaration's slots
-    hook = orthogonalize or local_orthogonalize
 
     def ns(x: torch.Tensor) -> torch.Tensor:
         return newton_schulz(x, coefficients, ns_steps, float(eps))
 
-    def init(params):
-        def buffer(p):
-            if p is not None and p.ndim != 2:
-                raise ValueError(
-                    f"Muon takes 2-D params (matrices); got one of shape {tuple(p.shape)}: give embeddings, norms, "
-                    "biases and the head to AdamW (bridge.Muon: a param group with use_muon=False; functional: "
-                    "lowbit_tree.partition)"
-                )
-            m = moments.init_moment(p, buffer_format, signed=True, block_size=block_size,
-                                    min_quant_size=min_quant_size)
-            if momentum_rank and isinstance(m, QTensor):  # the quantized buffer is the residual; zero factors
-                k = lowrank_rank(m.shape, momentum_rank)
-                rows, cols = (m.codes.new_zeros((n, k), dtype=FACTOR_DTYPE) for n in m.shape)
-                return LowRankQTensor(m.codes, m.scale, rows, cols, m.shape, m.block_size, m.format)
-            return m
+    stage = _MuonStage(nesterov, momentum_rank, orthogonalize or local_orthogonalize, ns, adjust_lr_fn,
+                       learning_rate, weight_decay)
+    return staged_rule("muon", ScaleByMuonState, dict(nesterov=nesterov), dict(momentum=momentum),
+                       RuleStage(stage.leaf, stage.before, stage.after), state_format=state_format,
+                       block_size=block_size, min_quant_size=min_quant_size)
 
-        return ScaleByMuonState(init_count(params), map_leaves(buffer, params))
 
-    def run(updates, state, params, inplace: bool, offset: int):
-        """One step; ``inplace``: the state's own tensors take the new buffer."""
+class _MuonStage(NamedTuple):
+    """Muon's stage around its kernel rule (the module docstring's steps 2-4, and the low-rank
+    buffer's residual in step 1), as :class:`~lowbit_tree.transform.RuleStage` takes it."""
+
+    nesterov: bool
+    momentum_rank: int
+    hook: Callable
+    ns: Callable
+    adjust_lr_fn: Optional[str]
+    learning_rate: Optional[ScalarOrSchedule]
+    weight_decay: Any
+
+    def leaf(self, p, m):
+        """The buffer of param ``p`` from the builder's record ``m``: a low-rank record around its
+        codes with ``momentum_rank`` (zero factors)."""
+        if p is not None and p.ndim != 2:
+            raise ValueError(
+                f"Muon takes 2-D params (matrices); got one of shape {tuple(p.shape)}: give embeddings, norms, "
+                "biases and the head to AdamW (bridge.Muon: a param group with use_muon=False; functional: "
+                "lowbit_tree.partition)"
+            )
+        if self.momentum_rank and isinstance(m, QTensor):  # the quantized buffer is the residual; zero factors
+            k = lowrank_rank(m.shape, self.momentum_rank)
+            rows, cols = (m.codes.new_zeros((n, k), dtype=FACTOR_DTYPE) for n in m.shape)
+            return LowRankQTensor(m.codes, m.scale, rows, cols, m.shape, m.block_size, m.format)
+        return m
+
+    def before(self, updates, trees):
+        """The kernel's input: the gradients and buffers, or for a low-rank buffer ``g - L`` and
+        its residual ``E`` (a new tensor: the rule's scratch state)."""
+        (trace,) = trees
         g_leaves, treespec = flatten(updates)
         for g in g_leaves:
             if g is not None and g.ndim != 2:
                 raise ValueError(f"Muon takes 2-D gradients (matrices), got shape {tuple(g.shape)}")
-        old_leaves = treespec.flatten_up_to(state.trace)
+        old_leaves = treespec.flatten_up_to(trace)
         low = [i for i, g in enumerate(g_leaves) if g is not None and isinstance(old_leaves[i], LowRankQTensor)]
-        rule_grads, rule_trace, old_low = updates, state.trace, {}
-        if low:  # the rule on the residual: state E, input g - L (module docstring)
-            g2, t2 = list(g_leaves), list(old_leaves)
-            for i in low:
-                rec = old_leaves[i]
-                old_low[i] = lowrank_expand(rec.row_factor, rec.col_factor)
-                t2[i] = kernels.dequantize_fast(rec.residual)  # a new tensor: the rule's scratch state
-                g2[i] = g_leaves[i].float().sub(old_low[i])
-            rule_grads, rule_trace = treespec.unflatten(g2), treespec.unflatten(t2)
-        u_tree, (new_trace,) = run_rule(spec, rule_hyper, rule_grads, (rule_trace,), None, 0, Fusion(),
-                                         inplace=inplace, leaf_offset=offset)
+        if not low:
+            return updates, trees, (old_leaves, {})
+        g2, t2, old_low = list(g_leaves), list(old_leaves), {}
+        for i in low:
+            rec = old_leaves[i]
+            old_low[i] = lowrank_expand(rec.row_factor, rec.col_factor)
+            t2[i] = kernels.dequantize_fast(rec.residual)
+            g2[i] = g_leaves[i].float().sub(old_low[i])
+        return treespec.unflatten(g2), (treespec.unflatten(t2),), (old_leaves, old_low)
+
+    def after(self, updates, u_tree, new_trees, context, params, count, inplace: bool, offset: int):
+        """Newton-Schulz on each leaf's input in storage form, the factors' refresh, the update."""
+        old_leaves, old_low = context
+        (new_trace,) = new_trees
+        g_leaves, treespec = flatten(updates)
         u_leaves = treespec.flatten_up_to(u_tree)
         b_leaves = treespec.flatten_up_to(new_trace)
         where = [i for i, g in enumerate(g_leaves) if g is not None]  # empty ones too: a shard may be empty
@@ -294,13 +313,13 @@ def scale_by_muon(
                 rec, res = old_leaves[i], b_leaves[i]
                 codes, scale = kernels.quantize_rows_fast(res.reshape(row_layout(res.shape)), rec.format, rec.block_size)
                 buf = LowRankQTensor(codes, scale, rec.row_factor, rec.col_factor, rec.shape, rec.block_size, rec.format)
-                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], buf, nesterov), buf, old_low[i]))
+                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], buf, self.nesterov), buf, old_low[i]))
             else:
-                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], nesterov)))
-        results = list(hook(inputs, ns)) if inputs else []
+                inputs.append(NSInput(offset + i, _ns_input(u_leaves[i], b_leaves[i], self.nesterov)))
+        results = list(self.hook(inputs, self.ns)) if inputs else []
         if len(results) != len(inputs):
             raise RuntimeError(f"orthogonalize returned {len(results)} results for {len(inputs)} inputs")
-        if low:
+        if old_low:
             for k, i in enumerate(where):
                 if i not in old_low:
                     continue
@@ -320,36 +339,20 @@ def scale_by_muon(
                     b_leaves[i] = LowRankQTensor(codes, scale, pf, rf, rec.shape, rec.block_size, rec.format)
             new_trace = treespec.unflatten(b_leaves)
         out = list(u_leaves)
-        if learning_rate is None:
+        if self.learning_rate is None:
             for i, (o, shape) in zip(where, results):
-                out[i] = o.float() * adjust_lr_ratio(shape, adjust_lr_fn)
+                out[i] = o.float() * adjust_lr_ratio(shape, self.adjust_lr_fn)
         else:
             if params is None:
                 raise ValueError("scale_by_muon(learning_rate=...) needs params: call update(updates, state, params)")
             p_leaves = treespec.flatten_up_to(params)
-            lr, wd = float(scalar_value(learning_rate, state.count)), float(weight_decay)
+            lr, wd = float(scalar_value(self.learning_rate, count)), float(self.weight_decay)
             for i, (o, shape) in zip(where, results):
                 p = p_leaves[i].float()
                 t = p * (1.0 - lr * wd)  # then in place on this new tensor: the same ops, one buffer
-                t.add_(o, alpha=-(lr * adjust_lr_ratio(shape, adjust_lr_fn)))
+                t.add_(o, alpha=-(lr * adjust_lr_ratio(shape, self.adjust_lr_fn)))
                 out[i] = t.sub_(p)
-        return treespec.unflatten(out), new_trace
-
-    def update(updates, state, params=None, **extra):
-        out, new_trace = run(updates, state, params, False, 0)
-        return out, ScaleByMuonState(state.count + 1, new_trace)
-
-    def plan(state, params, *, write=False, leaf_offset=0):
-        treespec = flatten(params)[1]
-
-        def step(updates: list) -> list:
-            out, _ = run(treespec.unflatten(list(updates)), state, params, True, leaf_offset)
-            state.count.add_(1)
-            return treespec.flatten_up_to(out)
-
-        return step
-
-    return GradientTransformation(init, update, plan)
+        return treespec.unflatten(out), (new_trace,)
 
 
 torch.serialization.add_safe_globals([ScaleByMuonState])

@@ -244,7 +244,7 @@ ARGS = {
            "rank1_normalization", static=True),
     )
 }
-"""Every argument of the classes declared with :data:`ARGS` (``bridge/classes.py``'s ``_Spec``)."""
+"""Every argument of the classes declared with :data:`ARGS` (``bridge/classes.py``'s ``_ClassDecl``)."""
 
 STATIC_ARGS = frozenset(
     [a.core for a in ARGS.values() if a.static and a.core]

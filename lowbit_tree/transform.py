@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -468,9 +468,60 @@ def trace(
                           state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
 
 
+class RuleStage(NamedTuple):
+    """What a rule's transformation does around its kernel step when that is not all of it
+    (Muon: Newton-Schulz after the kernel, low-rank buffers around it): ``leaf(param, record)``
+    is a state leaf from the builder's record of it (``moments.init_moment``'s); ``before(updates,
+    trees) -> (the kernel's updates, its state trees, context)``; ``after(updates, kernel updates,
+    new trees, context, params, count, inplace, leaf_offset) -> (updates, new trees)``. The
+    builder makes the state, runs the kernel between the two and advances the count; a staged
+    rule is not fused into a chain's kernel (its update is not elementwise)."""
+
+    leaf: Callable
+    before: Callable
+    after: Callable
+
+
+def staged_rule(name: str, state_type: type, variants: dict, rule_hyper: dict, stage: RuleStage, *,
+                state_format: StateFormat, block_size: int | None, min_quant_size: int) -> GradientTransformation:
+    """The builder's rule ``name`` with a :class:`RuleStage` around its kernel step (the arguments
+    as ``_declared_rule``'s; the rule's vector does not depend on the count)."""
+    return _declared_rule(name, state_type, variants, rule_hyper, state_format=state_format, block_size=block_size,
+                          min_quant_size=min_quant_size, stage=stage)
+
+
+def _staged_link(spec: kernels.StepSpec, stage: RuleStage, hyper: dict, trees_of, rebuild, count_of,
+                 init) -> GradientTransformation:
+    """A rule with a stage as a transformation: ``stage.before``, the kernel step (``run_rule``),
+    ``stage.after``; its plan runs the same in place and advances the count."""
+
+    def step(updates, state, params, inplace: bool, offset: int):
+        grads, trees, context = stage.before(updates, trees_of(state))
+        out, new = run_rule(spec, hyper, grads, trees, None, 0, Fusion(), inplace=inplace, leaf_offset=offset)
+        return stage.after(updates, out, new, context, params, count_of(state), inplace, offset)
+
+    def update(updates, state, params=None, **extra):
+        out, new = step(updates, state, params, False, 0)
+        return out, rebuild(state, new)
+
+    def plan(state, params, *, write=False, leaf_offset=0):
+        treespec = flatten(params)[1]
+        count = count_of(state)
+
+        def run(updates: list) -> list:
+            out, _ = step(treespec.unflatten(list(updates)), state, params, True, leaf_offset)
+            if count is not None:
+                count.add_(1)
+            return treespec.flatten_up_to(out)
+
+        return run
+
+    return GradientTransformation(init, update, plan)
+
+
 def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, state_format: StateFormat,
                    block_size: int | None, min_quant_size: int, advance=None, rank1_normalization: bool | None = False,
-                   format_args: dict | None = None) -> GradientTransformation:
+                   format_args: dict | None = None, stage: RuleStage | None = None) -> GradientTransformation:
     """A rule whose states are all its declaration says (:data:`lowbit_tree.rules.RULE_DEFS`): each
     kept state made by ``moments.init_moment`` in its format and signedness, the others ``None``;
     ``state_type`` has a ``count`` (unless the rule keeps none: :class:`TraceState`, as
@@ -482,8 +533,9 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, s
     scalars)``: this step's vector entries beyond ``rule_hyper`` and the scalars' next values.
     ``rank1_normalization``: as :func:`scale_by_adam` (``False``: no rank-1 records, the rule
     does not offer them); ``format_args``: ``moments.state_formats``' arguments beside
-    ``state_format`` (``slow_state_format``). The transformation's ``init`` carries the
-    declaration as ``lowbit_rule``: the builder's mark."""
+    ``state_format`` (``slow_state_format``); ``stage``: a :class:`RuleStage` around the kernel
+    step (:func:`staged_rule`). The transformation's ``init`` carries the declaration as
+    ``lowbit_rule``: the builder's mark."""
     declared = rules.rule(name)
     formats = moments.state_formats(state_format, declared.state_names, **(format_args or {}))
     kept = declared.kept(**variants)
@@ -496,8 +548,12 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, s
 
     def moment(s):
         rank1 = rank1_normalization is not False and moments.default_rank1(formats[s.name])
-        return lambda p: moments.init_moment(p, formats[s.name], signed=s.signed, block_size=block_size,
-                                             min_quant_size=min_quant_size, rank1=rank1)
+        def make(p):
+            record = moments.init_moment(p, formats[s.name], signed=s.signed, block_size=block_size,
+                                         min_quant_size=min_quant_size, rank1=rank1)
+            return record if stage is None else stage.leaf(p, record)
+
+        return make
 
     def init(params):
         trees = {s.field: map_leaves(moment(s), params) if s in kept else None for s in declared.states}
@@ -524,6 +580,10 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, s
             return declared.hyper(**rule_hyper(count))
     else:
         hyper = declared.hyper(**rule_hyper)
+    if stage is not None:
+        if callable(hyper) or declared.scalars or declared.bias_correction or declared.rectified:
+            raise TypeError(f"the {name} rule's vector depends on the count: a staged rule's may not")
+        return _staged_link(spec, stage, hyper, trees_of, rebuild, count_of, init)
     if not declared.scalars:
         return _rule_link(spec, trees_of, rebuild, hyper, count_of, init)
 

@@ -72,8 +72,9 @@ def _soap_step(offload: bool, world: int):
     with Recorder() as rec:
         opt.step()
     mesh = init_device_mesh("cpu", (1, world))
-    p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Shard(1)]))
-    p.grad = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0), Shard(1)])
+    gen = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4, generator=gen), mesh, [Shard(0), Shard(1)]))
+    p.grad = distribute_tensor(torch.randn(6, 4, generator=gen), mesh, [Shard(0), Shard(1)])
     opt2 = bridge.SOAP([p], **W.SOAP_KW)
     with Recorder() as rec2:
         opt2.step()

@@ -18,12 +18,7 @@ import lowbit_tree
 from lowbit_tree import rules, transform
 from lowbit_tree.base import GradientTransformation
 
-HAND_BUILT = {
-    # Muon's Newton-Schulz stage and low-rank buffers run around its kernel rule in its own update
-    # (run_rule on a residual buffer, written in place in the records); it takes the rule's vector
-    # entries from the declaration (RuleDef.hyper) but builds its state and step by hand.
-    "scale_by_muon",
-}
+HAND_BUILT: set = set()
 """The public rules not (yet) made by the builder, each with what the builder lacks for it."""
 
 EXAMPLE_ARGS = {"learning_rate": 1e-2, "momentum": 0.9, "step_size": 0.5, "max_norm": 1.0}
@@ -98,7 +93,8 @@ def test_every_rule_is_built_by_the_builder_or_a_listed_exception(public):
     hand_built = {name for name, tx in rules_by_name.items() if not made_by_builder(tx)}
     for name, tx in rules_by_name.items():
         if made_by_builder(tx):  # the mark names the rule whose states the builder made
-            assert tx.init.lowbit_rule.name == _rule_of(public[name][1]), name
+            roles = {k: v for k, v in type(public[name][1]).roles.items() if k != "count"}
+            assert tx.init.lowbit_rule.roles() == roles, name  # momentum's and muon's states share roles
     assert hand_built - HAND_BUILT == set(), (
         f"{sorted(hand_built - HAND_BUILT)} build their rule by hand: build it with transform._declared_rule "
         f"from its RuleDef")
@@ -130,3 +126,24 @@ def test_made_by_builder_tells_the_two_apart():
                                    lambda s, new: s._replace(count=s.count + 1, mu=new[0]), dict(b1=0.9, b2=0.99),
                                    lambda s: s.count, init)
     assert not made_by_builder(by_hand)
+
+
+def test_a_staged_rule_is_the_builders_and_refuses_a_count_dependent_vector():
+    """``staged_rule`` marks its ``init`` as the builder does, runs the stage around the kernel
+    (here a stage that doubles the kernel's update of a plain momentum rule: SGD's first step is
+    ``u = g``), and refuses a rule whose vector depends on the count (Adam's bias correction),
+    which a stage's kernel call does not pass."""
+    def after(updates, out, new, context, params, count, inplace, offset):
+        return [2 * u for u in out], new
+
+    stage = transform.RuleStage(lambda p, record: record, lambda updates, trees: (updates, trees, None), after)
+    tx = transform.staged_rule("momentum", transform.TraceState, {}, dict(momentum=0.9), stage, state_format="fp32",
+                               block_size=None, min_quant_size=4096)
+    assert made_by_builder(tx) and tx.init.lowbit_rule.name == "momentum"
+    g = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    (u,), state = tx.update([g], tx.init([torch.zeros(4, 3)]))
+    torch.testing.assert_close(u, 2 * g, rtol=0, atol=0)
+    torch.testing.assert_close(state.trace[0], g, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="count"):
+        transform.staged_rule("adam", transform.ScaleByAdamState, {}, dict(b1=0.9, b2=0.999, eps=1e-8), stage,
+                              state_format="fp32", block_size=None, min_quant_size=4096)

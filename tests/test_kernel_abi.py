@@ -325,11 +325,30 @@ def test_job_variant_has_bit_i_for_the_rules_ith_variant(tmp_path):
 
 
 def _instantiated_variants() -> set:
-    """``{(rule id name, VAR)}`` that cpu.c's LBT_ALL_RULES instantiates (any transform, decoding
-    or epilogue)."""
-    code = c_code((KERNELS / "cpu.c").read_text()).replace("\\\n", " ")
+    """``{(rule id name, VAR)}`` that the generated header's LBT_ALL_RULES instantiates (any
+    transform, decoding or epilogue)."""
+    code = native.abi_header().replace("\\\n", " ")
     (body,) = re.findall(r"#define LBT_ALL_RULES\s+(.*)", code)
-    return {(r, int(v)) for r, v in re.findall(r"LBT_RUN(?:5|3E|3)?\(\s*LBT_(\w+)\s*,\s*(\d+)", body)}
+    return {(r, int(v)) for r, v in re.findall(r"LBT_RUN\(\s*LBT_(\w+)\s*,\s*(\d+)", body)}
+
+
+def test_cpu_c_takes_its_instantiations_from_the_header_only():
+    """cpu.c expands the generated LBT_ALL_RULES (spec.INSTANCES) and defines no list of its own,
+    so the compiled combinations cannot drift from the declaration's rules and variants."""
+    code = c_code((KERNELS / "cpu.c").read_text())
+    assert not re.search(r"#define\s+LBT_ALL_RULES\b", code), "cpu.c defines LBT_ALL_RULES: spec.INSTANCES makes it"
+    assert code.count("LBT_ALL_RULES") >= 2, "cpu.c no longer expands LBT_ALL_RULES"
+    header = native.abi_header().replace("\\\n", " ")
+    (body,) = re.findall(r"#define LBT_ALL_RULES\s+(.*)", header)
+    runs = re.findall(r"LBT_RUN\(LBT_(\w+), (\d+), (\d+), (\d+), (\d+)\)", body)
+    assert [(r.lower(), *map(int, rest)) for r, *rest in runs] == spec.instances()
+
+
+def test_instances_refuse_a_table_that_misses_a_declared_variant(monkeypatch):
+    table = dict(spec.INSTANCES, adam=spec.INSTANCES["adam"][:1])  # amsgrad's VAR 1 left out
+    monkeypatch.setattr(spec, "INSTANCES", table)
+    with pytest.raises(ValueError, match="adam"):
+        spec.instances()
 
 
 def test_every_declared_rule_and_variant_is_instantiated():

@@ -341,18 +341,18 @@ def test_a_torch_dict_of_other_states_is_refused_naming_the_setting(saved, ours,
 
 
 @pytest.mark.parametrize("name", [n for n in bridge.__all__ if isinstance(getattr(bridge, n), type)
-                                  and "_spec" in vars(getattr(bridge, n))])
+                                  and "_decl" in vars(getattr(bridge, n))])
 def test_each_declared_argument_reaches_its_alias(name):
     """Every group key a class's declaration maps reaches an argument of the alias it runs (the
     alias signature and the declaration cannot drift apart), and every argument is declared."""
-    spec = getattr(bridge, name)._spec
-    accepted = inspect.signature(spec.alias).parameters
-    pairs = bridge.classes._GroupKwargs(spec).pairs
+    decl = getattr(bridge, name)._decl
+    accepted = inspect.signature(decl.alias).parameters
+    pairs = bridge.classes._GroupKwargs(decl).pairs
     for key, core in pairs:
-        targets = ("b1", "b2", "b3")[:len(dict(spec.args)["betas"])] if key == "betas" else (core,)
+        targets = ("b1", "b2", "b3")[:len(dict(decl.args)["betas"])] if key == "betas" else (core,)
         assert all(t in accepted for t in targets), (name, key, core)
-    for arg, _ in spec.args:
-        assert spec.arg(arg).doc, (name, arg)
+    for arg, _ in decl.args:
+        assert decl.arg(arg).doc, (name, arg)
 
 
 # ---------------------------------------------------------------------------- every backend vs numpy

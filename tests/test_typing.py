@@ -72,17 +72,17 @@ def test_the_stub_says_what_each_runtime_class_takes():
 
 @pytest.mark.parametrize("name, arg, default, expected", [
     ("lr", rules.ARGS["lr"], 1e-3, "float | Tensor"),
-    ("betas", classes.Adam._spec.arg("betas"), (0.9, 0.999), "tuple[float | Tensor, float | Tensor]"),
-    ("betas", classes.AdEMAMix._spec.arg("betas"), (0.9, 0.999, 0.9999),
+    ("betas", classes.Adam._decl.arg("betas"), (0.9, 0.999), "tuple[float | Tensor, float | Tensor]"),
+    ("betas", classes.AdEMAMix._decl.arg("betas"), (0.9, 0.999, 0.9999),
      "tuple[float | Tensor, float | Tensor, float | Tensor]"),
     ("weight_decay", rules.ARGS["weight_decay"], None, "float | None"),
     ("weight_decay", rules.ARGS["weight_decay"], 0.0, "float"),
-    ("dampening", classes.SGD._spec.arg("dampening"), 0.0, "float"),
+    ("dampening", classes.SGD._decl.arg("dampening"), 0.0, "float"),
     ("amsgrad", rules.ARGS["amsgrad"], False, "bool"),
     ("differentiable", rules.ARGS["differentiable"], False, "bool"),
     ("foreach", rules.ARGS["foreach"], None, "bool | None"),
     ("state_format", rules.ARGS["state_format"], None, "str | Mapping[str, str] | None"),
-    ("slow_state_format", classes.AdEMAMix._spec.arg("slow_state_format"), None, "str | None"),
+    ("slow_state_format", classes.AdEMAMix._decl.arg("slow_state_format"), None, "str | None"),
     ("block_size", rules.ARGS["block_size"], None, "int | None"),
     ("min_quant_size", rules.ARGS["min_quant_size"], 4096, "int"),
 ])

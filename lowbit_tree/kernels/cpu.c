@@ -1837,29 +1837,9 @@ typedef struct {
  * rule's i-th declared variant flag, e.g. RMSPROP has_momentum 1 and centered 2) */
 static inline int job_variant(const lbt_job *J) { return LBT_JOB_VARIANT((int)J->rule, (int)J->flags); }
 
-/* Every instantiated (rule, variant, transform, decoded, epilogue) combination, in terms of
- * LBT_RUN / LBT_RUN5 / LBT_RUN3, which each rule_variant* defines before expanding it. */
-#define LBT_ALL_RULES                                                                                \
-    LBT_RUN5(LBT_ADAM, 0, 0, 0) LBT_RUN5(LBT_ADAM, 0, 1, 0) LBT_RUN5(LBT_ADAM, 0, 2, 0)              \
-    LBT_RUN5(LBT_ADAM, 0, 1, 1) LBT_RUN5(LBT_ADAM, 0, 2, 1)                                          \
-    LBT_RUN3(LBT_ADAM, 1, 0, 0) LBT_RUN3(LBT_ADAM, 1, 1, 0) LBT_RUN3(LBT_ADAM, 1, 2, 0)              \
-    LBT_RUN3(LBT_ADAM, 1, 1, 1) LBT_RUN3(LBT_ADAM, 1, 2, 1)                                          \
-    LBT_RUN5(LBT_LION, 0, 0, 0)                                                                      \
-    LBT_RUN5(LBT_ADEMAMIX, 0, 0, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 1, 0) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 0)  \
-    LBT_RUN5(LBT_ADEMAMIX, 0, 1, 1) LBT_RUN5(LBT_ADEMAMIX, 0, 2, 1)                                  \
-    LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 0, 0, 0, 3) \
-    LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 0) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 1) LBT_RUN(LBT_MOMENTUM, 1, 0, 0, 3) \
-    LBT_RUN(LBT_MUON, 0, 0, 0, 0) LBT_RUN(LBT_MUON, 1, 0, 0, 0)                                       \
-    LBT_RUN3E(LBT_RMSPROP, 0) LBT_RUN3E(LBT_RMSPROP, 1) LBT_RUN3E(LBT_RMSPROP, 2) LBT_RUN3E(LBT_RMSPROP, 3) \
-    LBT_RUN3E(LBT_ADAGRAD, 0) LBT_RUN3E(LBT_ADAMAX, 0) LBT_RUN3E(LBT_ADADELTA, 0)                  \
-    LBT_RUN3E(LBT_RADAM, 0) LBT_RUN(LBT_RADAM, 0, 0, 0, 2) LBT_RUN(LBT_RADAM, 0, 0, 0, 4)           \
-    LBT_RUN3E(LBT_NADAM, 0) LBT_RUN(LBT_NADAM, 0, 0, 0, 2) LBT_RUN(LBT_NADAM, 0, 0, 0, 4)
-/* the rules without a state transform or decoded states and without decoupled decay (L2 only):
- * the epilogues EPW 0, 1 (lr, in place) and 3 (lr, the update) */
-#define LBT_RUN3E(R, V) LBT_RUN(R, V, 0, 0, 0) LBT_RUN(R, V, 0, 0, 1) LBT_RUN(R, V, 0, 0, 3)
-#define LBT_RUN5(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2) \
-    LBT_RUN(R, V, T, DC, 3) LBT_RUN(R, V, T, DC, 4)
-#define LBT_RUN3(R, V, T, DC) LBT_RUN(R, V, T, DC, 0) LBT_RUN(R, V, T, DC, 1) LBT_RUN(R, V, T, DC, 2)
+/* Every instantiated (rule, variant, transform, decoded, epilogue) combination is the generated
+ * header's LBT_ALL_RULES (spec.INSTANCES), in terms of LBT_RUN, which each rule_variant* defines
+ * before expanding it. */
 
 /* The plain float32 combinations with their old states read from io->in (SEP). A function of
  * its own, not inlined: with these instantiations beside the others in one function, GCC's
@@ -1899,9 +1879,6 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
 #undef LBT_RUN
     return 0;
 }
-#undef LBT_RUN3
-#undef LBT_RUN3E
-#undef LBT_RUN5
 #undef LBT_ALL_RULES
 
 /* The rule with its epilogue fused where an instantiation exists, else the rule

@@ -68,7 +68,7 @@ class KernelPlan:
         if which == "triton":  # held in a launch whose address table is built once (triton_backend.TritonSteps)
             return which
         if which == "compiled":  # (a single row with quantized states steps eagerly: torch_backend.compiles)
-            return which if torch_backend.compiles(g.shape, torch_backend.state_kinds(states)) else None
+            return which if torch_backend.compiles(g.shape, torch_backend.state_storages(states)) else None
         if which == "native" and native_ok(StepLeaf(p, g, states, self.indices[k], self.corrections[k]), self.write):
             return which
         return None
@@ -89,15 +89,15 @@ class KernelPlan:
             elif which == "compiled":
                 p, corr = self.params[k], self.corrections[k]
                 stochastic = self.write and self._stochastic and p.dtype is torch.bfloat16 and corr is None
-                kinds = torch_backend.state_kinds(self.states[k])
-                key = (kinds, stochastic, g.device, torch_backend.leaf_class(p, g, kinds, corr))
+                storages = torch_backend.state_storages(self.states[k])
+                key = (storages, stochastic, g.device, torch_backend.leaf_class(p, g, storages, corr))
                 compiled.setdefault(key, []).append(k)
             else:
                 (self._native if which == "native" else self._other).append(k)
         self._compiled = []
-        for (kinds, stochastic, _, _), ks in compiled.items():
+        for (storages, stochastic, _, _), ks in compiled.items():  # storages: "triton" for a Triton launch
             leaves = [(self.params[k], grads[k], self.states[k], self.indices[k], self.corrections[k]) for k in ks]
-            if kinds == "triton":
+            if storages == "triton":
                 from . import triton_backend  # imports triton: only on that backend
 
                 steps = triton_backend.TritonSteps(self.spec, leaves, write=self.write, sr=stochastic)

@@ -2,7 +2,7 @@
 
 :func:`~lowbit_tree.kernels.run_step` builds every leaf's ``lbt_job`` row on every call: the
 backend choice, the checks of every tensor, the flags, the format tables. A pure ``tx.update``
-in a training loop sees the same structure every call (leaf shapes, dtypes, state kinds and
+in a training loop sees the same structure every call (leaf shapes, dtypes, state record classes and
 formats) in new tensors. :class:`PureRows` keeps the rows of the first call, and a later call of
 the same structure copies them and writes in the addresses of its own tensors (gradient,
 param, new update, each state's old and new parts, the hyperparameter vector) after checking
@@ -34,7 +34,7 @@ _STATE = [tuple(job_row_index(f, k) for f in ("in", "out", "scale_in", "scale_ou
 
 def _signature(spec: StepSpec, leaves: Sequence[StepLeaf]) -> Optional[tuple]:
     """What the rows are built for: per leaf the gradient's and param's dtype and shape, each
-    state's kind, format, block size and shape; ``None`` for leaves the rows never take."""
+    state's record class (or dtype), format, block size and shape; ``None`` for leaves the rows never take."""
     sig = [spec]
     for leaf in leaves:
         g, p = leaf.grad, leaf.param

@@ -62,6 +62,7 @@ from ..rules import RULE_DEFS, VARIANT_FLAGS
 __all__ = [
     "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "radam_terms", "nadam_terms", "FLAGS", "flag_bits",
     "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
+    "INSTANCES", "instances",
 ]
 
 RULES = tuple(RULE_DEFS)
@@ -129,6 +130,49 @@ STATE_SLOTS = 3
 
 JOB_ROW = len(JOB_HEADER) + STATE_SLOTS * len(STATE_FIELDS)
 """int64 entries of one job row."""
+
+
+_BLOCK_PATHS = ((0, 0), (1, 0), (2, 0), (1, 1), (2, 1))
+_PLAIN = ((0, 0),)
+_ALL_EPILOGUES = (0, 1, 2, 3, 4)
+_L2_EPILOGUES = (0, 1, 3)
+
+INSTANCES = {
+    "adam": ((0, _BLOCK_PATHS, _ALL_EPILOGUES), (1, _BLOCK_PATHS, (0, 1, 2))),
+    "lion": ((None, _PLAIN, _ALL_EPILOGUES),),
+    "ademamix": ((None, _BLOCK_PATHS, _ALL_EPILOGUES),),
+    "momentum": ((None, _PLAIN, _L2_EPILOGUES),),
+    "muon": ((None, _PLAIN, (0,)),),
+    "rmsprop": ((None, _PLAIN, _L2_EPILOGUES),),
+    "adagrad": ((None, _PLAIN, _L2_EPILOGUES),),
+    "adamax": ((None, _PLAIN, _L2_EPILOGUES),),
+    "adadelta": ((None, _PLAIN, _L2_EPILOGUES),),
+    "radam": ((None, _PLAIN, (0, 1, 3, 2, 4)),),
+    "nadam": ((None, _PLAIN, (0, 1, 3, 2, 4)),),
+}
+"""Which of cpu.c's ``rule_run`` combinations are compiled, per rule (a build choice: the others
+run EPW 0 and ``epilogue_pass``): ``((VAR or None: every declared variant, ((TR, DEC), ...),
+(EPW, ...)), ...)``, TR the second moments' storage transform, DEC states decoded from 8-bit
+codes in the loop, EPW the fused epilogue (cpu.c's ``rule_run``). The generated header's
+``LBT_ALL_RULES`` is :func:`instances`, in this order."""
+
+
+def instances() -> list[tuple[str, int, int, int, int]]:
+    """``[(rule, VAR, TR, DEC, EPW)]`` from :data:`INSTANCES`, each declared rule and variant
+    (``VAR`` 0 .. ``2**len(RuleDef.variants) - 1``) covered; a ValueError naming a rule or
+    variant the table misses or has beyond the declaration."""
+    if set(INSTANCES) != set(RULES):
+        raise ValueError(f"spec.INSTANCES' rules {sorted(INSTANCES)} are not the declared {sorted(RULES)}")
+    out = []
+    for rule in RULES:
+        declared = range(2 ** len(RULE_DEFS[rule].variants))
+        covered = [(v, paths, epilogues) for var, paths, epilogues in INSTANCES[rule]
+                   for v in (declared if var is None else (var,))]
+        if sorted(v for v, _, _ in covered) != list(declared):
+            raise ValueError(f"spec.INSTANCES[{rule!r}] covers variants {[v for v, _, _ in covered]}; the rule "
+                             f"declares {list(declared)}, each once")
+        out.extend((rule, v, tr, dec, epw) for v, paths, epilogues in covered for tr, dec in paths for epw in epilogues)
+    return out
 
 
 def job_row_index(field: str, slot: Optional[int] = None) -> int:

@@ -243,7 +243,7 @@ def _rule(spec: StepSpec, hyper, g: torch.Tensor, p: Optional[torch.Tensor], old
     return u, news
 
 
-def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, write, sr):
+def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, storages, write, sr):
     """One leaf's step on plain tensors (eager, or compiled by :func:`_compiled`).
 
     ``leaf_index`` (the leaf's stochastic-rounding index) is a 0-d int64 tensor, not a
@@ -253,7 +253,7 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, 
     value, and the new correction follows ``out`` in the results.
 
     ``state_tensors``: per state, ``(codes, scale, decode, base, thresholds, encode)``
-    for ``("q", ...)`` kinds, ``(values,)`` for plain ones. Returns ``(out, *new
+    for ``("q", ...)`` storages, ``(values,)`` for plain ones. Returns ``(out, *new
     state tensors)``: ``out`` the float32 update, or with ``write`` the new param
     in ``p``'s dtype.
     """
@@ -262,13 +262,13 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, 
     rows, r = g2.shape
     p2 = None if p is None else p.reshape(rows, r).float()
     # the row's parity matters to 4-bit codes only; asked otherwise it would be a guard (a graph per parity)
-    odd = bool(r % 2) if any(k[0] == "q" and FORMATS[k[1]].bits == 4 for k in kinds) else False
+    odd = bool(r % 2) if any(k[0] == "q" and FORMATS[k[1]].bits == 4 for k in storages) else False
     olds, it = [], iter(state_tensors)
-    for kind in kinds:
-        if kind[0] == "q":
+    for storage in storages:
+        if storage[0] == "q":
             codes, scale, decode = next(it), next(it), next(it)
             next(it), next(it), next(it)
-            olds.append(_dequantize_core(codes, scale, decode, kind[1], kind[2], odd))
+            olds.append(_dequantize_core(codes, scale, decode, storage[1], storage[2], odd))
         else:
             olds.append(next(it).reshape(rows, r).float())
     u, news = _rule(spec, hyper, g2, p2, olds)
@@ -287,18 +287,18 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, kinds, 
     results, it = [out.reshape(g.shape)], iter(state_tensors)
     if new_corr is not None:
         results.append(new_corr.reshape(g.shape))
-    for kind, new in zip(kinds, news):
-        if kind[0] == "q":
+    for storage, new in zip(storages, news):
+        if storage[0] == "q":
             next(it), next(it), next(it)
             base, thresholds, encode = next(it), next(it), next(it)
-            results.extend(_quantize_core(new, base, thresholds, encode, kind[1], kind[2]))
+            results.extend(_quantize_core(new, base, thresholds, encode, storage[1], storage[2]))
         else:
             values = next(it)
-            results.append(new.to(kind[1]).reshape(values.shape))
+            results.append(new.to(storage[1]).reshape(values.shape))
     return tuple(results)
 
 
-def _step_many_core(hyper, key, *flat, spec, kinds, write, sr, width):
+def _step_many_core(hyper, key, *flat, spec, storages, write, sr, width):
     """:func:`_step_core` of several leaves of one static combination in one graph: ``flat``
     holds ``width`` tensors per leaf (param, gradient, index, correction, then its state
     tensors).
@@ -308,7 +308,8 @@ def _step_many_core(hyper, key, *flat, spec, kinds, write, sr, width):
     hyper = _hyper(hyper)
     for k in range(0, len(flat), width):
         p, g, index, corr, *tensors = flat[k:k + width]
-        out.extend(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
+        out.extend(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, storages=storages, write=write,
+                              sr=sr))
     return tuple(out)
 
 
@@ -340,7 +341,7 @@ def _pack_consts(formats: tuple, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _step_inplace_core(key, consts, *flat, spec, kinds, write, sr, formats, leaf_class):
+def _step_inplace_core(key, consts, *flat, spec, storages, write, sr, formats, leaf_class):
     """:func:`_step_core` of several leaves of one static combination in one graph, in place:
     each leaf's new state tensors (and with ``write`` its new param and correction) are
     copied into its own tensors inside the graph, so inductor writes them where they lie.
@@ -355,14 +356,15 @@ def _step_inplace_core(key, consts, *flat, spec, kinds, write, sr, formats, leaf
     tables = {}
     for f, ((d0, d1), (b0, b1), (t0, t1), (e0, e1)) in _consts_layout(formats)[1].items():
         tables[f] = (words[d0:d1], consts[b0:b1], words[t0:t1], consts[e0:e1].to(torch.uint8))
-    width = 4 + sum(2 if kind[0] == "q" else 1 for kind in kinds)
+    width = 4 + sum(2 if storage[0] == "q" else 1 for storage in storages)
     outs = []
     for k in range(0, len(flat), width):
         p, g, index, corr, *own = flat[k:k + width]
         tensors, it = [], iter(own)
-        for kind in kinds:
-            tensors += [next(it), next(it), *tables[kind[1]]] if kind[0] == "q" else [next(it)]
-        res = iter(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, kinds=kinds, write=write, sr=sr))
+        for storage in storages:
+            tensors += [next(it), next(it), *tables[storage[1]]] if storage[0] == "q" else [next(it)]
+        res = iter(_step_core(p, g, hyper, key, index, corr, *tensors, spec=spec, storages=storages, write=write,
+                              sr=sr))
         out = next(res)
         if write:
             p.copy_(out)
@@ -412,14 +414,14 @@ _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _s
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, static: tuple, device_type: str):
+def _compiled(core: str, static: tuple, device_type: str):
     """One compiled callable per (kernel, static arguments, device type): dynamic shapes,
     without duck sizing (two sizes that happen to be equal at the first call would
     otherwise become one symbol, and the next shape a second graph). Duck sizing is switched
     off around every call, not only the first: dynamo's guards check the setting, and a
     call without it compiles again."""
     fn = torch.compile(
-        _bind_static(_CORES[kind], dict(static)), dynamic=True, fullgraph=True, options=_compile_options(device_type)
+        _bind_static(_CORES[core], dict(static)), dynamic=True, fullgraph=True, options=_compile_options(device_type)
     )
     patch = _no_duck_shapes()  # one context manager, entered at each call (building one costs a class)
 
@@ -436,10 +438,10 @@ def _no_duck_shapes():
     return _config.patch(use_duck_shape=False)
 
 
-def _run(kind: str, tensors: tuple, static: dict, device: torch.device, compile: bool):
+def _run(core: str, tensors: tuple, static: dict, device: torch.device, compile: bool):
     if compile:
-        return _compiled(kind, tuple(sorted(static.items())), device.type)(*tensors)
-    return _CORES[kind](*tensors, **static)
+        return _compiled(core, tuple(sorted(static.items())), device.type)(*tensors)
+    return _CORES[core](*tensors, **static)
 
 
 BATCH = 2
@@ -459,8 +461,8 @@ def _chunks(count: int) -> list:
     return [[k if k < count else None for k in range(s, s + BATCH)] for s in range(0, count, BATCH)]
 
 
-def compiles(shape, kinds: tuple) -> bool:
-    """Whether a leaf of this shape with states ``kinds`` runs through a compiled graph; else
+def compiles(shape, storages: tuple) -> bool:
+    """Whether a leaf of this shape with states ``storages`` runs through a compiled graph; else
     eagerly (the same bits). A single row (its 2-D row view) with a quantized state does not:
     inductor 2.13 (CPU, ``dynamic=True``) miscompiles block quantization of a ``(1, R)`` row
     view (a size-1 dim that dynamo makes a constant): the codes came out all zero, and with two
@@ -469,12 +471,12 @@ def compiles(shape, kinds: tuple) -> bool:
     drops a loop's last ``R % block_size`` iterations (pytorch issue 195582)."""
     from ..qtensor import row_layout
 
-    return row_layout(shape)[0] != 1 or not any(kind[0] == "q" for kind in kinds)
+    return row_layout(shape)[0] != 1 or not any(storage[0] == "q" for storage in storages)
 
 
-def shape_class(shape, kinds: tuple) -> tuple:
+def shape_class(shape, storages: tuple) -> tuple:
     """What a compiled graph is specialized on besides its static combination, for a leaf of
-    this shape and state kinds: which dims are 1 (dynamo makes a size-1 dim a constant), and
+    this shape and state storages: which dims are 1 (dynamo makes a size-1 dim a constant), and
     per quantized state whether a row is a single block (its scale then has a size-1 dim),
     with 4-bit codes also the row's parity and whether its codes are one byte. Leaves of one
     class share a graph whatever their sizes; a call takes leaves of one class only."""
@@ -482,16 +484,16 @@ def shape_class(shape, kinds: tuple) -> tuple:
 
     r = row_layout(shape)[1]
     per_state = tuple(
-        (-(-r // kind[2]) == 1,) + ((r % 2, (r + 1) // 2 == 1) if FORMATS[kind[1]].bits == 4 else ())
-        for kind in kinds if kind[0] == "q"
+        (-(-r // storage[2]) == 1,) + ((r % 2, (r + 1) // 2 == 1) if FORMATS[storage[1]].bits == 4 else ())
+        for storage in storages if storage[0] == "q"
     )
     return tuple(d == 1 for d in shape), per_state
 
 
-def leaf_class(p, g, kinds: tuple, corr) -> tuple:
+def leaf_class(p, g, storages: tuple, corr) -> tuple:
     """What leaves must share to go through one compiled call: :func:`shape_class`, the
     param's and the gradient's dtypes, with or without a correction (each a graph of its own)."""
-    return shape_class(g.shape, kinds), None if p is None else p.dtype, g.dtype, corr is not None
+    return shape_class(g.shape, storages), None if p is None else p.dtype, g.dtype, corr is not None
 
 
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
@@ -518,19 +520,19 @@ def step_leaf(spec: StepSpec, hyper: torch.Tensor, p, g, states: Sequence[Any], 
     float tensors. Returns ``(out, new_states, new_correction)`` (see :func:`_step_core`;
     ``new_correction`` is ``None`` without a ``correction``)."""
     device = g.device
-    kinds, tensors = _state_inputs(states, device)
-    static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
+    storages, tensors = _state_inputs(states, device)
+    static = {"spec": spec, "storages": storages, "write": write, "sr": sr}
     h = hyper.to(device=device, dtype=torch.float32)
     index = torch.tensor(leaf_index, dtype=torch.int64, device=device) if sr else None
     if isinstance(p, torch.nn.Parameter):  # dynamo keeps a Parameter's shape static: one graph per shape
         p = p.detach()
-    compile = compile and compiles(g.shape, kinds)
+    compile = compile and compiles(g.shape, storages)
     res = _run("step", (p, g, h, key, index, correction, *tensors), static, device, compile)
     k = 1 if correction is None else 2
     return res[0], _new_states(states, res[k:]), (res[1] if correction is not None else None)
 
 
-def state_kinds(states) -> tuple:
+def state_storages(states) -> tuple:
     """The static description of a leaf's states: ``("q", format, block size)`` per
     quantized record, ``("plain", dtype)`` per tensor."""
     from ..qtensor import QTensor
@@ -548,7 +550,7 @@ def _state_inputs(states, device) -> tuple[tuple, list]:
             tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode]
         else:
             tensors.append(s)
-    return state_kinds(states), tensors
+    return state_storages(states), tensors
 
 
 def _new_states(states, results) -> list:
@@ -569,7 +571,7 @@ def _new_states(states, results) -> list:
 def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bool, sr: bool = False,
                 key: Optional[torch.Tensor] = None) -> list:
     """The compiled step of several leaves ``(param, grad, states, leaf_index, correction)``
-    (pure: new tensors out), those of one static combination (rule, state kinds and formats,
+    (pure: new tensors out), those of one static combination (rule, state storages and formats,
     ``write``, ``sr``, with or without a correction) and shape class in calls of
     :data:`BATCH` (the last call filled up with a repeat of its first leaf, whose results are
     dropped). Returns ``(out, new_states, new_correction)`` per leaf, the bits of
@@ -577,22 +579,22 @@ def step_leaves(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write:
     groups: dict = {}
     prepared, eager = [], []
     for p, g, states, index, corr in leaves:
-        kinds, tensors = _state_inputs(states, g.device)
+        storages, tensors = _state_inputs(states, g.device)
         if isinstance(p, torch.nn.Parameter):
             p = p.detach()
         idx = torch.tensor(index, dtype=torch.int64, device=g.device) if sr else None
         prepared.append((p, g, idx, corr, tensors, states))
-        if not compiles(g.shape, kinds):
+        if not compiles(g.shape, storages):
             eager.append((len(prepared) - 1, index))
             continue
-        groups.setdefault((kinds, g.device, leaf_class(p, g, kinds, corr)), []).append(len(prepared) - 1)
+        groups.setdefault((storages, g.device, leaf_class(p, g, storages, corr)), []).append(len(prepared) - 1)
     results: list = [None] * len(prepared)
     for j, index in eager:
         p, g, _, corr, _, states = prepared[j]
         results[j] = step_leaf(spec, hyper, p, g, states, write=write, sr=sr, key=key, leaf_index=index,
                                correction=corr)
-    for (kinds, device, (*_, corrected)), members in groups.items():
-        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr}
+    for (storages, device, (*_, corrected)), members in groups.items():
+        static = {"spec": spec, "storages": storages, "write": write, "sr": sr}
         width = 4 + len(prepared[members[0]][4])
         h = hyper.to(device=device, dtype=torch.float32)
         fn = _compiled("step_many", tuple(sorted({**static, "width": width}.items())), device.type)
@@ -634,7 +636,7 @@ def _scratch_leaf(p, g, states, index, corr) -> list:
 
 class CompiledSteps:
     """The compiled in-place step of fixed leaves ``(param, gradient, states, leaf_index,
-    correction)`` of one static combination (rule, state kinds and formats, ``write``, ``sr``,
+    correction)`` of one static combination (rule, state storages and formats, ``write``, ``sr``,
     with or without a correction; one device) and shape class (:func:`shape_class`),
     prepared once: the arguments of each call (the shared code tables once, then per leaf its
     tensors) are laid out at construction, and a step puts in the gradients and makes one call
@@ -646,14 +648,14 @@ class CompiledSteps:
     def __init__(self, spec: StepSpec, leaves: Sequence, *, write: bool, sr: bool):
         from ..qtensor import QTensor
 
-        kinds = state_kinds(leaves[0][2])
-        classes = {leaf_class(p, g, state_kinds(states), corr) for p, g, states, _, corr in leaves}
+        storages = state_storages(leaves[0][2])
+        classes = {leaf_class(p, g, state_storages(states), corr) for p, g, states, _, corr in leaves}
         if len(classes) != 1:
             raise ValueError(f"CompiledSteps takes leaves of one shape class, param and gradient dtype, with or "
-                             f"without a correction; got {len(classes)} kinds")
-        if not all(compiles(g.shape, kinds) for _, g, _, _, _ in leaves):
+                             f"without a correction; got {len(classes)} classes")
+        if not all(compiles(g.shape, storages) for _, g, _, _, _ in leaves):
             raise ValueError("CompiledSteps takes no single-row leaf with quantized states (see compiles)")
-        formats = tuple(dict.fromkeys(kind[1] for kind in kinds if kind[0] == "q"))
+        formats = tuple(dict.fromkeys(storage[1] for storage in storages if storage[0] == "q"))
         self.write, self.sr = write, sr
         self.device = None
         per_leaf = []
@@ -670,7 +672,7 @@ class CompiledSteps:
             p, g, states, _, corr = min(leaves, key=lambda leaf: leaf[1].numel())
             per_leaf.append(_scratch_leaf(None if p is None else p.detach(), g, states,
                                           per_leaf[0][2], corr))
-        static = {"spec": spec, "kinds": kinds, "write": write, "sr": sr, "formats": formats,
+        static = {"spec": spec, "storages": storages, "write": write, "sr": sr, "formats": formats,
                   "leaf_class": classes.pop()}
         self._fn = _compiled("step_inplace", tuple(sorted(static.items())), self.device.type)
         self._consts = _pack_consts(formats, self.device)

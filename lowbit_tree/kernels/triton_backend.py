@@ -1,5 +1,5 @@
 """The Triton backend (``LOWBIT_TREE_BACKEND=triton``): launches :mod:`.triton_step`'s kernel
-over a step's leaves, one launch per static combination (rule, variant, state kinds and block
+over a step's leaves, one launch per static combination (rule, variant, state storages and block
 sizes, param / gradient dtype, write, stochastic rounding, param correction; the fused links are
 runtime flags), over a table of the leaves' addresses built once per combination
 (:class:`TritonLaunch`, as the native kernel's job rows; :class:`TritonSteps` holds them in a
@@ -58,15 +58,15 @@ def format_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return ftab.to(device), etab.to(device)
 
 
-def _kind(s) -> tuple[int, int]:
-    """(slot kind, block size) of a state leaf."""
+def _storage(s) -> tuple[int, int]:
+    """(how the slot is stored: ``triton_step.STORAGE_*``, block size) of a state leaf."""
     if isinstance(s, QTensor):
-        return (ts.KIND_Q4 if get_format(s.format).bits == 4 else ts.KIND_Q8), int(s.block_size)
+        return (ts.STORAGE_Q4 if get_format(s.format).bits == 4 else ts.STORAGE_Q8), int(s.block_size)
     if isinstance(s, Record):
         raise NotImplementedError(f"the triton backend has no kernel for {type(s).__name__} records (rank-1 and "
                                   "low-rank states); use LOWBIT_TREE_BACKEND=native on CPU or compiled")
     if isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16):
-        return (ts.KIND_F32 if s.dtype is torch.float32 else ts.KIND_BF16), 0
+        return (ts.STORAGE_F32 if s.dtype is torch.float32 else ts.STORAGE_BF16), 0
     raise TypeError(f"the triton backend takes QTensor records and float32 / bfloat16 states, got "
                     f"{type(s).__name__} {getattr(s, 'dtype', '')}")
 
@@ -101,19 +101,19 @@ def tile_length(block_sizes: Sequence[int]) -> int:
 def launch_key(spec: StepSpec, p: Optional[torch.Tensor], g: torch.Tensor, states: Sequence, write: bool,
                stochastic: bool, corrected: bool = False) -> tuple:
     """The static combination a leaf compiles to (its launch groups with the others of the same key)."""
-    kinds = [_kind(s) for s in states]
-    return (tuple(kinds), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic, corrected)
+    storages = [_storage(s) for s in states]
+    return (tuple(storages), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic, corrected)
 
 
 def _constexprs(spec: StepSpec, key: tuple) -> dict:
-    kinds, pdt, gdt, write, stochastic, corrected = (tuple(key) + (False,))[:6]
-    kinds = list(kinds) + [(0, 0)] * (3 - len(kinds))
-    L, unit = tile_length([b for _, b in kinds]), tile_unit([b for _, b in kinds])
+    storages, pdt, gdt, write, stochastic, corrected = (tuple(key) + (False,))[:6]
+    storages = list(storages) + [(0, 0)] * (3 - len(storages))
+    L, unit = tile_length([b for _, b in storages]), tile_unit([b for _, b in storages])
     tile = triton_next_pow2(L)
     out = dict(RULE=RULES.index(spec.rule), VAR=spec.variant, NS=spec.nstates, PDT=pdt, GDT=gdt,
                P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile)
     out["UNIT"] = unit  # not a kernel argument: the launcher's row padding
-    for i, (k, b) in enumerate(kinds):
+    for i, (k, b) in enumerate(storages):
         out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
         out[f"NB{i}"] = triton_next_pow2(-(-tile // b)) if b else 1
     return out
@@ -259,7 +259,7 @@ def _inplace_slot(s) -> "_Slot":
     if isinstance(s, QTensor):
         codes = s.codes.view(torch.uint8)
         return _Slot(codes, codes, s.scale, s.scale, FORMAT_IDS[s.format])
-    _kind(s)  # the error for what the kernel does not take
+    _storage(s)  # the error for what the kernel does not take
     if not s.is_contiguous():
         raise ValueError("the triton backend steps contiguous states in place")
     return _Slot(s, s, None, None, 0)

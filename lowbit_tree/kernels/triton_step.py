@@ -24,7 +24,7 @@ import triton.language as tl
 from .spec import HYPER_NAMES, RULE_IDS
 
 __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
-           "KIND_F32", "KIND_BF16", "KIND_Q8", "KIND_Q4", "DT_F32", "DT_BF16", "DT_F16"]
+           "STORAGE_F32", "STORAGE_BF16", "STORAGE_Q8", "STORAGE_Q4", "DT_F32", "DT_BF16", "DT_F16"]
 
 TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam",
                 "nadam")
@@ -45,7 +45,7 @@ FMT_STRIDE = 520
 """float32 entries per format in the format table: 256 decoded values, 256 thresholds (+inf
 padded), then divisor, last index, sqrt flag, unsigned flag."""
 
-KIND_F32, KIND_BF16, KIND_Q8, KIND_Q4 = 0, 1, 8, 4
+STORAGE_F32, STORAGE_BF16, STORAGE_Q8, STORAGE_Q4 = 0, 1, 8, 4
 DT_F32, DT_BF16, DT_F16 = 0, 1, 2
 
 _ROW = tl.constexpr(LEAF_ROW)
