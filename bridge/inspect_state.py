@@ -39,7 +39,8 @@ from lowbit_tree.moments import FORMAT_ARGUMENTS, ReportRow, leaf_row
 # torch.optim state name -> is it a first (signed) moment
 SIGNED_STATES = {"exp_avg": True, "momentum_buffer": True, "exp_avg_sq": False, "max_exp_avg_sq": False,
                  "exp_avg_slow": True}
-GROUP_KEYS = ("state_format", "slow_state_format", "block_size", "min_quant_size", "lowbit_tree_version", "params")
+GROUP_KEYS = ("state_format", "slow_state_format", "precond_format", "block_size", "min_quant_size", "lowbit_tree_version",
+              "params")
 MAPPING_GROUP_KEYS = ("state_format",)  # group keys whose value may be a mapping (DCP saves one key per entry)
 RECORD_PARTS = tuple(dict.fromkeys(p.name for kind in records.KINDS for p in kind.parts))  # the tensors of a
 # quantized state (versions 2 and 3 nest them), of every record kind: codes, scale, row_max, col_max, ...

@@ -20,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["Layout", "layout", "owner_rank", "gather", "scatter", "whole_box"]
+__all__ = ["Layout", "Boxes", "layout", "blocks", "owner_rank", "gather", "scatter", "whole_box"]
 
 Box = tuple  # (offset per dim, extent per dim) of a block in its whole tensor
 Geometry = Callable[[tuple, tuple], Box]  # (param block's shape, its offset) -> a part's Box
@@ -49,6 +49,22 @@ class Layout(NamedTuple):
         return self._replace(pg=pg, group_rank={g: dist.get_group_rank(pg, g) for g in self.blocks})
 
 
+class Boxes(NamedTuple):
+    """A part's box on every rank and in its whole tensor, given outright: the geometry of a part
+    laid out its own way, not by the param's blocks (an optimizer state sharded by its rows)."""
+
+    where: dict  # global rank -> Box
+    full: Box
+
+
+def _boxes(lay: Layout, geom) -> tuple:
+    """``(box per global rank, whole box)`` of a part: from a :class:`Boxes`, or a geometry of
+    the param's blocks."""
+    if isinstance(geom, Boxes):
+        return geom.where, geom.full
+    return {g: geom(*b) for g, b in lay.blocks.items()}, geom(lay.shape, (0,) * len(lay.shape))
+
+
 def whole_box(shape, offset) -> Box:
     """The geometry of a part laid out like the param itself: its block is the param's."""
     return tuple(offset), tuple(shape)
@@ -74,17 +90,24 @@ def layout(p, k: int, who: str, remedy: str) -> Layout:
     ``who`` and ``remedy`` name the caller and the fix in the error for a mesh over some of the
     processes, on more than one dim."""
     import torch.distributed as dist
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    mesh = p.device_mesh
     pg = _mesh_group(p, who, remedy)
-    blocks = {}
-    for coord in itertools.product(*(range(n) for n in mesh.shape)):
-        shape, off = _compute_local_shape_and_global_offset(p.shape, mesh.shape, list(coord), p.placements)
-        blocks[int(mesh.mesh[coord])] = (tuple(shape), tuple(off))
+    blocks = blocks_of(p.device_mesh, tuple(p.shape), p.placements)
     group_rank = {g: (dist.get_group_rank(pg, g) if pg is not None else g) for g in blocks}
     owner = sorted(blocks, key=group_rank.get)[k % len(blocks)]
     return Layout(pg, blocks, group_rank, dist.get_rank(), owner, tuple(p.shape))
+
+
+def blocks_of(mesh, shape: tuple, placements) -> dict:
+    """``{global rank: (shape, offset)}`` of every rank's block of a DTensor of ``shape`` placed
+    ``placements`` on ``mesh`` (DTensor's own arithmetic: uneven, empty, strided, replicated)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    out = {}
+    for coord in itertools.product(*(range(n) for n in mesh.shape)):
+        bshape, off = _compute_local_shape_and_global_offset(shape, mesh.shape, list(coord), placements)
+        out[int(mesh.mesh[coord])] = (tuple(bshape), tuple(off))
+    return out
 
 
 def owner_rank(p, k: int, who: str, remedy: str) -> int:
@@ -121,13 +144,11 @@ def gather(lay: Layout, parts: list, what: str, sent: dict, key: str) -> list | 
     holds whole (replicated) is not sent. Bytes a non-owner sends are added to ``sent[key]``."""
     import torch.distributed as dist
 
-    zero = (0,) * len(lay.shape)
     whole = []
     for t, geom in parts:
         lay = lay.on(t.device, what)
         unit = t.element_size()
-        where = {g: geom(*b) for g, b in lay.blocks.items()}
-        full = geom(lay.shape, zero)
+        where, full = _boxes(lay, geom)
         if where[lay.owner] == full:  # the owner holds all of it (a replicated part): nothing to send
             whole.append(t)
             continue
@@ -149,17 +170,19 @@ def gather(lay: Layout, parts: list, what: str, sent: dict, key: str) -> list | 
     return whole if lay.me == lay.owner else None
 
 
-def scatter(lay: Layout, parts: list, what: str, sent: dict, key: str, device) -> list:
+def scatter(lay: Layout, parts: list, what: str, sent: dict, key, device) -> list:
     """This rank's block of each ``(whole tensor on the owner, geometry, dtype)`` part (the
     whole tensor is ignored elsewhere), in one scatter of bytes, each block padded to the largest
-    extents. Bytes the owner sends to other ranks are added to ``sent[key]``."""
+    extents. Bytes the owner sends to other ranks are added to ``sent[key]`` (``key``: one name,
+    or one per part)."""
     import torch.distributed as dist
 
     lay = lay.on(device, what)
+    keys = [key] * len(parts) if isinstance(key, str) else list(key)
     specs, total = [], 0
     for _, geom, dtype in parts:
         unit = torch.empty((), dtype=dtype).element_size()
-        where = {g: geom(*b) for g, b in lay.blocks.items()}
+        where, _ = _boxes(lay, geom)
         top = _top(where)
         n = unit
         for e in top:
@@ -180,11 +203,15 @@ def scatter(lay: Layout, parts: list, what: str, sent: dict, key: str, device) -
                 off += n
             chunks[lay.group_rank[g]] = buf
             if g != lay.owner:
-                sent[key] += total
+                for k, spec in zip(keys, specs):
+                    sent[k] += spec[2]
     recv = torch.empty(total, dtype=torch.uint8, device=device)
     dist.scatter(recv, chunks, src=lay.owner, group=lay.pg)
     out, off = [], 0
     for where, top, n, dtype in specs:
-        out.append(recv[off:off + n].view(dtype).reshape(top)[_slices(where[lay.me][1])])
+        piece = recv[off:off + n]
+        if off % piece.new_empty((), dtype=dtype).element_size():  # after a part of smaller elements
+            piece = piece.clone()
+        out.append(piece.view(dtype).reshape(top)[_slices(where[lay.me][1])])
         off += n
     return out

@@ -18,13 +18,15 @@ The core's in-place plan steps these tensors themselves (a QState's record share
 state before it writes anything.
 
 A DTensor param (FSDP2, tensor parallel, both, HSDP: any ``Shard`` / ``Replicate`` placements on a
-1-D mesh or a 2-D mesh over all processes) has an owner rank, :func:`bridge.owner_step.owner_rank`
-of its index over all groups (on a 1-D mesh: that index modulo the mesh size): the ranks gather
-their blocks of the param and of its gradient to the owner, which alone runs the unsharded step,
-keeps every core state of that param as plain tensors and scatters each rank its block of the
-update (in the param's dtype) to add -- the same bits as one process. A non-owner's
-``state[p]`` holds ``step`` only; ``state_dict()`` keys each state by param index, saved by its
-owner, so DCP reshards by owner. ``skip_nonfinite`` decides on every rank alike (an all-reduce).
+1-D mesh or a 2-D mesh over all processes) keeps every state but the 0-d scalars as a DTensor on
+its mesh (:mod:`bridge.soap_states`: the moments placed like the param, the factors by rows), so
+``full_tensor()`` gives the one-process state. It has an owner rank,
+:func:`bridge.owner_step.owner_rank` of its index over all groups (on a 1-D mesh: that index
+modulo the mesh size): the ranks gather their blocks of the param, its gradient and its states to
+the owner, which alone runs the unsharded step and scatters each rank its block of the update (in
+the param's dtype, to add) and of the new states -- the same bits as one process. ``state_dict()``
+holds the DTensors, so DCP reshards them at any world size. ``skip_nonfinite`` decides on every
+rank alike (an all-reduce).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from . import group_args, owner_step
+from . import group_args, owner_step, soap_states
 from .collectives import all_ranks_finite
 from .distributed import is_dtensor, local_grad, to_local
 from .qstate import QState
@@ -55,11 +57,14 @@ def _wrap(leaf):
 
 
 def _unwrap(value):
+    value = to_local(value)
     return value.record if isinstance(value, QState) else value
 
 
 _GATHER = "SOAP's gather of a param's and its gradient's blocks to the owner"
+_GATHER_STATES = "SOAP's gather of a param's states' blocks to the owner"
 _SCATTER = "SOAP's scatter of the update's blocks from the owner"
+_SENT = ("gather", "scatter", "state_gather", "state_scatter")
 _REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
 
 
@@ -197,7 +202,7 @@ class SOAP(torch.optim.Optimizer):
         if any(g["skip_nonfinite"] for g in self.param_groups) and not self._all_finite():
             return loss
         index = 0
-        self._sent = {"gather": 0, "scatter": 0}
+        self._sent = dict.fromkeys(_SENT, 0)
         for group in self.param_groups:
             tx = self._tx(group)
             for p in group["params"]:
@@ -226,10 +231,12 @@ class SOAP(torch.optim.Optimizer):
             return all_ranks_finite(ok)
         return bool(ok)
 
-    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor):
-        """One param's step on whole tensors: its states in ``self.state[p]`` (made at the first
-        step); returns the update in the param's dtype (added to ``p`` unless ``p`` is sharded)."""
-        state = self.state[p]
+    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor,
+                        state: Optional[dict] = None):
+        """One param's step on whole tensors: its states in ``state`` (``self.state[p]``, made at
+        the first step); returns the update in the param's dtype (added to ``p`` unless ``p`` is
+        sharded)."""
+        state = self.state[p] if state is None else state
         _, template = self._fresh(torch.empty(full_p.shape, device="meta"), group)
         if "soap_step" not in state:
             state.update(self._fresh(full_p, group)[0])
@@ -243,33 +250,70 @@ class SOAP(torch.optim.Optimizer):
         return u
 
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
-        """A DTensor param: every rank's block of the param and of its gradient gathered to the
-        owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps the whole param
-        and scatters each rank its block of the update; each collective on
-        :func:`~bridge.collectives.group_for`'s group for the blocks' device (the mesh's, or a
-        registered host group)."""
+        """A DTensor param: every rank's block of the param, of its gradient and of its states
+        gathered to the owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps
+        the whole param and scatters each rank its block of the update and of the new states
+        (:mod:`bridge.soap_states`); each collective on :func:`~bridge.collectives.group_for`'s
+        group for the blocks' device (the mesh's, or a registered host group)."""
         lay = owner_step.layout(p, index, type(self).__name__, _REMEDY)
         local = to_local(p.detach())
+        state = self._sharded_state(p, group)
         box = owner_step.whole_box
         whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
-        u = None
+        sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items()
+                   if name not in soap_states.SCALARS]
+        got = owner_step.gather(lay, [(t, boxes) for _, _, parts in sharded for _, t, boxes, _ in parts],
+                                _GATHER_STATES, self._sent, "state_gather")
+        u, out = None, [None] * len(sharded)
         if whole is not None:
-            u = self._unsharded_step(tx, group, p, *whole)
+            full_state, at = {name: state[name] for name in soap_states.SCALARS}, 0
+            for name, v, parts in sharded:
+                full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
+                at += len(parts)
+            u = self._unsharded_step(tx, group, p, *whole, state=full_state)
+            out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
         else:
-            state = self.state[p]
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
             state["step"] += 1
-        local.add_(owner_step.scatter(lay, [(u, box, p.dtype)], _SCATTER, self._sent, "scatter", local.device)[0])
+        one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
+        scalars = [state[n] for n in soap_states.SCALARS if n != "step"]
+        parts = [(u, box, p.dtype)]
+        parts += [(None if w is None else w[j], boxes, t.dtype) for (_, _, ps), w in zip(sharded, out)
+                  for j, (_, t, boxes, _) in enumerate(ps)]
+        parts += [(s.reshape(1), one, s.dtype) for s in scalars]
+        keys = ["scatter"] + ["state_scatter"] * (len(parts) - 1)
+        news = owner_step.scatter(lay, parts, _SCATTER, self._sent, keys, local.device)
+        local.add_(news[0])
+        targets = [t for _, _, ps in sharded for _, t, _, _ in ps] + scalars
+        for t, new in zip(targets, news[1:]):
+            t.copy_(new.reshape(t.shape))
+
+    def _sharded_state(self, p, group: dict) -> dict:
+        """``self.state[p]`` of a DTensor param, its zero states made first if it has none
+        (:func:`bridge.soap_states.create`: zeros are the core's ``init``)."""
+        state = self.state[p]
+        if "soap_step" not in state:
+            state.update(soap_states.create(p, self._whole_template(p, group)))
+        return state
+
+    def _whole_template(self, p, group: dict) -> dict:
+        """The whole states of param ``p`` with ``step``, on the meta device: names, parts,
+        shapes and dtypes."""
+        fresh, _ = self._fresh(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group)
+        fresh["step"] = torch.zeros((), dtype=torch.float32, device="meta")
+        return fresh
 
     def communication(self) -> dict:
         """Bytes this rank sent in the last step for DTensor params: ``gather`` (its blocks of the
         params it does not own and of their gradients, padded to the largest rank's extents),
-        ``scatter`` (the other ranks' padded blocks of the updates of the params it owns)."""
-        return dict(getattr(self, "_sent", {"gather": 0, "scatter": 0}))
+        ``scatter`` (the other ranks' padded blocks of the updates of the params it owns),
+        ``state_gather`` and ``state_scatter`` (the same of their states, and the 0-d scalars
+        scattered to every rank)."""
+        return dict(getattr(self, "_sent", dict.fromkeys(_SENT, 0)))
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:
-        """One :class:`lowbit_tree.ReportRow` per state (``param{i}/{name}``), then a total."""
+        """One :class:`lowbit_tree.ReportRow` per state (``param{i}/{name}``), then a total: this
+        rank's blocks of a DTensor param's states."""
         rows = []
         for i, p in enumerate(self._params()):
             for name, value in self.state.get(p, {}).items():
@@ -285,7 +329,7 @@ class SOAP(torch.optim.Optimizer):
         out = []
         for i, p in enumerate(self._params()):
             state = self.state.get(p)
-            if not state or "soap_step" not in state:  # none yet, or another rank owns it
+            if not state or "soap_step" not in state:  # none yet
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
             _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
@@ -297,49 +341,48 @@ class SOAP(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     # -- state dicts ---------------------------------------------------------------------------
-    def _owns(self, index: int, p) -> bool:
-        """Whether this rank steps param ``p`` (position ``index`` over all groups): always
-        unsharded; a DTensor on its owner rank (:func:`bridge.owner_step.owner_rank`)."""
-        if not is_dtensor(p):
-            return True
-        return dist.get_rank() == owner_step.owner_rank(p, index, type(self).__name__, _REMEDY)
-
     def _template(self, p, group: dict) -> dict:
-        """A fresh state of param ``p`` (whole, never sharded) with its ``step``: the names, parts,
-        shapes and dtypes a saved state of ``p`` must have."""
+        """A fresh whole state of plain param ``p`` with its ``step``: the names, parts, shapes and
+        dtypes a saved state of ``p`` must have."""
         fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype, device=to_local(p).device), group)
         fresh["step"] = torch.zeros((), dtype=torch.float32)
         return fresh
 
     def state_dict(self) -> dict:
-        """torch's layout, every state a plain tensor: a quantized state is a dict of its parts.
+        """torch's layout, every state a tensor: a quantized state is a dict of its parts.
 
-        With DTensor params each rank lists the whole states of the params it owns and ``step`` of
-        the others, every param included (fresh zero states for those not stepped yet): the same
-        keys at any world size, each saved by one rank, so ``torch.distributed.checkpoint``
-        loads them at another world size into the new owners' state dicts."""
+        With DTensor params every param has an entry (a fresh one for a param not stepped yet:
+        its zero states are made now), a DTensor param's states as DTensors (a record's parts
+        each a DTensor of the whole record's part, views of the live storage;
+        :mod:`bridge.soap_states`), so ``torch.distributed.checkpoint`` saves each block once and
+        loads it at another world size."""
+        params = self._params()
+        if any(is_dtensor(p) for p in params):
+            for p in params:
+                if is_dtensor(p):
+                    self._sharded_state(p, self._group_of(p))
         sd = super().state_dict()
         state = {}
         for k, entries in sd["state"].items():
-            state[k] = {name: (dict(value.parts) if isinstance(value, QState) else value)
+            state[k] = {name: (soap_states.saved(value) if is_dtensor(value) else
+                               dict(value.parts) if isinstance(value, QState) else value)
                         for name, value in entries.items()}
-        params = self._params()
         if any(is_dtensor(p) for p in params):
             ids = [i for g in sd["param_groups"] for i in g["params"]]
-            for i, (k, p) in enumerate(zip(ids, params)):
-                if not self._owns(i, p):
-                    state[k] = {"step": self.state[p]["step"] if "step" in self.state.get(p, {}) else
-                                torch.zeros((), dtype=torch.float32)}
-                elif "soap_step" not in state.get(k, {}):
-                    group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            for k, p in zip(ids, params):
+                if not is_dtensor(p) and "soap_step" not in state.get(k, {}):
                     state[k] = {name: (dict(v.parts) if isinstance(v, QState) else v)
-                                for name, v in self._template(p, group).items()}
+                                for name, v in self._template(p, self._group_of(p)).items()}
         return {"state": state, "param_groups": sd["param_groups"]}
+
+    def _group_of(self, p) -> dict:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, shapes, dtypes) before anything is written; then torch's group restore. With
-        DTensor params a rank takes the states of the params it owns and ``step`` of the others."""
+        parts, whole shapes, dtypes) before anything is written; then torch's group restore. A
+        DTensor param's states take this rank's blocks of the saved ones (DTensors of any
+        placement, or whole tensors)."""
         params = self._params()
         saved_groups = state_dict["param_groups"]
         ids = [i for g in saved_groups for i in g["params"]]
@@ -361,10 +404,7 @@ class SOAP(torch.optim.Optimizer):
             p = by_id[k]
             group = next(g for g in saved_groups if k in g["params"])
             group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
-            fresh = self._template(p, group)
-            if not self._owns(ids.index(k), p):  # another rank keeps this param's states
-                fresh = {"step": fresh["step"]}
-                entries = {name: v for name, v in entries.items() if name == "step"}
+            fresh = self._whole_template(p, group) if is_dtensor(p) else self._template(p, group)
             if set(entries) != set(fresh):
                 raise ValueError(f"{type(self).__name__}.load_state_dict: param {k} has states {sorted(entries)}, "
                                  f"this optimizer keeps {sorted(fresh)} (another state_format, precond_format "
@@ -375,14 +415,24 @@ class SOAP(torch.optim.Optimizer):
                 given = value if isinstance(value, dict) else {"": value}
                 for part, t in parts.items():
                     s = given.get(part)
-                    if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype:
+                    want = torch.uint8 if t.dtype == torch.float8_e4m3fn and is_dtensor(p) else t.dtype
+                    if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype not in (t.dtype, want):
                         what = f"{name}/{part}" if part else name
                         raise ValueError(f"{type(self).__name__}.load_state_dict: param {k}'s {what} is "
                                          f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}, "
                                          f"expected {t.dtype} {tuple(t.shape)}")
-            new[p] = (fresh, entries)
+            new[p] = (fresh, entries, group)
         super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        for p, (fresh, entries) in new.items():
+        for p, (fresh, entries, group) in new.items():
+            if is_dtensor(p):
+                fresh = soap_states.create(p, fresh)
+                for name, live in fresh.items():
+                    if name in soap_states.SCALARS:
+                        live.copy_(to_local(entries[name]))
+                    else:
+                        soap_states.load(live, entries[name])
+                self.state[p] = fresh
+                continue
             for name, live in fresh.items():
                 value = entries[name]
                 if isinstance(live, QState):

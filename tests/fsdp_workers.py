@@ -949,12 +949,18 @@ def step_in_backward_worker(rank, world, steps=3):
 # SOAP: each param stepped whole on its owner rank
 # ----------------------------------------------------------------------------
 def _soap_states(opt, p) -> dict:
-    """``opt.state[p]`` as plain tensors (a QState's parts under ``name::part``)."""
+    """``opt.state[p]`` as plain whole tensors: a DTensor state's ``full_tensor()``, a QState's
+    parts under ``name::part`` and its value under ``name::value``."""
+    from torch.distributed.tensor import DTensor
+
     from bridge import QState
 
     out = {}
     for name, v in opt.state[p].items():
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
         if isinstance(v, QState):
+            out[f"{name}::value"] = v.dequantize()
             for part, t in v.parts.items():
                 out[f"{name}::{part}"] = t.clone()
         else:
@@ -965,9 +971,11 @@ def _soap_states(opt, p) -> dict:
 def soap_exact_worker(rank, world, steps=7):
     """SOAP (fp32), SOAP8bit and SOAP4bit under FSDP2 (uneven shards; an empty one at 3 ranks), fed the
     same global gradients as an unsharded optimizer in this process, refreshing the eigenbases
-    every 2 steps: every param, and every state of each param on its owner rank (index modulo
-    world), bit for bit the unsharded run's; a non-owner keeps ``step`` only. Returns the bytes
-    this rank sent in the last step, per class."""
+    every 2 steps: every param, and ``full_tensor()`` of every state of each param on every rank,
+    bit for bit the unsharded run's (each state but the 0-d scalars a DTensor on the param's mesh:
+    the moments placed like the param, the factors ``Shard(0)``). Returns the bytes this rank sent
+    in the last step, per class."""
+    from torch.distributed.tensor import DTensor, Shard
     import bridge
 
     sent = {}
@@ -983,39 +991,42 @@ def soap_exact_worker(rank, world, steps=7):
             set_global_grads(ref, step)
             opt.step()
             ref_opt.step()
-        owned = torch.zeros(1)
         for i, (p, rp) in enumerate(zip(model.parameters(), ref.parameters())):
             what = f"{cls.__name__} param {i} at {world} ranks"
             assert torch.equal(p.full_tensor(), rp.detach()), what
-            if i % world == rank:
-                got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
-                assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
-                for k in want:
-                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, k)
-                owned += 1
-            else:
-                assert sorted(opt.state[p]) == ["step"], (what, sorted(opt.state[p]))
-                assert opt.state[p]["step"].item() == steps
-        dist.all_reduce(owned)
-        assert owned.item() == len(list(ref.parameters())), owned
+            got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
+            assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+            for k in want:
+                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, k)
+            for name, v in opt.state[p].items():
+                if name in ("step", "soap_step", "precond_failures"):
+                    assert not isinstance(v, DTensor), (what, name)
+                    continue
+                assert isinstance(v, DTensor) and v.device_mesh == p.device_mesh, (what, name)
+                want_pl = p.placements if name.startswith("exp_avg") else (Shard(0),)
+                assert tuple(v.placements) == tuple(want_pl), (what, name, v.placements)
         assert int(ref_opt.state[next(ref.parameters())]["soap_step"]) == steps
         if cls is not bridge.SOAP:  # the test reaches quantized bases
             assert any(isinstance(v, bridge.QState) for st in ref_opt.state.values() for n, v in st.items()
                        if n.startswith("eigenbasis"))
         sent[cls.__name__] = opt.communication()
-        # state_report: each rank its own rows; over ranks the unsharded total, plus each
-        # non-owner's copy of ``step``
+        # state_report: each rank its own blocks; over ranks the unsharded total, plus each other
+        # rank's copy of the 0-d scalars
         mine = torch.tensor([opt.state_report()[-1].nbytes])
         dist.all_reduce(mine)
         ref_rows = ref_opt.state_report()
-        steps_bytes = sum(r.nbytes for r in ref_rows if r.path.endswith("/step"))
-        assert mine.item() == ref_rows[-1].nbytes + (world - 1) * steps_bytes, (mine, ref_rows[-1])
+        scalar_bytes = sum(r.nbytes for r in ref_rows
+                           if r.path.rsplit("/", 1)[-1] in ("step", "soap_step", "precond_failures"))
+        assert mine.item() == ref_rows[-1].nbytes + (world - 1) * scalar_bytes, (mine, ref_rows[-1])
         # float32 rows padded to the largest shard's: each non-owner's param and gradient rows
         # to the owner, the owner's update rows to each other rank
         padded = sum(4 * -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * (world - 1) for p in ref.parameters())
         total = torch.tensor([sent[cls.__name__]["gather"], sent[cls.__name__]["scatter"]])
         dist.all_reduce(total)
         assert total.tolist() == [2 * padded, padded], (total, padded)
+        states = torch.tensor([sent[cls.__name__]["state_gather"], sent[cls.__name__]["state_scatter"]])
+        dist.all_reduce(states)
+        assert states.min() > 0, states
     _soap_refusals(world)
     _soap_host_group(world)
     return sent
@@ -1071,7 +1082,8 @@ def _soap_host_group(world, steps=3):
             dist.gather, dist.scatter = real_gather, real_scatter
             C.set_host_group()
         n = len(list(ref.parameters()))
-        assert len(groups) == 3 * steps * n and all(g is host for g in groups), (len(groups), groups[:3])
+        # per param and step: a gather each of its block, its gradient's and (most of) its states' parts, one scatter
+        assert len(groups) > 3 * steps * n and all(g is host for g in groups), (len(groups), groups[:3])
         for p, rp in zip(model.parameters(), ref.parameters()):
             assert torch.equal(p.full_tensor(), rp.detach())
     finally:
@@ -1117,22 +1129,22 @@ def _soap_pair(cls, world, steps):
     return ref, ref_opt, model, cls(model.parameters(), **SOAP_KW)
 
 
-def _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what):
+def _assert_soap_states_equal(opt, model, ref_opt, ref, what):
+    """Every param, and ``full_tensor()`` of every state on every rank, bit for bit the reference's."""
     for i, (p, rp) in enumerate(zip(model.parameters(), ref.parameters())):
         assert torch.equal(p.full_tensor(), rp.detach()), (what, i)
-        if i % world == rank:
-            got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
-            assert sorted(got) == sorted(want), (what, i, sorted(got), sorted(want))
-            for k in want:
-                assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, i, k)
-        else:
-            assert sorted(opt.state[p]) == ["step"] and torch.equal(opt.state[p]["step"], ref_opt.state[rp]["step"])
+        got, want = _soap_states(opt, p), _soap_states(ref_opt, rp)
+        assert sorted(got) == sorted(want), (what, i, sorted(got), sorted(want))
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (what, i, k)
 
 
-def soap_dcp_save_worker(rank, world, workdir, steps=4):
+def soap_dcp_save_worker(rank, world, workdir, steps=4, helpers=False):
     """SOAP and SOAP8bit under FSDP2, ``steps`` steps, then ``dcp.save`` of ``opt.state_dict()``
-    (each param's states from its owner rank)."""
+    (every state a DTensor but the 0-d scalars: each rank saves its blocks); ``helpers``: of
+    torch's ``get_optimizer_state_dict`` (keys by param name, as torchtitan saves)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     import bridge
 
     for cls in (bridge.SOAP, bridge.SOAP8bit):
@@ -1141,26 +1153,94 @@ def soap_dcp_save_worker(rank, world, workdir, steps=4):
         for step in range(steps):
             set_global_grads(model, step)
             opt.step()
-        dcp.save({"optim": opt.state_dict()}, checkpoint_id=os.path.join(workdir, cls.__name__))
+        sd = get_optimizer_state_dict(model, opt) if helpers else opt.state_dict()
+        dcp.save({"optim": sd}, checkpoint_id=os.path.join(workdir, cls.__name__))
 
 
-def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3):
-    """The checkpoint of :func:`soap_dcp_save_worker` loaded at ``world`` ranks (owners change):
-    each rank's owned states bit for bit the unsharded run's after ``steps`` steps, and the
-    same again after ``more`` steps (an eigenbasis refresh among them)."""
+def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3, helpers=False):
+    """The checkpoint of :func:`soap_dcp_save_worker` loaded at ``world`` ranks (blocks and owners
+    change): ``full_tensor()`` of every state bit for bit the unsharded run's after ``steps``
+    steps, and the same again after ``more`` steps (an eigenbasis refresh among them);
+    ``helpers``: through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     import bridge
 
     for cls in (bridge.SOAP, bridge.SOAP8bit):
         ref, ref_opt, model, opt = _soap_pair(cls, world, steps)
-        sd = opt.state_dict()
+        sd = get_optimizer_state_dict(model, opt) if helpers else opt.state_dict()
         dcp.load({"optim": sd}, checkpoint_id=os.path.join(workdir, cls.__name__))
-        opt.load_state_dict(sd)
+        if helpers:
+            set_optimizer_state_dict(model, opt, sd)
+        else:
+            opt.load_state_dict(sd)
         what = f"{cls.__name__} loaded at {world} ranks"
-        _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what)
+        _assert_soap_states_equal(opt, model, ref_opt, ref, what)
         for step in range(steps, steps + more):
             set_global_grads(model, step)
             set_global_grads(ref, step)
             opt.step()
             ref_opt.step()
-        _assert_soap_owned_equal(opt, model, ref_opt, ref, world, rank, what + ", continued")
+        _assert_soap_states_equal(opt, model, ref_opt, ref, what + ", continued")
+
+
+def soap_full_tensor_worker(rank, world, steps=5):
+    """SOAP and SOAP4bit, ``steps`` steps (eigenbasis refreshes every 2): under FSDP2, and with
+    params placed on a 1-D mesh the ways that choose each placement of a moment (a 1-D one, float32,
+    and a quantized matrix whose shards hold whole blocks, like the param; a quantized matrix whose
+    column shards cut its blocks, by rows): every state a DTensor placed so, its
+    ``full_tensor()`` (a record's parts and value) bit for bit the one-process state's, also after
+    loading the one-process state dict (whole tensors, cut to each rank's blocks), and the state
+    gathers and scatters counted by ``communication()``."""
+    import bridge
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(3)
+    whole = {"vec": (torch.randn(70, generator=g), Shard(0)), "cut": (torch.randn(9, 40, generator=g), Shard(1)),
+             "aligned": (torch.randn(4, 512, generator=g), Shard(1))}
+    for cls in (bridge.SOAP, bridge.SOAP4bit):
+        _mark(rank, "soap full_tensor", cls.__name__)
+        ref, ref_opt, model, opt = _soap_pair(cls, world, 0)
+        rps = [torch.nn.Parameter(t.clone()) for t, _ in whole.values()]
+        ps = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [pl])) for t, pl in whole.values()]
+        ropt2, opt2 = cls(rps, **SOAP_KW), cls(ps, **SOAP_KW)
+        for step in range(steps):
+            set_global_grads(model, step)
+            set_global_grads(ref, step)
+            for p, rp in zip(ps, rps):
+                grad = torch.randn(rp.shape, generator=torch.Generator().manual_seed(100 + step))
+                rp.grad = grad
+                p.grad = distribute_tensor(grad, mesh, p.placements, src_data_rank=None)
+            opt.step()
+            ref_opt.step()
+            opt2.step()
+            ropt2.step()
+        _assert_soap_states_equal(opt, model, ref_opt, ref, f"{cls.__name__} FSDP2")
+        # a one-process state dict (whole tensors) loads into the sharded optimizer: each rank takes its blocks
+        opt3 = cls(ps, **SOAP_KW)
+        opt3.load_state_dict(ropt2.state_dict())
+        for o in (opt2, opt3):
+            for p, rp in zip(ps, rps):
+                got, want = _soap_states(o, p), _soap_states(ropt2, rp)
+                assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+                for k in want:
+                    what = (cls.__name__, tuple(p.shape), k)
+                    assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), what
+        quantized = cls is bridge.SOAP4bit
+        for (name, (_, pl)), p in zip(whole.items(), ps):
+            st = opt2.state[p]
+            moment = {"vec": Shard(0), "cut": Shard(0) if quantized else Shard(1),
+                      "aligned": Shard(1)}[name]
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert isinstance(st[k], DTensor) and tuple(st[k].placements) == (moment,), (name, k, st[k].placements)
+                assert isinstance(st[k].to_local(), bridge.QState) == (quantized and name != "vec"), (name, k)
+            for k, v in st.items():
+                if k.startswith(("eigenbasis", "coupling", "eigenvalues")):
+                    assert tuple(v.placements) == (Shard(0),), (name, k, v.placements)
+        assert any(isinstance(v.to_local(), bridge.QState) for k, v in opt.state[next(model.parameters())].items()
+                   if k.startswith("eigenbasis")) == quantized
+        sent = torch.tensor([opt.communication()[k] for k in ("state_gather", "state_scatter")])
+        dist.all_reduce(sent)
+        assert sent.min() > 0, sent

@@ -186,18 +186,44 @@ def test_full_gather_of_every_state_loads_into_one_process_bit_exact(tmp_path, f
 @pytest.mark.parametrize("world", [2, 3])
 def test_soap_fsdp_exact_on_owner_ranks(world):
     """SOAP (fp32), SOAP8bit and SOAP4bit under FSDP2 (uneven shards, an empty one at 3 ranks), 7 steps with
-    an eigenbasis refresh every 2: params and every state of each param on its owner rank bit for
-    bit those of one process; the other ranks keep ``step`` only. Offloaded over an NCCL-only
+    an eigenbasis refresh every 2: params and ``full_tensor()`` of every state on every rank bit
+    for bit those of one process. Offloaded over an NCCL-only
     mesh group (simulated), the step names the fix; with a registered host group its gathers and
     scatters run there."""
     W.launch(W.soap_exact_worker, world)
 
 
+@pytest.mark.slow
+def test_soap_full_tensor_of_every_state_2_ranks():
+    """SOAP and SOAP4bit at 2 ranks, 5 steps with eigenbasis refreshes: under FSDP2 and on a 1-D
+    mesh (a 1-D param, column shards that cut blocks and that hold whole ones), every state but the
+    0-d scalars a DTensor placed as docs/guide/soap.md says, its ``full_tensor()`` bit for bit the
+    one-process state."""
+    W.launch(W.soap_full_tensor_worker, 2)
+
+
 @pytest.mark.extended
 def test_soap_dcp_save_at_2_resume_at_1_and_3(tmp_path):
     """SOAP and SOAP8bit under FSDP2: ``dcp.save(opt.state_dict())`` at 2 ranks, loaded at 1 and
-    3 (each param's owner changes): owned states bit for bit the unsharded run's, and after 3
-    more steps (a refresh among them) params and states too."""
+    3 (each state's blocks and each param's owner change): ``full_tensor()`` of every state bit for
+    bit the unsharded run's, and after 3 more steps (a refresh among them) params and states too."""
     W.launch(W.soap_dcp_save_worker, 2, str(tmp_path))
     W.launch(W.soap_dcp_load_worker, 1, str(tmp_path))
     W.launch(W.soap_dcp_load_worker, 3, str(tmp_path))
+
+
+@pytest.mark.extended
+def test_soap_dcp_through_torch_state_dict_helpers(tmp_path):
+    """The same through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (what
+    torchtitan and accelerate call; keys by param name): saved at 2 ranks, loaded at 3, then 3 more
+    steps, bit for bit the unsharded run."""
+    W.launch(W.soap_dcp_save_worker, 2, str(tmp_path), 4, True)  # steps, helpers
+    W.launch(W.soap_dcp_load_worker, 3, str(tmp_path), 4, 3, True)  # steps, more, helpers
+    from bridge.inspect_state import inspect_path
+
+    rows = inspect_path(str(tmp_path / "SOAP8bit")).rows  # `lowbit-tree inspect` of the sharded checkpoint
+    factors = [r for r in rows if "eigenbasis_" in r.path or "coupling_" in r.path]
+    quantized = [r for r in factors if "codes" in r.detail]  # the others are under min_quant_size: float32
+    assert quantized and all(r.format == "dynamic8" and r.block == "64" for r in quantized), quantized
+    assert all(r.format == "fp32" for r in factors if r not in quantized)
+    assert not [r for r in rows if r.format.startswith("?")]
