@@ -1174,14 +1174,22 @@ def soap_dcp_load_worker(rank, world, workdir, steps=4, more=3, helpers=False):
             set_optimizer_state_dict(model, opt, sd)
         else:
             opt.load_state_dict(sd)
-        what = f"{cls.__name__} loaded at {world} ranks"
-        _assert_soap_states_equal(opt, model, ref_opt, ref, what)
-        for step in range(steps, steps + more):
-            set_global_grads(model, step)
-            set_global_grads(ref, step)
-            opt.step()
-            ref_opt.step()
-        _assert_soap_states_equal(opt, model, ref_opt, ref, what + ", continued")
+        step_on_after_load(opt, ref_opt, range(steps, steps + more),
+                           lambda step: (set_global_grads(model, step), set_global_grads(ref, step)),
+                           lambda what: _assert_soap_states_equal(opt, model, ref_opt, ref, what),
+                           f"{cls.__name__} loaded at {world} ranks")
+
+
+def step_on_after_load(opt, ref_opt, steps, set_grads, check, what: str) -> None:
+    """After a checkpoint's load: ``check(what)`` (the loaded state is the reference's), then each
+    of ``steps`` on both optimizers, their gradients set by ``set_grads(step)``, and ``check``
+    again (the continuation is the reference's too)."""
+    check(what)
+    for step in steps:
+        set_grads(step)
+        opt.step()
+        ref_opt.step()
+    check(what + ", continued")
 
 
 def soap_full_tensor_worker(rank, world, steps=5):

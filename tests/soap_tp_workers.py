@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import tp_workers as T
-from fsdp_workers import launch  # noqa: F401  (re-exported for test_soap_tp.py)
+from fsdp_workers import launch, step_on_after_load  # noqa: F401  (launch: re-exported for test_soap_tp.py)
 
 KW = dict(lr=1e-2, precondition_frequency=2, min_quant_size=64, skip_nonfinite=True)
 CLASSES = ("SOAP", "SOAP4bit")
@@ -156,11 +156,7 @@ def load_worker(rank, world, mesh_shape, names, workdir, save_at, more):
         sd = opt.state_dict()
         dcp.load({"optim": sd}, checkpoint_id=os.path.join(workdir, cls_name))
         opt.load_state_dict(sd)
-        what = f"{cls_name} saved on 2x2, loaded on {tuple(mesh_shape)}"
-        assert_exact(opt, params, ref_opt, ref_params, what)
-        for step in range(save_at, save_at + more):
-            set_whole_grads(ref_params, step)
-            set_sharded_grads(params, step)
-            ref_opt.step()
-            opt.step()
-        assert_exact(opt, params, ref_opt, ref_params, what + ", continued")
+        step_on_after_load(opt, ref_opt, range(save_at, save_at + more),
+                           lambda step: (set_whole_grads(ref_params, step), set_sharded_grads(params, step)),
+                           lambda what: assert_exact(opt, params, ref_opt, ref_params, what),
+                           f"{cls_name} saved on 2x2, loaded on {tuple(mesh_shape)}")
