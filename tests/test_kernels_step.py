@@ -64,6 +64,49 @@ def _np(t):
     return t.detach().float().reshape(-1).numpy().copy()
 
 
+def numpy_rule_step(spec, hyper, p, g, states, *, write, rule_math):
+    """One step in numpy float32 around ``rule_math(spec, h, gf, pf, olds) -> (u, new states)``:
+    the states dequantized by the reference, ``maximize`` and L2 on the gradient before, decay and
+    the learning rate on the update after, then the states requantized (for the rules whose tests
+    write their math beside their declaration). Returns ``(out, new states)``."""
+    from lowbit_tree.kernels.spec import HYPER_NAMES
+
+    h = dict(zip(HYPER_NAMES, hyper.numpy().astype(np.float32)))
+    with np.errstate(all="ignore"):
+        gf, pf = _np(g), _np(p)
+        olds = [_np(lt.dequantize(s)) if isinstance(s, QTensor) else _np(s) for s in states]
+        if spec.maximize:
+            gf = -gf
+        if spec.l2:
+            gf = gf + h["l2"] * pf
+        u, news = rule_math(spec, h, gf, pf, olds)
+        if spec.decay:
+            u = u + h["wd"] * pf
+        if spec.lr:
+            u = (-h["lr"]) * u
+        out = torch.from_numpy(pf + u).reshape(p.shape).to(p.dtype) if write else torch.from_numpy(u).reshape(g.shape)
+    new_states = []
+    for s, n in zip(states, news):
+        x = torch.from_numpy(n).reshape(tuple(s.shape))
+        new_states.append(lt.quantize(x, s.format, s.block_size) if isinstance(s, QTensor) else x.to(s.dtype))
+    return out, new_states
+
+
+def assert_rule_step_is_reference(spec, hyper, p, g, states, reference, backend, where):
+    """``run_step`` on ``backend`` (the update and, where the rule has a learning rate, the param
+    written; out of place and in place) gives ``reference(spec, hyper, p, g, states, write=...)``'s
+    bits, the new states' too."""
+    from lowbit_tree.kernels import StepLeaf, run_step
+
+    for write in ([False, True] if spec.lr else [False]):
+        want_out, want_states = reference(spec, hyper, p, g, states, write=write)
+        for inplace in (False, True):
+            pp, ss = p.clone(), tuple(clone_state(s) for s in states)
+            outs, news = run_step(spec, hyper, [StepLeaf(pp, g, ss, 3)], write=write, inplace=inplace, backend=backend)
+            assert same(pp if write else outs[0], want_out), where + (write, inplace)
+            assert all(same(a, b) for a, b in zip(news[0], want_states)), where + (write, inplace)
+
+
 def np_fma(a, b, c):
     """float32 ``a * b + c`` with one rounding: the float64 sum, rounded to float32, is
     correctly rounded unless it sits on a float32 midpoint (double rounding); those few are

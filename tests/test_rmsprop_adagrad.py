@@ -358,49 +358,35 @@ def test_each_declared_argument_reaches_its_alias(name):
 # ---------------------------------------------------------------------------- every backend vs numpy
 def reference_rule_step(spec, hyper, p, g, states, *, write):
     """One step of rmsprop / adagrad in numpy float32, written from kernels/spec.py's docstring
-    (each operation correctly rounded, no contraction; torch.lerp's one rounding), on states
-    dequantized and requantized by the reference quantizer. Returns ``(out, new states)``."""
+    (each operation correctly rounded, no contraction; torch.lerp's one rounding), in the
+    reference frame of ``test_kernels_step.numpy_rule_step``. Returns ``(out, new states)``."""
+    import test_kernels_step as K
+
+    return K.numpy_rule_step(spec, hyper, p, g, states, write=write, rule_math=_rms_math)
+
+
+def _rms_math(spec, h, gf, pf, olds):
     import numpy as np
 
     import test_kernels_step as K
-    from lowbit_tree.kernels.spec import HYPER_NAMES
 
-    h = dict(zip(HYPER_NAMES, hyper.numpy().astype(np.float32)))
-    with np.errstate(all="ignore"):
-        gf, pf = K._np(g), K._np(p)
-        olds = [K._np(lt.dequantize(s)) if isinstance(s, QTensor) else K._np(s) for s in states]
-        if spec.maximize:
-            gf = -gf
-        if spec.l2:
-            gf = gf + h["l2"] * pf
-        if spec.rule == "rmsprop":
-            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
-            news = [v]
-            if spec.centered:
-                a = K.np_lerp(olds[-1], gf, h["omb2"])
-                d = np.sqrt(v - a * a) + h["eps"]
-            else:
-                d = np.sqrt(v) + h["eps"]
-            u = gf / d
-            if spec.has_momentum:
-                u = h["b1"] * olds[1] + u
-                news.append(u)
-            if spec.centered:
-                news.append(a)
-        else:
-            s = np.where(olds[0] < h["b1"], h["b1"], olds[0]) + gf * gf
-            u = gf / (np.sqrt(s) + h["eps"])
-            news = [s]
-        if spec.decay:
-            u = u + h["wd"] * pf
-        if spec.lr:
-            u = (-h["lr"]) * u
-        out = torch.from_numpy(pf + u).reshape(p.shape).to(p.dtype) if write else torch.from_numpy(u).reshape(g.shape)
-    new_states = []
-    for s, n in zip(states, news):
-        x = torch.from_numpy(n).reshape(tuple(s.shape))
-        new_states.append(lt.quantize(x, s.format, s.block_size) if isinstance(s, QTensor) else x.to(s.dtype))
-    return out, new_states
+    if spec.rule != "rmsprop":  # adagrad
+        s = np.where(olds[0] < h["b1"], h["b1"], olds[0]) + gf * gf
+        return gf / (np.sqrt(s) + h["eps"]), [s]
+    v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+    news = [v]
+    if spec.centered:
+        a = K.np_lerp(olds[-1], gf, h["omb2"])
+        d = np.sqrt(v - a * a) + h["eps"]
+    else:
+        d = np.sqrt(v) + h["eps"]
+    u = gf / d
+    if spec.has_momentum:
+        u = h["b1"] * olds[1] + u
+        news.append(u)
+    if spec.centered:
+        news.append(a)
+    return u, news
 
 
 RULE_VARIANTS = [("rmsprop", {}), ("rmsprop", {"has_momentum": True}), ("rmsprop", {"centered": True}),
@@ -431,7 +417,7 @@ LINK_SETS = [{}, {"lr": True}, {"maximize": True, "l2": True, "lr": True}]
 
 def _check_against_reference(rule, variant, fmt, dtype, backend, links_list=LINK_SETS, shapes=None):
     import test_kernels_step as K
-    from lowbit_tree.kernels import StepLeaf, run_step, step_hyperparams
+    from lowbit_tree.kernels import step_hyperparams
 
     for li, links in enumerate(links_list):
         for si, (shape, bs) in enumerate(K.SHAPES if shapes is None else shapes):
@@ -439,15 +425,8 @@ def _check_against_reference(rule, variant, fmt, dtype, backend, links_list=LINK
             # b1: rmsprop's momentum; adagrad's initial accumulator, between the states' values
             hyper = step_hyperparams(spec, count=3, b1=0.9 if rule == "rmsprop" else 1e-4, b2=0.99, eps=1e-8,
                                      lr=1e-2, l2=0.05)
-            for write in ([False, True] if spec.lr else [False]):
-                want_out, want_states = reference_rule_step(spec, hyper, p, g, states, write=write)
-                for inplace in (False, True):
-                    pp, ss = p.clone(), tuple(K.clone_state(s) for s in states)
-                    outs, news = run_step(spec, hyper, [StepLeaf(pp, g, ss, 3)], write=write, inplace=inplace,
-                                          backend=backend)
-                    where = (backend, rule, variant, fmt, dtype, links, shape, write, inplace)
-                    assert K.same(pp if write else outs[0], want_out), where
-                    assert all(K.same(a, b) for a, b in zip(news[0], want_states)), where
+            K.assert_rule_step_is_reference(spec, hyper, p, g, states, reference_rule_step, backend,
+                                            (backend, rule, variant, fmt, dtype, links, shape))
 
 
 # ---------------------------------------------------------------------------- the bridge's other paths

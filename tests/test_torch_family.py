@@ -261,49 +261,29 @@ def test_bridge_equals_functional_alias(name, fmt):
 # ---------------------------------------------------------------------------- every backend vs numpy
 def reference_rule_step(spec, hyper, p, g, states, *, write):
     """One step of the family's rules in numpy float32, written from kernels/spec.py's docstring
-    (each operation correctly rounded, no contraction), on states dequantized and requantized by
-    the reference quantizer. Returns ``(out, new states)``."""
-    from lowbit_tree.kernels.spec import HYPER_NAMES
+    (each operation correctly rounded, no contraction), in the reference frame of
+    ``test_kernels_step.numpy_rule_step``. Returns ``(out, new states)``."""
+    return K.numpy_rule_step(spec, hyper, p, g, states, write=write, rule_math=_family_math)
 
-    h = dict(zip(HYPER_NAMES, hyper.numpy().astype(np.float32)))
-    with np.errstate(all="ignore"):
-        gf, pf = K._np(g), K._np(p)
-        olds = [K._np(lt.dequantize(s)) if isinstance(s, QTensor) else K._np(s) for s in states]
-        if spec.maximize:
-            gf = -gf
-        if spec.l2:
-            gf = gf + h["l2"] * pf
-        if spec.rule == "adamax":
-            e = np.maximum(h["b2"] * olds[0], np.abs(gf) + h["eps"])
-            m = h["b1"] * olds[1] + h["omb1"] * gf
-            u = (m * h["rbc1"]) / e
-            news = [e, m]
-        elif spec.rule == "adadelta":
-            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
-            u = (np.sqrt(olds[1] + h["eps"]) / np.sqrt(v + h["eps"])) * gf
-            news = [v, h["b2"] * olds[1] + h["omb2"] * (u * u)]
-        elif spec.rule == "radam":
-            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
-            m = h["b1"] * olds[1] + h["omb1"] * gf
-            u = (m * h["cm"]) / (np.sqrt(v) + h["eps"]) if h["rect"] != 0 else m * h["cm"]
-            news = [v, m]
-        elif spec.rule == "nadam":
-            v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
-            m = h["b1"] * olds[1] + h["omb1"] * gf
-            u = (h["cg"] * gf + h["cm"] * m) / (np.sqrt(v) * h["rsbc2"] + h["eps"])
-            news = [v, m]
-        else:
-            raise AssertionError(spec.rule)
-        if spec.decay:
-            u = u + h["wd"] * pf
-        if spec.lr:
-            u = (-h["lr"]) * u
-        out = torch.from_numpy(pf + u).reshape(p.shape).to(p.dtype) if write else torch.from_numpy(u).reshape(g.shape)
-    new_states = []
-    for s, n in zip(states, news):
-        x = torch.from_numpy(n).reshape(tuple(s.shape))
-        new_states.append(lt.quantize(x, s.format, s.block_size) if isinstance(s, QTensor) else x.to(s.dtype))
-    return out, new_states
+
+def _family_math(spec, h, gf, pf, olds):
+    if spec.rule == "adamax":
+        e = np.maximum(h["b2"] * olds[0], np.abs(gf) + h["eps"])
+        m = h["b1"] * olds[1] + h["omb1"] * gf
+        return (m * h["rbc1"]) / e, [e, m]
+    if spec.rule == "adadelta":
+        v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+        u = (np.sqrt(olds[1] + h["eps"]) / np.sqrt(v + h["eps"])) * gf
+        return u, [v, h["b2"] * olds[1] + h["omb2"] * (u * u)]
+    if spec.rule == "radam":
+        v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+        m = h["b1"] * olds[1] + h["omb1"] * gf
+        return ((m * h["cm"]) / (np.sqrt(v) + h["eps"]) if h["rect"] != 0 else m * h["cm"]), [v, m]
+    if spec.rule == "nadam":
+        v = h["b2"] * olds[0] + h["omb2"] * (gf * gf)
+        m = h["b1"] * olds[1] + h["omb1"] * gf
+        return (h["cg"] * gf + h["cm"] * m) / (np.sqrt(v) * h["rsbc2"] + h["eps"]), [v, m]
+    raise AssertionError(spec.rule)
 
 
 RULES = [("adamax", {}), ("adadelta", {}), ("radam", {}), ("nadam", {})]
@@ -317,20 +297,11 @@ REF_SHAPES = [((37, 301), None), ((5, 16), 7), ((700,), None), ((3, 2, 129), 64)
 @pytest.mark.parametrize("fmt", K.STATE_FORMATS)
 @pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
 def test_every_backend_equals_the_numpy_reference_bit_for_bit(rule, variant, fmt, dtype, backend):
-    from lowbit_tree.kernels import StepLeaf, run_step
-
     for li, links in enumerate(LINK_SETS):
         for si, (shape, bs) in enumerate(REF_SHAPES):
             spec, states, p, g, hyper = K.make_case(rule, variant, links, fmt, dtype, shape, bs, 10 * li + si)
-            for write in ([False, True] if spec.lr else [False]):
-                want_out, want_states = reference_rule_step(spec, hyper, p, g, states, write=write)
-                for inplace in (False, True):
-                    pp, ss = p.clone(), tuple(K.clone_state(s) for s in states)
-                    outs, news = run_step(spec, hyper, [StepLeaf(pp, g, ss, 3)], write=write, inplace=inplace,
-                                          backend=backend)
-                    where = (backend, rule, variant, fmt, dtype, links, shape, write, inplace)
-                    assert K.same(pp if write else outs[0], want_out), where
-                    assert all(K.same(a, b) for a, b in zip(news[0], want_states)), where
+            K.assert_rule_step_is_reference(spec, hyper, p, g, states, reference_rule_step, backend,
+                                            (backend, rule, variant, fmt, dtype, links, shape))
 
 
 def test_native_kernel_is_built():
