@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore:invalid val
 pytest.importorskip("triton")
 
 import lowbit_tree as lt  # noqa: E402
-from lowbit_tree.kernels import RULES, StepLeaf, StepSpec, dispatch, native, run_step, step_backend  # noqa: E402
+from lowbit_tree.kernels import RULES, StepLeaf, StepSpec, backend_choice, native, run_step, step_backend  # noqa: E402
 from lowbit_tree.kernels import triton_backend  # noqa: E402
 from lowbit_tree.lowrank import lowrank_zeros  # noqa: E402
 
@@ -133,7 +133,7 @@ def test_one_step_splits_between_triton_and_torch_with_the_same_bits(monkeypatch
     on the torch backend, in one call, equal to the native kernel's step bit for bit."""
     spec, a, hyper = _leaf("adam", "8bit", seed=1)
     b = _leaf("adam", "4bit-rank1", shape=(6, 33), seed=2)[1]._replace(index=4)
-    monkeypatch.setattr(dispatch, "_auto_triton", lambda device, backend: True)
+    monkeypatch.setattr(backend_choice, "auto_triton", lambda device, backend: True)
     launches = count_launches(monkeypatch)
     leaves = _copies((a, b), "cpu")
     _, got = run_step(spec, hyper, leaves, write=True, backend="compiled")

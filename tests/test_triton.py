@@ -216,10 +216,10 @@ def test_a_rule_without_a_kernel_names_the_backends_that_have_it(monkeypatch):
 
 
 def test_the_kernel_has_every_declared_rule():
-    from lowbit_tree.kernels import dispatch, triton_backend, triton_step
+    from lowbit_tree.kernels import backend_choice, triton_backend, triton_step
 
     assert set(triton_step.TRITON_RULES) == set(RULE_DEFS)
-    assert list(triton_backend.backend_rules()) == list(dispatch.BACKENDS)
+    assert list(triton_backend.backend_rules()) == list(backend_choice.BACKENDS)
 
 
 def test_rank1_records_are_refused_with_the_fix():

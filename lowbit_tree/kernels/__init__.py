@@ -7,8 +7,9 @@ gradient, states) with one of three backends, which give the same bits:
 - ``compiled``: the torch backend under ``torch.compile`` (CUDA's default);
 - ``eager``: the same torch code run eagerly.
 
-``LOWBIT_TREE_BACKEND`` (``native``, ``compiled``, ``eager``; unset or ``auto``)
-chooses. ``auto``: native on CPU, compiled elsewhere (inside a caller's
+``LOWBIT_TREE_BACKEND`` (``native``, ``compiled``, ``eager``, ``triton``; unset or ``auto``)
+chooses, read by ``backend_setting()`` alone (``reset_backend_setting()`` forgets the native
+library's load, which is made once). ``auto``: native on CPU, compiled elsewhere (inside a caller's
 ``torch.compile``, the torch code is traced into the caller's graph); on a CPU where the C kernel
 cannot be built, eager (said once, with a warning naming the switch), never
 inductor, which needs the same C compiler. Leaves the native kernel does not take
@@ -19,19 +20,25 @@ are encoded with the maxima of their new values, completed across shards first
 job of their own, then steps and encodes; the torch backends step the float32 values and
 encode them after.
 
-The dispatch lives in ``lowbit_tree.kernels.dispatch``, whose public names this package
-re-exports; also there: the fast quantize / dequantize (``quantize_rows_fast``, ...), with codes
-bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`.
+The modules, one job each, whose public names this package re-exports: ``backend_choice`` (which
+backend steps a leaf), ``stepper`` (``run_step``), ``fast_quant`` (the fast quantize / dequantize,
+``quantize_rows_fast``, ..., with codes bit-identical to the reference quantizer in
+:mod:`lowbit_tree.qtensor`).
 """
 from __future__ import annotations
 
-from .dispatch import (BACKENDS, StepLeaf, backend_for, dequantize_fast, dequantize_rows_fast, native_ok, native_state,
-                       quantize_rows_fast, run_step, step_backend, triton_ok)
+from .backend_choice import (BACKENDS, backend_for, backend_setting, native_ok, reset_backend_setting, step_backend,
+                             triton_ok)
+from .fast_quant import dequantize_fast, dequantize_rows_fast, quantize_rows_fast
+from .spec import StepLeaf
+from .stepper import native_state, run_step
 from .spec import NHYPER, RULES, StepSpec, step_hyperparams
 from .tables import CodeTable, code_table
 
 __all__ = [
     "BACKENDS",
+    "backend_setting",
+    "reset_backend_setting",
     "backend_for",
     "step_backend",
     "triton_ok",

@@ -39,6 +39,7 @@ import torch
 
 from ..formats import FORMATS as _FORMATS
 from ..rules import RULE_DEFS
+from .setting import backend_setting
 from . import spec
 from .spec import (
     DTYPE_IDS, JOB_HEADER, NHYPER, RANK1_BLOCK, RULE_IDS, STATE_FIELDS, STATE_SLOTS, StepSpec, flag_bits,
@@ -266,7 +267,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """(library, None), or (None, why it is unavailable). The first time it is unavailable for a
     reason other than an explicit choice (``LOWBIT_TREE_BACKEND=eager`` or ``compiled``), one
     ``RuntimeWarning`` says so and what to do."""
-    chosen = os.environ.get("LOWBIT_TREE_BACKEND", "").strip().lower()
+    chosen = backend_setting()
     if chosen in ("eager", "compiled"):
         return None, f"not used: LOWBIT_TREE_BACKEND={chosen}"
     try:
@@ -279,6 +280,12 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
         return lib, None
     warnings.warn(_FALLBACK_NOTICE.format(why=why), RuntimeWarning, stacklevel=3)
     return None, why
+
+
+def reset() -> None:
+    """Forget the load (:func:`.backend_choice.reset_backend_setting` calls it): the next use loads
+    again, under the setting then in force, and warns again if the library cannot be built."""
+    _load.cache_clear()
 
 
 def library():

@@ -23,7 +23,9 @@ import torch
 from ..record_base import KERNEL_BLOCKS, Record
 from ..qtensor import row_layout
 from . import native
-from .dispatch import StepLeaf, backend_for, native_ok, native_state
+from .backend_choice import backend_for, native_ok
+from .spec import StepLeaf
+from .stepper import native_state
 from .spec import NHYPER, STATE_SLOTS, StepSpec, job_row_index
 
 __all__ = ["PureRows"]

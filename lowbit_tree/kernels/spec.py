@@ -53,7 +53,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,7 +62,7 @@ from ..rules import RULE_DEFS, VARIANT_FLAGS
 __all__ = [
     "RULES", "RULE_IDS", "StepSpec", "HYPER_NAMES", "NHYPER", "Hyper", "step_hyperparams", "radam_terms", "nadam_terms", "FLAGS", "flag_bits",
     "DTYPES", "DTYPE_IDS", "RANK1_BLOCK", "JOB_HEADER", "STATE_FIELDS", "STATE_SLOTS", "JOB_ROW", "job_row_index",
-    "INSTANCES", "instances",
+    "INSTANCES", "instances", "StepLeaf",
 ]
 
 RULES = tuple(RULE_DEFS)
@@ -363,3 +363,16 @@ def step_hyperparams(
                   wd=f64(weight_decay), l2=f64(l2), b3=b3t, omb3=omb3, alpha=f64(alpha), cm=cm, rect=rect,
                   cg=f64(cg))
     return torch.cat(list(parts)).to(torch.float32)
+
+
+class StepLeaf(NamedTuple):
+    """One leaf of a step: its param (``None`` where the step needs none), its
+    gradient, its states (QTensor / Rank1QTensor records or plain float tensors,
+    in the rule's order), and, for stochastic rounding of a bfloat16 param, its
+    index in its tree (the rounding key is per call)."""
+
+    param: Optional[torch.Tensor]
+    grad: torch.Tensor
+    states: tuple
+    index: int = 0
+    correction: Optional[torch.Tensor] = None  # int8 rounding error of a param written in place (lowbit_tree.correction)

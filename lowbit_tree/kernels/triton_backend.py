@@ -276,7 +276,7 @@ def _addr(t: Optional[torch.Tensor]) -> int:
 
 
 def backend_rules() -> dict:
-    """The rules each backend (``dispatch.BACKENDS``, a test holds them equal) steps: native and
+    """The rules each backend (``backend_choice.BACKENDS``, a test holds them equal) steps: native and
     torch every declared rule (``spec.RULES``), triton its kernel's."""
     return {"native": RULES, "compiled": RULES, "eager": RULES, "triton": ts.TRITON_RULES}
 
@@ -290,8 +290,8 @@ def _check(spec: StepSpec) -> None:
 
 def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bool = False, inplace: bool = False,
              sr_key: Optional[torch.Tensor] = None) -> tuple[list, list]:
-    """:func:`.dispatch.run_step` on the triton backend: the same arguments and results (leaves
-    are :class:`.dispatch.StepLeaf`), one launch per static combination."""
+    """:func:`.stepper.run_step` on the triton backend: the same arguments and results (leaves
+    are :class:`.stepper.StepLeaf`), one launch per static combination."""
     _check(spec)
     if any(leaf.grad.device.type == "cpu" for leaf in leaves) and not _interpreted():
         raise RuntimeError("the triton backend steps CPU tensors only under Triton's interpreter: set "

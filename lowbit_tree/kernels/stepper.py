@@ -1,227 +1,23 @@
-"""Which backend steps each leaf, and the step over a list of leaves (:func:`run_step`): the
-native C kernel's jobs, the compiled torch backend's batches, the eager fallback, the rank-1
-records' maxima completed across shards in leaf order; and the fast quantize / dequantize on the
-same choice of backend. :mod:`lowbit_tree.kernels` re-exports the public names.
-
-The automatic choice (no ``backend``, no ``LOWBIT_TREE_BACKEND``): native on CPU (eager where it
-cannot be built); on CUDA, per leaf, triton where its kernel has the rule and every state's kind
-(:func:`triton_ok`; rank-1 and low-rank records have none) and triton is importable, compiled
-otherwise. A backend named explicitly runs every leaf it is given, or raises."""
+"""The step over a list of leaves (:func:`run_step`): the native C kernel's jobs, the compiled
+torch backend's batches, the eager fallback, the triton launches, and the rank-1 records' maxima
+completed across shards in leaf order (``_Rank1Wait``)."""
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from ..correction import CORRECTED_DTYPES
-from ..formats import Format, get_format
 from ..qtensor import row_layout
 from ..rank1 import rank1_quantize
 from ..record_base import KERNEL_BLOCKS, KERNEL_VALUES, Record, kernel_of
 from ..rounding import rounding_hash
 from . import native, torch_backend
-from .spec import NHYPER, RULES, StepSpec, step_hyperparams
-from .tables import CodeTable, code_table
+from . import backend_choice
+from .backend_choice import backend_for, native_ok, triton_ok
+from .spec import StepLeaf, StepSpec
 
-__all__ = ["BACKENDS", "backend_for", "step_backend", "triton_ok", "StepLeaf", "native_ok", "native_state", "run_step", "quantize_rows_fast",
-           "dequantize_rows_fast", "dequantize_fast"]
-
-BACKENDS = ("native", "compiled", "eager", "triton")
-"""``triton`` (:mod:`.triton_backend`) imports triton, which the core does not need: chosen
-automatically on CUDA only (torch's CUDA wheels bring triton), or when asked for."""
-
-
-def _requested() -> str:
-    value = os.environ.get("LOWBIT_TREE_BACKEND", "").strip().lower() or "auto"
-    if value not in BACKENDS + ("auto",):
-        raise ValueError(f"LOWBIT_TREE_BACKEND must be one of {BACKENDS} or 'auto', got {value!r}")
-    return value
-
-
-def backend_for(device: torch.device, backend: Optional[str] = None) -> str:
-    """The backend that runs steps on ``device``: ``backend`` if given, else
-    ``LOWBIT_TREE_BACKEND``, else auto (see the module docstring)."""
-    if torch.compiler.is_compiling():
-        return "eager"  # inside a caller's torch.compile: trace the torch code into its graph
-    want = backend or _requested()
-    if want not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of {BACKENDS} or 'auto', got {want!r}")
-    if want == "triton":  # CUDA, or CPU tensors under TRITON_INTERPRET=1
-        return want
-    if device.type != "cpu":
-        return "eager" if want == "eager" else "compiled"
-    if want == "native":
-        if not native.available():
-            raise RuntimeError(
-                "LOWBIT_TREE_BACKEND=native, but the native CPU kernel could not be built (no working C compiler?)"
-            )
-        return "native"
-    if want == "auto":  # native.library() warns once when it cannot be built
-        return "native" if native.available() else "eager"
-    return want
-
-
-def _auto_triton(device: torch.device, backend: Optional[str]) -> bool:
-    """Whether the automatic choice puts leaves on ``device`` on triton where it can (CUDA, nothing
-    asked for, triton importable, not inside a caller's torch.compile)."""
-    return (device.type == "cuda" and (backend or _requested()) == "auto" and not torch.compiler.is_compiling()
-            and _triton_importable())
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_ok(spec: StepSpec, leaf: StepLeaf, write: bool) -> bool:
-    """Whether the triton kernel has this leaf: its rule, every state's kind and block size
-    (:func:`.triton_backend.launch_key`, the key it launches under), its dtypes, and a param
-    correction only where it is written in place. Imports triton."""
-    from . import triton_backend  # imports triton: only on CUDA or when asked for
-
-    if spec.rule not in triton_backend.backend_rules()["triton"]:
-        return False
-    p, g, c = leaf.param, leaf.grad, leaf.correction
-    if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
-                              and c.is_contiguous() and c.numel() == g.numel()):
-        return False
-    if write and not p.is_contiguous():
-        return False
-    if any(isinstance(s, torch.Tensor) and not s.is_contiguous() for s in leaf.states):
-        return False  # stepped in place only when contiguous
-    try:
-        key = triton_backend.launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write,
-                                        False, c is not None)
-        triton_backend.tile_length([b for _, b in key[0]])
-    except (NotImplementedError, TypeError, KeyError, ValueError):
-        return False  # a record kind, dtype or block sizes the kernel does not have
-    return True
-
-
-def step_backend(spec: StepSpec, leaf: StepLeaf, write: bool, backend: Optional[str] = None,
-                 device: Optional[torch.device] = None) -> str:
-    """The backend that steps ``leaf`` (on ``device``, default its gradient's): :func:`backend_for`,
-    except that the automatic choice on CUDA is triton where :func:`triton_ok`, compiled otherwise."""
-    device = leaf.grad.device if device is None else device
-    which = backend_for(device, backend)
-    if which == "compiled" and _auto_triton(device, backend) and triton_ok(spec, leaf, write):
-        return "triton"
-    return which
-
-
-# --------------------------------------------------------------------------- quantize / dequantize
-
-
-def quantize_rows_fast(x2: torch.Tensor, fmt: str | Format, block_size: int, *, backend: Optional[str] = None):
-    """Drop-in for :func:`lowbit_tree.qtensor.quantize_rows`: same ``(codes, scale)``, bit for bit.
-
-    Args:
-      x2: floating ``(rows, R)`` tensor (any float dtype; computed in float32).
-      fmt: a :class:`Format` or format name.
-      block_size: elements per block within a row.
-      backend: ``None`` (``LOWBIT_TREE_BACKEND``), or one of :data:`BACKENDS`.
-    Returns:
-      codes ``(rows, R)`` uint8 (float8_e4m3fn for fp8 formats; ``(rows, ceil(R/2))``
-      for 4-bit) and scale float32 ``(rows, ceil(R / block_size))``.
-    """
-    fmt = get_format(fmt)
-    rows, r = x2.shape
-    ncols = (r + 1) // 2 if fmt.bits == 4 else r
-    nblocks = -(-r // block_size)
-    dev = x2.device
-    if x2.numel() == 0:
-        codes = torch.zeros(rows, ncols, dtype=fmt.code_dtype, device=dev)
-        return codes, torch.zeros(rows, nblocks, dtype=torch.float32, device=dev)
-    which = backend_for(dev, backend)
-    if which == "native":
-        codes = torch.empty(rows, ncols, dtype=torch.uint8, device=dev)
-        scale = torch.empty(rows, nblocks, dtype=torch.float32, device=dev)
-        native.quantize(x2.detach().float().contiguous(), fmt.name, block_size, codes, scale)
-    else:
-        codes, scale = torch_backend.quantize_rows(x2, fmt.name, block_size, compile=which == "compiled")
-    if fmt.float8:
-        codes = codes.view(torch.float8_e4m3fn)
-    return codes, scale
-
-
-def dequantize_rows_fast(codes: torch.Tensor, scale: torch.Tensor, fmt: str | Format, block_size: int, r: int, *,
-                         backend: Optional[str] = None) -> torch.Tensor:
-    """Codes and scale of a ``(rows, r)`` row view -> float32 ``(rows, r)``, bit-identical
-    to :func:`lowbit_tree.qtensor.dequantize`."""
-    fmt = get_format(fmt)
-    rows = codes.shape[0]
-    dev = codes.device
-    if rows == 0 or r == 0:
-        return torch.zeros(rows, r, dtype=torch.float32, device=dev)
-    if codes.dtype != torch.uint8:
-        codes = codes.view(torch.uint8)
-    which = backend_for(dev, backend)
-    if which == "native":
-        out = torch.empty(rows, r, dtype=torch.float32, device=dev)
-        native.dequantize(codes.contiguous(), scale.float().contiguous(), fmt.name, block_size, r, out)
-        return out
-    return torch_backend.dequantize_rows(codes, scale, fmt.name, block_size, r, compile=which == "compiled")
-
-
-def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
-    """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
-    rows, r = row_layout(q.shape)
-    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
-    return out.reshape(q.shape).to(dtype)
-
-
-# --------------------------------------------------------------------------- steps
-
-
-class StepLeaf(NamedTuple):
-    """One leaf of a step: its param (``None`` where the step needs none), its
-    gradient, its states (QTensor / Rank1QTensor records or plain float tensors,
-    in the rule's order), and, for stochastic rounding of a bfloat16 param, its
-    index in its tree (the rounding key is per call)."""
-
-    param: Optional[torch.Tensor]
-    grad: torch.Tensor
-    states: tuple
-    index: int = 0
-    correction: Optional[torch.Tensor] = None  # int8 rounding error of a param written in place (lowbit_tree.correction)
-
-
-def native_ok(leaf: StepLeaf, write: bool) -> bool:
-    """Whether the C kernel takes this leaf (else the torch backend runs it). Plain states
-    (a :data:`~lowbit_tree.record_base.KERNEL_VALUES` record, rank-1, counts as one: the kernel steps
-    its float32 values) go beside block records only after a block record first, and a record
-    (rank-1 too) only after a record (``native.job_row``): a plain ``exp_avg`` beside a rank-1
-    ``exp_avg_sq`` runs in torch."""
-    p, g, c = leaf.param, leaf.grad, leaf.correction
-    if c is not None and not (write and p is not None and p.dtype in CORRECTED_DTYPES and c.dtype is torch.int8
-                              and c.is_contiguous() and c.numel() == g.numel()):
-        return False  # a correction the kernel does not write in place: the torch backend's step (or its error)
-    if g.dtype not in native.DTYPE_IDS or (p is not None and p.dtype not in native.DTYPE_IDS):
-        return False
-    if write and not p.is_contiguous():
-        return False
-    quantized = plain = values = 0
-    for s in leaf.states:
-        if isinstance(s, Record):
-            if not s.kernel_ready():
-                return False
-            if s.KERNEL == KERNEL_BLOCKS:
-                quantized += 1
-            else:
-                plain += 1
-                values += 1
-        elif isinstance(s, torch.Tensor) and s.dtype in (torch.float32, torch.bfloat16) and s.is_contiguous():
-            plain += 1
-        else:
-            return False
-    if values and isinstance(leaf.states[0], torch.Tensor):
-        return False
-    return not (quantized and plain) or kernel_of(leaf.states[0]) == KERNEL_BLOCKS
-
-
+__all__ = ["native_state", "run_step"]
 
 
 class _Rank1Wait(NamedTuple):
@@ -392,7 +188,7 @@ def run_step(
         which = backends.get(g.device)
         if which is None:
             which = backends[g.device] = backend_for(g.device, backend)
-        if which == "compiled" and _auto_triton(g.device, backend) and triton_ok(spec, leaf, write):
+        if which == "compiled" and backend_choice.auto_triton(g.device, backend) and triton_ok(spec, leaf, write):
             on_triton.append(i)
         elif which == "native" and native_ok(leaf, write):
             rows, r = row_layout(g.shape)

@@ -1,0 +1,72 @@
+"""The fast quantize / dequantize of block records' rows, on the backend :func:`.backend_choice.backend_for`
+picks: codes and scales bit-identical to the reference quantizer in :mod:`lowbit_tree.qtensor`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..formats import Format, get_format
+from ..qtensor import row_layout
+from . import native, torch_backend
+from .backend_choice import backend_for
+
+__all__ = ["quantize_rows_fast", "dequantize_rows_fast", "dequantize_fast"]
+
+
+def quantize_rows_fast(x2: torch.Tensor, fmt: str | Format, block_size: int, *, backend: Optional[str] = None):
+    """Drop-in for :func:`lowbit_tree.qtensor.quantize_rows`: same ``(codes, scale)``, bit for bit.
+
+    Args:
+      x2: floating ``(rows, R)`` tensor (any float dtype; computed in float32).
+      fmt: a :class:`Format` or format name.
+      block_size: elements per block within a row.
+      backend: ``None`` (``LOWBIT_TREE_BACKEND``), or one of :data:`BACKENDS`.
+    Returns:
+      codes ``(rows, R)`` uint8 (float8_e4m3fn for fp8 formats; ``(rows, ceil(R/2))``
+      for 4-bit) and scale float32 ``(rows, ceil(R / block_size))``.
+    """
+    fmt = get_format(fmt)
+    rows, r = x2.shape
+    ncols = (r + 1) // 2 if fmt.bits == 4 else r
+    nblocks = -(-r // block_size)
+    dev = x2.device
+    if x2.numel() == 0:
+        codes = torch.zeros(rows, ncols, dtype=fmt.code_dtype, device=dev)
+        return codes, torch.zeros(rows, nblocks, dtype=torch.float32, device=dev)
+    which = backend_for(dev, backend)
+    if which == "native":
+        codes = torch.empty(rows, ncols, dtype=torch.uint8, device=dev)
+        scale = torch.empty(rows, nblocks, dtype=torch.float32, device=dev)
+        native.quantize(x2.detach().float().contiguous(), fmt.name, block_size, codes, scale)
+    else:
+        codes, scale = torch_backend.quantize_rows(x2, fmt.name, block_size, compile=which == "compiled")
+    if fmt.float8:
+        codes = codes.view(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequantize_rows_fast(codes: torch.Tensor, scale: torch.Tensor, fmt: str | Format, block_size: int, r: int, *,
+                         backend: Optional[str] = None) -> torch.Tensor:
+    """Codes and scale of a ``(rows, r)`` row view -> float32 ``(rows, r)``, bit-identical
+    to :func:`lowbit_tree.qtensor.dequantize`."""
+    fmt = get_format(fmt)
+    rows = codes.shape[0]
+    dev = codes.device
+    if rows == 0 or r == 0:
+        return torch.zeros(rows, r, dtype=torch.float32, device=dev)
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    which = backend_for(dev, backend)
+    if which == "native":
+        out = torch.empty(rows, r, dtype=torch.float32, device=dev)
+        native.dequantize(codes.contiguous(), scale.float().contiguous(), fmt.name, block_size, r, out)
+        return out
+    return torch_backend.dequantize_rows(codes, scale, fmt.name, block_size, r, compile=which == "compiled")
+
+
+def dequantize_fast(q, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
+    """:func:`lowbit_tree.dequantize` of a :class:`~lowbit_tree.QTensor`, on the fast path."""
+    rows, r = row_layout(q.shape)
+    out = dequantize_rows_fast(q.codes, q.scale, q.format, q.block_size, r, **kwargs)
+    return out.reshape(q.shape).to(dtype)
