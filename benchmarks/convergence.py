@@ -1,6 +1,6 @@
 """Convergence: held-out loss of each low-bit AdamW relative to fp32 AdamW, over seeds.
 
-The task is the demo's (``bridge/demo.py``): a byte-level GPT on the Python standard
+The task is the demo's (``bridge/tools/demo.py``): a byte-level GPT on the Python standard
 library's source. For each seed every variant starts from the same initial weights and
 sees the same batches; the figure of merit is the final held-out loss relative to fp32
 AdamW *of the same seed*, with the spread over seeds. Acceptance: within +1% for 8-bit and
@@ -62,7 +62,7 @@ import warnings
 
 import torch
 
-from bridge.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, parse_setup, train
+from bridge.tools.demo import Batches, CharGPT, RunResult, eval_batches, load_corpus, make_optimizer, parse_setup, train
 
 ALL_VARIANTS = ("fp32", "8bit", "4bit", "4bit-block", "fp8", "torchao-8bit", "bnb-8bit",
                 "ademamix-fp32", "ademamix-8bit", "ademamix-4bit", "ademamix-4bit-slow8",

@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from bridge.demo import BF16_OPTIONS  # the bfloat16 options: "bf16", "bf16sr", "bf16c"
+from bridge.tools.demo import BF16_OPTIONS  # the bfloat16 options: "bf16", "bf16sr", "bf16c"
 
 VARIANTS = ("fp32", "8bit", "fp8", "4bit-block", "4bit-rank1", "4bit-block64",
             "8bit-bf16", "8bit-bf16sr", "8bit-bf16c", "4bit-bf16c")

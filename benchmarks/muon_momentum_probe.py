@@ -35,7 +35,7 @@ import warnings
 import torch
 
 import bridge
-from bridge.demo import Batches, CharGPT, eval_batches, load_corpus, train
+from bridge.tools.demo import Batches, CharGPT, eval_batches, load_corpus, train
 from lowbit_tree.formats import normal_map
 
 _CODES = normal_map().float()

@@ -44,7 +44,7 @@ SETUPS = {
     "AdamW8bit + param_correction (bf16 params)": "8bit-bf16c",
     "AdamW4bit + param_correction (bf16 params)": "4bit-bf16c",
 }
-"""Table label -> setup: ``torch-fp32`` or a ``bridge.demo`` setup name (format, ``-bf16c``)."""
+"""Table label -> setup: ``torch-fp32`` or a ``bridge.tools.demo`` setup name (format, ``-bf16c``)."""
 LR, WEIGHT_DECAY = 1e-3, 0.01
 
 
@@ -89,7 +89,7 @@ class LlamaStack(nn.Module):
 def make_optimizer(setup: str, params):
     if setup == "torch-fp32":
         return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-    from bridge.demo import make_optimizer as bridge_optimizer, parse_setup
+    from bridge.tools.demo import make_optimizer as bridge_optimizer, parse_setup
 
     s = parse_setup(setup)
     return bridge_optimizer(s.format, params, LR, WEIGHT_DECAY, min_quant_size=4096, **s.options)

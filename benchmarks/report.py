@@ -360,7 +360,7 @@ def step_table(b: dict, muon: bool = False) -> str:
 
 
 def run_demo(argv: list[str], tmp: str) -> dict:
-    from bridge.cli import main as cli
+    from bridge.tools.cli import main as cli
 
     out = os.path.join(tmp, "demo")
     with isolated(torch.get_num_threads()):
@@ -465,7 +465,7 @@ def bf16_table(conv: dict, conv_bf16: dict, digits: dict | None) -> str:
 
 
 def demo_setup_legend() -> str:
-    from bridge.demo import SETUP_LEGEND
+    from bridge.tools.demo import SETUP_LEGEND
 
     return "Setups: " + SETUP_LEGEND.replace("\n", " ") + "."
 
@@ -821,7 +821,7 @@ def main(argv=None) -> int:
         sm = captured(second_moment_formats.main, sm_args)
         drift_args = ["--quick"] if args.quick else []
         drift = captured(requantize_drift.main, drift_args)
-        from bridge.cli import main as cli
+        from bridge.tools.cli import main as cli
 
         rt = captured(cli, ["roundtrip"])
         log("SOAP: bytes, held-out loss over the seeds, step time against HeavyBall's")

@@ -1,7 +1,7 @@
 """Soak: thousands of steps of the demo model per low-bit format, checking the states as it goes.
 
 For each format (8bit, 4bit, fp8, and fp32 as the reference) the demo's byte-level GPT
-(``bridge/demo.py``) trains from the same initial weights on the same batches with the demo's
+(``bridge/tools/demo.py``) trains from the same initial weights on the same batches with the demo's
 schedule (linear warm-up, cosine decay to 10%) and gradient clipping. Every ``--check-every``
 steps, and at the end, it checks:
 
@@ -28,7 +28,7 @@ import time
 import torch
 
 from bridge import QState
-from bridge.demo import Batches, CharGPT, eval_batches, evaluate, load_corpus, loss_fn, lr_at, make_optimizer
+from bridge.tools.demo import Batches, CharGPT, eval_batches, evaluate, load_corpus, loss_fn, lr_at, make_optimizer
 
 SECOND_MOMENT = "exp_avg_sq"
 

@@ -4,7 +4,7 @@
 the meta device, nothing allocated) for fp32 AdamW, 8-bit AdamW and fp32 / 8-bit / 4-bit SOAP
 (:func:`lowbit_tree.state_report`'s total over the matrix's elements).
 
-Otherwise: the demo's byte-level GPT (``bridge/demo.py``: the Python standard library's source),
+Otherwise: the demo's byte-level GPT (``bridge/tools/demo.py``: the Python standard library's source),
 small enough for a CPU, trained with the functional core (``lowbit_tree.soap`` /
 ``lowbit_tree.adamw``, ``apply_updates``) from the same initial weights and batches per seed;
 the figure of merit is each variant's final held-out loss relative to fp32 SOAP *of the same
@@ -175,7 +175,7 @@ def step_times(shape: tuple, steps: int, rounds: int, names: list[str]) -> dict:
 def run(variant: str, seed: int, args, data) -> tuple[float, float, list[float]]:
     """(final held-out loss, optimizer state bytes a param at the end, the training loss of each
     step) of one GPT run."""
-    from bridge.demo import Batches, CharGPT, eval_batches, evaluate, loss_fn
+    from bridge.tools.demo import Batches, CharGPT, eval_batches, evaluate, loss_fn
 
     train_data, held_out = data
     torch.manual_seed(seed)
@@ -252,7 +252,7 @@ def main(argv=None) -> int:
         for v, (s, f) in t.items():
             print(f"{v:<10} {1e3 * s:>9.2f} {s / t[ref][0]:>11.1f} {f:>11.1f}")
     else:
-        from bridge.demo import load_corpus
+        from bridge.tools.demo import load_corpus
 
         torch.set_num_threads(1)
         train_data, held_out, _ = load_corpus()
@@ -267,7 +267,7 @@ def main(argv=None) -> int:
                 losses[v].append(loss)
                 curves[v].append(curve)
                 print(f"seed {seed} {v:<11} held-out {loss:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-        from bridge.demo import CharGPT
+        from bridge.tools.demo import CharGPT
 
         gpt = CharGPT(d_model=args.d_model, n_layers=args.layers, n_heads=4, seq_len=args.seq_len)
         out.update(seeds=seeds, losses=losses, bytes_gpt=nbytes, curves=curves,

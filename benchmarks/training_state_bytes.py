@@ -1,5 +1,5 @@
 """Training-state bytes per param (params + gradients + optimizer states) of the demo's model,
-counted and measured, for each setup of ``lowbit-tree demo`` (``bridge/demo.py``: a format,
+counted and measured, for each setup of ``lowbit-tree demo`` (``bridge/tools/demo.py``: a format,
 then ``-bf16c`` for bfloat16 params with ``param_correction=True`` and ``-bw`` for steps in
 backward).
 
@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 
 import bridge  # noqa: E402
 from bridge.qstate import QState  # noqa: E402
-from bridge.demo import MEMORY_SETUPS, SETUP_LEGEND, TINY, CharGPT, loss_fn, make_optimizer, parse_setup  # noqa: E402
+from bridge.tools.demo import MEMORY_SETUPS, SETUP_LEGEND, TINY, CharGPT, loss_fn, make_optimizer, parse_setup  # noqa: E402
 
 LR, WEIGHT_DECAY, MIN_QUANT_SIZE = 3e-3, 0.01, 1024  # the demo's
 

@@ -1,7 +1,7 @@
 """``LowBitOptimizer``: any lowbit_tree transformation as a ``torch.optim.Optimizer``.
 
 The optimizer holds no arithmetic. Each ``step()`` goes down the layers once:
-per param group (and per distinct step count within it), a :class:`bridge.plan.GroupPlan`
+per param group (and per distinct step count within it), a :class:`bridge.group_plan.GroupPlan`
 built once binds the core state tree of the group's params to the live states
 (:mod:`bridge.state_tree`) and holds the transformation's in-place form (``tx.plan``);
 a step sets this step's numbers and runs it: one kernel call that updates params and
@@ -33,7 +33,7 @@ from . import report
 from .collectives import all_ranks_finite
 from .distributed import is_dtensor, local_grad, to_local
 from .param_states import SCALARS, ParamStates
-from .plan import GroupPlan
+from .group_plan import GroupPlan
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
 

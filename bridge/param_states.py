@@ -18,7 +18,7 @@ group's state-tree :class:`bridge.state_tree.Binding`, and remembers them:
   moved).
 
 The optimizer (``opt.param_states``) makes states and builds each group's step
-(:class:`bridge.plan.GroupPlan`, given the live records) with it; :mod:`bridge.state_dict` and
+(:class:`bridge.group_plan.GroupPlan`, given the live records) with it; :mod:`bridge.state_dict` and
 :mod:`bridge.master` create and read states through it. None of them reads its caches.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ __all__ = ["ParamStates", "stored_layout", "SCALARS"]
 
 SCALARS = ("step", *SCALAR_STATES)
 """The per-param 0-d CPU float32 states of torch.optim (``step``, NAdam's ``mu_product``): no
-layout, no record; a step's plan holds them as views of one tensor (:class:`bridge.plan.GroupPlan`)."""
+layout, no record; a step's plan holds them as views of one tensor (:class:`bridge.group_plan.GroupPlan`)."""
 
 
 def stored_layout(v) -> tuple:

@@ -13,6 +13,7 @@ write=False, leaf_offset=0) -> step``, built once for one state and one set of p
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
 import optree
@@ -35,6 +36,7 @@ __all__ = [
     "in_place",
     "plan_of",
     "plan_from_update",
+    "renamed_argument",
 ]
 
 Params = Any  # a pytree of tensors (None for "no parameter / no gradient")
@@ -87,8 +89,8 @@ class GradientTransformation(NamedTuple):
 
 def _copy_into(old: State, new: State) -> None:
     """Write every tensor of ``new`` into the tensor at the same place in ``old``."""
-    old_leaves, spec = optree.tree_flatten(old, none_is_leaf=True)
-    new_leaves = spec.flatten_up_to(new)
+    old_leaves, treespec = optree.tree_flatten(old, none_is_leaf=True)
+    new_leaves = treespec.flatten_up_to(new)
     for o, n in zip(old_leaves, new_leaves):
         if isinstance(o, torch.Tensor):
             if o.dtype != n.dtype or o.shape != n.shape:
@@ -104,12 +106,12 @@ def plan_from_update(update: UpdateFn) -> PlanFn:
     """The plan that runs the pure ``update`` and copies its new state into the old one."""
 
     def plan(state, params, *, write: bool = False, leaf_offset: int = 0) -> Step:
-        spec = optree.tree_structure(params, none_is_leaf=True)
+        treespec = optree.tree_structure(params, none_is_leaf=True)
 
         def step(updates: list) -> list:
-            out, new = update(spec.unflatten(list(updates)), state, params)
+            out, new = update(treespec.unflatten(list(updates)), state, params)
             _copy_into(state, new)
-            return spec.flatten_up_to(out)
+            return treespec.flatten_up_to(out)
 
         return step
 
@@ -192,3 +194,17 @@ def scalar_value(value: ScalarOrSchedule, count: torch.Tensor) -> float | torch.
 
 
 torch.serialization.add_safe_globals([EmptyState])
+
+
+def renamed_argument(old: str, old_value, new: str, new_value, default):
+    """The value of an argument renamed from ``old`` to ``new`` (the old spelling still taken, for
+    one release, with a ``FutureWarning``): ``old_value`` where the caller gave it (``None``: not
+    given), else ``new_value``. Both given, with ``new_value`` not its ``default`` and not
+    ``old_value``, is a ``TypeError``."""
+    if old_value is None:
+        return new_value
+    warnings.warn(f"{old}= is renamed {new}=; the old name goes in the next release", FutureWarning, stacklevel=3)
+    if new_value != default and new_value != old_value:
+        raise TypeError(f"give {new}= only ({old}= is its old name), not both")
+    return old_value
+

@@ -148,7 +148,7 @@ def _info(transforms, i) -> dict:
 def _run_fused(segment: _FusedSegment, transforms, updates, state, new_states, params, extra: dict):
     """Run links ``[segment.start, segment.end)`` as one kernel call (the pure form; a stochastic
     rounding link, fused only when params are written in place, runs on its own)."""
-    from .transform import Fusion
+    from .rule_builder import Fusion
 
     lr = None
     if segment.lr is not None:
@@ -169,7 +169,7 @@ def _run_fused(segment: _FusedSegment, transforms, updates, state, new_states, p
 def _plan_fused(segment: _FusedSegment, transforms, state, params, may_write: bool, leaf_offset: int) -> list:
     """The steps of links ``[segment.start, segment.end)`` in place: the rule's plan with the links
     fused, then (if params are not written in the kernel) the stochastic-rounding link's own."""
-    from .transform import Fusion
+    from .rule_builder import Fusion
 
     lr = None if segment.lr is None else _info(transforms, segment.lr)["in_plan"](state[segment.lr])
     write = may_write and lr is not None

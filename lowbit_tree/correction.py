@@ -119,8 +119,8 @@ def param_correction() -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("param_correction needs params: call update(updates, state, params)")
-        leaves, spec = flatten(params)
-        ups, cs = spec.flatten_up_to(updates), spec.flatten_up_to(state.correction)
+        leaves, treespec = flatten(params)
+        ups, cs = treespec.flatten_up_to(updates), treespec.flatten_up_to(state.correction)
         out, new = [], []
         for p, u, c in zip(leaves, ups, cs):
             if p is None or u is None or c is None:
@@ -130,11 +130,11 @@ def param_correction() -> GradientTransformation:
             target, c2 = split_master(master_value(p, c) + u.float(), p.dtype)
             out.append(target.float() - p.float())
             new.append(c2)
-        return spec.unflatten(out), ParamCorrectionState(spec.unflatten(new))
+        return treespec.unflatten(out), ParamCorrectionState(treespec.unflatten(new))
 
     def plan(state, params, *, write=False, leaf_offset=0):
-        leaves, spec = flatten(params)
-        cs = spec.flatten_up_to(state.correction)
+        leaves, treespec = flatten(params)
+        cs = treespec.flatten_up_to(state.correction)
 
         def step(updates: list) -> list:
             out = []
@@ -171,8 +171,8 @@ def from_master(master: Any, dtypes: Any) -> tuple[Any, ParamCorrectionState]:
     """float32 master values -> ``(params in dtypes, their ParamCorrectionState)``: e.g. to
     start bfloat16 training with a correction from a float32 checkpoint. ``dtypes``: a tree
     of dtypes (or one dtype) shaped like ``master``."""
-    leaves, spec = flatten(master)
-    ds = [dtypes] * len(leaves) if isinstance(dtypes, torch.dtype) else spec.flatten_up_to(dtypes)
+    leaves, treespec = flatten(master)
+    ds = [dtypes] * len(leaves) if isinstance(dtypes, torch.dtype) else treespec.flatten_up_to(dtypes)
     ps, cs = [], []
     for x, d in zip(leaves, ds):
         if x is None:
@@ -185,7 +185,7 @@ def from_master(master: Any, dtypes: Any) -> tuple[Any, ParamCorrectionState]:
         else:
             ps.append(x.to(d))
             cs.append(None)
-    return spec.unflatten(ps), ParamCorrectionState(spec.unflatten(cs))
+    return treespec.unflatten(ps), ParamCorrectionState(treespec.unflatten(cs))
 
 
 torch.serialization.add_safe_globals([ParamCorrectionState])

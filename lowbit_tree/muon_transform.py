@@ -43,7 +43,7 @@ from . import kernels, moments, rules
 from .base import STEP, GradientTransformation, ScalarOrSchedule, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
-from .transform import RuleStage, staged_rule
+from .rule_builder import RuleStage, staged_rule
 from .tree_utils import flatten
 
 __all__ = [
@@ -254,7 +254,7 @@ def scale_by_muon(
 
 class _MuonStage(NamedTuple):
     """Muon's stage around its kernel rule (the module docstring's steps 2-4, and the low-rank
-    buffer's residual in step 1), as :class:`~lowbit_tree.transform.RuleStage` takes it."""
+    buffer's residual in step 1), as :class:`~lowbit_tree.rule_builder.RuleStage` takes it."""
 
     nesterov: bool
     momentum_rank: int

@@ -15,7 +15,7 @@ when the basis changes). Per leaf and per gradient, as it does:
    eigenbasis; a dimension that is not rotated keeps its coordinates); ``m = b1 m + (1 - b1) P``,
    ``v = b2 v + (1 - b2) P^2``; ``u = (m / (sqrt(v) + eps)) x_d Q_d`` (back to the param's
    coordinates), optionally ``u / (1e-30 + rms(u))`` (``normalize_grads``); the param step
-   ``p <- p - lr sqrt(1 - b2^t) / (1 - b1^t) u`` (without ``correct_bias``: ``lr u``), then
+   ``p <- p - lr sqrt(1 - b2^t) / (1 - b1^t) u`` (without ``bias_correction``: ``lr u``), then
    ``p <- p - lr wd p`` (the reference decays *after* the step).
 3. Then the factors take this gradient: ``GG_d <- lerp(GG_d, G_(d) G_(d)^T, 1 - shampoo_beta)``;
    and when ``t % precondition_frequency == 0`` each basis is refreshed by one power iteration
@@ -58,7 +58,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from . import kernels, moments, records
-from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, scalar_value
+from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, renamed_argument, scalar_value
 from .qtensor import QTensor, row_layout
 from .tree_utils import flatten, map_leaves
 
@@ -273,7 +273,7 @@ def _copy_into(old, new) -> None:
 # The transformation
 # ----------------------------------------------------------------------------
 def _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_precond_dim, precondition_1d,
-           normalize_grads, data_format, correct_bias, precond_format, bjorck_steps) -> None:
+           normalize_grads, data_format, bias_correction, precond_format, bjorck_steps) -> None:
     for name, value in (("b1", b1), ("b2", b2)):
         if isinstance(value, numbers.Real) and not 0 <= value < 1:
             raise ValueError(f"{name} must be in [0, 1), got {value!r}")
@@ -287,7 +287,7 @@ def _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     for name, value in (("precondition_1d", precondition_1d), ("normalize_grads", normalize_grads),
-                        ("correct_bias", correct_bias)):
+                        ("bias_correction", bias_correction)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
     if data_format not in DATA_FORMATS:
@@ -309,8 +309,9 @@ def scale_by_soap(
     precondition_1d: bool = False,
     normalize_grads: bool = False,
     data_format: str = "channels_first",
-    correct_bias: bool = True,
+    bias_correction: bool = True,
     *,
+    correct_bias: Optional[bool] = None,
     learning_rate: Optional[ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
     state_format: moments.StateFormat = "fp32",
@@ -327,9 +328,10 @@ def scale_by_soap(
       precondition_frequency, max_precond_dim, precondition_1d, normalize_grads, data_format: the
         reference's; ``data_format`` changes nothing here (it only matters with the reference's
         ``merge_dims``, which this does not implement).
-      correct_bias: the reference's bias correction.
+      bias_correction: the reference's bias correction (its ``correct_bias``, the name this
+        function took before and still takes, deprecated, for one release).
       learning_rate, weight_decay: ``None`` (default): the update is the step's direction
-        ``sqrt(1 - b2^t) / (1 - b1^t) u`` (``u`` without ``correct_bias``), to chain with
+        ``sqrt(1 - b2^t) / (1 - b1^t) u`` (``u`` without ``bias_correction``), to chain with
         :func:`~lowbit_tree.add_decayed_weights` and :func:`~lowbit_tree.scale_by_learning_rate`
         (which decay before the step: AdamW's order, not the reference's); a non-zero
         ``weight_decay`` is then refused (a ValueError). A float, 0-d tensor or schedule: the
@@ -345,8 +347,9 @@ def scale_by_soap(
     Returns:
       A transformation with state :class:`ScaleBySoapState`; updates are float32.
     """
+    bias_correction = renamed_argument("correct_bias", correct_bias, "bias_correction", bias_correction, True)
     _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_precond_dim, precondition_1d,
-           normalize_grads, data_format, correct_bias, precond_format, bjorck_steps)
+           normalize_grads, data_format, bias_correction, precond_format, bjorck_steps)
     if learning_rate is None and isinstance(weight_decay, (numbers.Real, torch.Tensor)) and float(weight_decay) != 0:
         raise ValueError(f"scale_by_soap: weight_decay={weight_decay!r} needs a learning_rate (the decay is "
                          "p <- p - lr wd p); pass learning_rate, or weight_decay=0 and chain "
@@ -435,7 +438,7 @@ def scale_by_soap(
         if normalize_grads:
             u = u / (1e-30 + torch.mean(u ** 2) ** 0.5)
         ratio = 1.0
-        if correct_bias:
+        if bias_correction:
             ratio = (1.0 - b2f ** t) ** 0.5 / (1.0 - b1f ** t)
         beta = sb()
         for d, s in enumerate(leaf.s):
@@ -507,8 +510,9 @@ def soap(
     precondition_1d: bool = False,
     normalize_grads: bool = False,
     data_format: str = "channels_first",
-    correct_bias: bool = True,
+    bias_correction: bool = True,
     *,
+    correct_bias: Optional[bool] = None,
     state_format: moments.StateFormat = "fp32",
     precond_format: str = "fp32",
     bjorck_steps: Optional[int] = None,
@@ -519,7 +523,9 @@ def soap(
     update is the whole param step (:func:`scale_by_soap` with ``learning_rate``); add it with
     :func:`~lowbit_tree.apply_updates`."""
     return scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, precondition_1d,
-                         normalize_grads, data_format, correct_bias, learning_rate=learning_rate,
+                         normalize_grads, data_format, renamed_argument("correct_bias", correct_bias,
+                                                                        "bias_correction", bias_correction, True),
+                         learning_rate=learning_rate,
                          weight_decay=weight_decay, state_format=state_format, precond_format=precond_format,
                          bjorck_steps=bjorck_steps, block_size=block_size, min_quant_size=min_quant_size)
 

@@ -24,9 +24,9 @@ def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
 
 def map_leaves(fn: Callable, tree: Any, *rests: Any) -> Any:
     """``fn(leaf, *rest_subtrees)`` for each leaf of ``tree`` (``None`` included)."""
-    leaves, spec = flatten(tree)
-    rest_leaves = [spec.flatten_up_to(r) for r in rests]
-    return spec.unflatten([fn(*args) for args in zip(leaves, *rest_leaves)])
+    leaves, treespec = flatten(tree)
+    rest_leaves = [treespec.flatten_up_to(r) for r in rests]
+    return treespec.unflatten([fn(*args) for args in zip(leaves, *rest_leaves)])
 
 
 def tree_device(tree: Any) -> torch.device:

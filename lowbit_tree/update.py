@@ -63,8 +63,8 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
     """
     if stochastic_round and key is None:
         raise ValueError("stochastic_round=True needs key= (an int64 tensor, e.g. rounding_key(state))")
-    leaves, spec = flatten(params)
-    ups = spec.flatten_up_to(updates)
+    leaves, treespec = flatten(params)
+    ups = treespec.flatten_up_to(updates)
     out = []
     for i, (p, u) in enumerate(zip(leaves, ups)):
         if p is None or u is None:
@@ -81,7 +81,7 @@ def apply_updates(params: Any, updates: Any, *, stochastic_round: bool = False, 
                 dtype = _compute_dtype(p)
                 torch.add(p, u if u.dtype is dtype else u.to(dtype), out=new)
             out.append(new)
-    return spec.unflatten(out)
+    return treespec.unflatten(out)
 
 
 def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, *, leaf_offset: int = 0) -> Any:
@@ -97,8 +97,8 @@ def step_(tx: GradientTransformation, grads: Any, state: Any, params: Any, *, le
     once and calls it (as :class:`bridge.LowBitOptimizer` does).
     """
     step = plan_of(tx)(state, params, write=True, leaf_offset=leaf_offset)
-    leaves, spec = flatten(params)
-    apply_rest_(leaves, step(spec.flatten_up_to(grads)))
+    leaves, treespec = flatten(params)
+    apply_rest_(leaves, step(treespec.flatten_up_to(grads)))
     return state
 
 
@@ -155,9 +155,9 @@ def stochastic_rounding(seed: int = 0) -> GradientTransformation:
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("stochastic_rounding needs params: call update(updates, state, params)")
-        leaves, spec = flatten(params)
-        out = targets(leaves, spec.flatten_up_to(updates), rounding_key(state), 0)
-        return spec.unflatten(out), StochasticRoundingState(state.seed, state.count + 1)
+        leaves, treespec = flatten(params)
+        out = targets(leaves, treespec.flatten_up_to(updates), rounding_key(state), 0)
+        return treespec.unflatten(out), StochasticRoundingState(state.seed, state.count + 1)
 
     def plan(state, params, *, write=False, leaf_offset=0):
         leaves = flatten(params)[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bridge
-from lowbit_tree import chain, transform
+from lowbit_tree import chain, rule_builder, transform
 from lowbit_tree.base import STEP, GradientTransformation
 from test_builder import made_by_builder
 
@@ -119,7 +119,7 @@ def test_every_bridge_class_runs_builder_rules_or_is_a_listed_exception():
     not_built = {name for name, cls in classes.items() if not built_by_builder(_stepped(cls), params)}
     assert not_built - set(NOT_BUILT) == set(), (
         f"{sorted(not_built - set(NOT_BUILT))} run a rule the builder did not make (or none): build it with "
-        "transform._declared_rule from its RuleDef, or list the class in NOT_BUILT with why")
+        "rule_builder.declared_rule from its RuleDef, or list the class in NOT_BUILT with why")
     assert set(NOT_BUILT) - not_built == set(), (
         f"{sorted(set(NOT_BUILT) - not_built)} run builder rules only now (or are gone): take them out of NOT_BUILT")
 
@@ -133,7 +133,7 @@ def test_the_check_tells_a_hand_built_rule(by_hand):
             def init(params):
                 return transform.ScaleByLionState(torch.zeros((), dtype=torch.int32), params)
 
-            rule = transform._rule_link(transform.kernels.StepSpec("lion"), lambda s: (s.mu,),
+            rule = rule_builder.rule_transformation(transform.kernels.StepSpec("lion"), lambda s: (s.mu,),
                                         lambda s, new: s._replace(count=s.count + 1, mu=new[0]),
                                         dict(b1=0.9, b2=0.99), lambda s: s.count, init)
         else:

@@ -1,5 +1,5 @@
 """Every public rule of ``lowbit_tree`` is made by the one declared-rule builder
-(``transform._declared_rule``) from its ``RuleDef`` (one builder for every rule).
+(``rule_builder.declared_rule``) from its ``RuleDef`` (one builder for every rule).
 
 The rules are found by introspection, never listed: every function in ``lowbit_tree.__all__``
 that returns a :class:`~lowbit_tree.GradientTransformation` (combinators, which take
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lowbit_tree
-from lowbit_tree import rules, transform
+from lowbit_tree import rule_builder, rules, transform
 from lowbit_tree.base import GradientTransformation
 
 HAND_BUILT: set = set()
@@ -26,7 +26,7 @@ EXAMPLE_ARGS = {"learning_rate": 1e-2, "momentum": 0.9, "step_size": 0.5, "max_n
 
 
 def made_by_builder(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` is a rule that ``transform._declared_rule`` built: the builder marks its
+    """Whether ``tx`` is a rule that ``rule_builder.declared_rule`` built: the builder marks its
     ``init`` with the declaration it built from (``lowbit_rule``)."""
     return isinstance(getattr(tx.init, "lowbit_rule", None), rules.RuleDef)
 
@@ -96,7 +96,7 @@ def test_every_rule_is_built_by_the_builder_or_a_listed_exception(public):
             roles = {k: v for k, v in type(public[name][1]).roles.items() if k != "count"}
             assert tx.init.lowbit_rule.roles() == roles, name  # momentum's and muon's states share roles
     assert hand_built - HAND_BUILT == set(), (
-        f"{sorted(hand_built - HAND_BUILT)} build their rule by hand: build it with transform._declared_rule "
+        f"{sorted(hand_built - HAND_BUILT)} build their rule by hand: build it with rule_builder.declared_rule "
         f"from its RuleDef")
     assert HAND_BUILT - hand_built == set(), (
         f"{sorted(HAND_BUILT - hand_built)} are built by the builder now (or are gone): take them out of HAND_BUILT")
@@ -115,14 +115,14 @@ def test_aliases_take_their_rules_from_the_public_blocks(public):
 
 def test_made_by_builder_tells_the_two_apart():
     """The mark can fail: a rule put together by hand from the same parts is not the builder's."""
-    built = transform._declared_rule("lion", transform.ScaleByLionState, {}, dict(b1=0.9, b2=0.99),
+    built = rule_builder.declared_rule("lion", transform.ScaleByLionState, {}, dict(b1=0.9, b2=0.99),
                                      state_format="fp32", block_size=None, min_quant_size=4096)
     assert made_by_builder(built)
 
     def init(params):
         return transform.ScaleByLionState(torch.zeros((), dtype=torch.int32), params)
 
-    by_hand = transform._rule_link(transform.kernels.StepSpec("lion"), lambda s: (s.mu,),
+    by_hand = rule_builder.rule_transformation(transform.kernels.StepSpec("lion"), lambda s: (s.mu,),
                                    lambda s, new: s._replace(count=s.count + 1, mu=new[0]), dict(b1=0.9, b2=0.99),
                                    lambda s: s.count, init)
     assert not made_by_builder(by_hand)
@@ -136,8 +136,8 @@ def test_a_staged_rule_is_the_builders_and_refuses_a_count_dependent_vector():
     def after(updates, out, new, context, params, count, inplace, offset):
         return [2 * u for u in out], new
 
-    stage = transform.RuleStage(lambda p, record: record, lambda updates, trees: (updates, trees, None), after)
-    tx = transform.staged_rule("momentum", transform.TraceState, {}, dict(momentum=0.9), stage, state_format="fp32",
+    stage = rule_builder.RuleStage(lambda p, record: record, lambda updates, trees: (updates, trees, None), after)
+    tx = rule_builder.staged_rule("momentum", transform.TraceState, {}, dict(momentum=0.9), stage, state_format="fp32",
                                block_size=None, min_quant_size=4096)
     assert made_by_builder(tx) and tx.init.lowbit_rule.name == "momentum"
     g = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
@@ -145,5 +145,5 @@ def test_a_staged_rule_is_the_builders_and_refuses_a_count_dependent_vector():
     torch.testing.assert_close(u, 2 * g, rtol=0, atol=0)
     torch.testing.assert_close(state.trace[0], g, rtol=0, atol=0)
     with pytest.raises(TypeError, match="count"):
-        transform.staged_rule("adam", transform.ScaleByAdamState, {}, dict(b1=0.9, b2=0.999, eps=1e-8), stage,
+        rule_builder.staged_rule("adam", transform.ScaleByAdamState, {}, dict(b1=0.9, b2=0.999, eps=1e-8), stage,
                               state_format="fp32", block_size=None, min_quant_size=4096)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import bridge
-from bridge.cli import main
+from bridge.tools.cli import main
 from lowbit_tree import alias
 from lowbit_tree.checkpoint import state_to_dict
 

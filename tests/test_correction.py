@@ -393,9 +393,9 @@ def test_kernel_plan_keeps_corrected_leaves_in_its_rows():
     for j, k in enumerate(plan._native):
         corr, flags = plan._rows[j * w + job_row_index("corr")], plan._rows[j * w + job_row_index("flags")]
         if cs[k] is None:
-            assert corr == 0 and not flags & flag_bits(correct=True)
+            assert corr == 0 and not flags & flag_bits(param_correction=True)
         else:
-            assert corr == cs[k].data_ptr() and flags & flag_bits(correct=True)
+            assert corr == cs[k].data_ptr() and flags & flag_bits(param_correction=True)
 
 
 @NATIVE

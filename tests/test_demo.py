@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import bridge
-from bridge.cli import main
-from bridge.demo import MEMORY_SETUPS, TINY, Batches, CharGPT, load_corpus, loss_fn
+from bridge.tools.cli import main
+from bridge.tools.demo import MEMORY_SETUPS, TINY, Batches, CharGPT, load_corpus, loss_fn
 
 # @pytest.mark.demo: a demo run plots its curves with matplotlib (the demo extra)
 

@@ -357,7 +357,7 @@ def test_the_abi_figures_are_spec_py_s():
 
 
 @pytest.mark.parametrize("span, wrong", [
-    ("transform._run_rule", True), ("transform.run_rule", False), ("kernels/plan.py", False),
+    ("transform._run_rule", True), ("rule_builder.run_rule", False), ("kernels/plan.py", False),
     ("kernels/nothing.py", True), ("KernelPlan.run", False), ("KernelPlan.nothing", True),
     ("no_such_function_anywhere", True), ("torch.lerp", False), ("torch.no_such_op", True),
     ('"8bit_bnb"', False), ('"no_such_format"', True), ("--exhaustive", False), ("--no-such-option", True),

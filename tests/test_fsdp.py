@@ -219,7 +219,7 @@ def test_soap_dcp_through_torch_state_dict_helpers(tmp_path):
     steps, bit for bit the unsharded run."""
     W.launch(W.soap_dcp_save_worker, 2, str(tmp_path), 4, True)  # steps, helpers
     W.launch(W.soap_dcp_load_worker, 3, str(tmp_path), 4, 3, True)  # steps, more, helpers
-    from bridge.inspect_state import inspect_path
+    from bridge.tools.inspect_state import inspect_path
 
     rows = inspect_path(str(tmp_path / "SOAP8bit")).rows  # `lowbit-tree inspect` of the sharded checkpoint
     factors = [r for r in rows if "eigenbasis_" in r.path or "coupling_" in r.path]

@@ -17,7 +17,7 @@ import torch
 
 import bridge
 import lowbit_tree as lt
-from bridge import plan as bridge_plan
+from bridge import group_plan as bridge_plan
 from lowbit_tree.kernels import plan as kernel_plan
 
 from test_bridge_is_core import same
@@ -332,8 +332,8 @@ def test_a_step_of_adamw8bit_crosses_few_modules_and_the_core_never_calls_the_br
         sys.setprofile(None)
     modules = {callee for _, callee in edges}
     assert not any(a.startswith("lowbit_tree") and b.startswith("bridge") for a, b in edges)
-    expected = {"bridge.classes", "bridge.optimizer", "bridge.distributed", "bridge.plan", "lowbit_tree.wrappers",
-                "lowbit_tree.combine", "lowbit_tree.transform", "lowbit_tree.kernels.spec",
+    expected = {"bridge.classes", "bridge.optimizer", "bridge.distributed", "bridge.group_plan", "lowbit_tree.wrappers",
+                "lowbit_tree.combine", "lowbit_tree.rule_builder", "lowbit_tree.kernels.spec",
                 "lowbit_tree.kernels.plan", "lowbit_tree.kernels.native"}
     assert modules <= expected, sorted(modules - expected)
     assert len(modules) <= 10

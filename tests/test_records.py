@@ -372,7 +372,7 @@ def test_one_report_row_for_a_pytree_and_inspect():
     parts; only a plain tensor's format is named apart (the dtype there, the state-format name in
     inspect)."""
     import lowbit_tree as lt
-    from bridge.inspect_state import inspect_core_state
+    from bridge.tools.inspect_state import inspect_core_state
 
     recs = _one_of_each_kind()
     tree = {"r": [recs["block"], recs["rank1"], recs["lowrank"]], "t": [torch.zeros(3, 5), torch.zeros(7).bfloat16()]}

@@ -642,7 +642,7 @@ def test_demo_fsdp_ranks_exit_with_their_status(tmp_path):
 def test_inspect_header_block_size_matches_rows(tmp_path, cls, block_size):
     import re
 
-    from bridge.inspect_state import inspect_path
+    from bridge.tools.inspect_state import inspect_path
 
     kw = {} if block_size is None else {"block_size": block_size}
     _, opt = _trained(getattr(bridge, cls), **kw)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -145,7 +147,7 @@ def test_float32_soap_matches_a_float64_reference_over_20_steps_with_refreshes(p
     params64 = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
     grads = _grads(SHAPES, 20, seed=2)
     tx = lt.soap(kw["lr"], kw["b1"], kw["b2"], kw["sb"], kw["eps"], wd, 5, 16, precondition_1d, normalize,
-                 correct_bias=correct_bias)
+                 bias_correction=correct_bias)
     params = [p.float() for p in params64]
     start = [p.clone() for p in params64]
     state = tx.init(params)
@@ -328,3 +330,24 @@ def test_a_scalar_an_empty_param_and_a_missing_gradient(precond_format):
         params = lt.apply_updates(params, upd)
     assert [r.steps for r in soap_mod.soap_report(state)] == [3, 3, 2]
     assert torch.isfinite(params[0]) and params[1].shape == (0, 5)
+
+
+def test_correct_bias_is_the_old_name_of_bias_correction():
+    """``correct_bias=`` (the name before ``bias_correction=``) still works for one release, with a
+    FutureWarning, and gives the same transformation; both names with different values is refused."""
+    p = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for kwargs in (dict(bias_correction=False), dict(correct_bias=False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tx = lt.soap(1e-2, precondition_frequency=1, **kwargs)
+        assert [w.category for w in caught] == ([FutureWarning] if "correct_bias" in kwargs else [])
+        state = tx.init([p])
+        for _ in range(3):
+            u, state = tx.update([g], state, [p])
+        runs.append(u[0])
+    assert torch.equal(runs[0], runs[1])
+    with pytest.raises(TypeError, match="give bias_correction= only"):
+        lt.soap(1e-2, bias_correction=False, correct_bias=True)
+

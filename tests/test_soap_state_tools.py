@@ -6,7 +6,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import bridge
-from bridge.inspect_state import inspect_optimizer_state_dict
+from bridge.tools.inspect_state import inspect_optimizer_state_dict
 
 
 def model(seed: int) -> torch.nn.Module:

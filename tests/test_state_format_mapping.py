@@ -388,7 +388,7 @@ def test_dcp_round_trip_and_inspect(tmp_path):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
 
-    from bridge.inspect_state import inspect_path
+    from bridge.tools.inspect_state import inspect_path
 
     mapping = {"exp_avg": "8bit", "exp_avg_sq": "fp8"}
     torch.manual_seed(0)

@@ -227,7 +227,7 @@ def test_hyperparameter_vectors_are_the_kernels_own_whatever_came_before():
     the calls before it: the same numbers again, one tensor hyperparameter changed in place between
     calls, the same numbers for another rule."""
     from lowbit_tree import kernels
-    from lowbit_tree.transform import Fusion, _hyper
+    from lowbit_tree.rule_builder import Fusion, hyper_vector as _hyper
 
     b2 = torch.tensor(0.999, dtype=torch.float64)
     fusion = Fusion(decay=0.1, l2=None)

@@ -1349,7 +1349,7 @@ typedef struct {
     int64_t rule, flags, pdt, gdt;
     const float *hyper;
     int64_t sr_hash;         /* LBT_STOCHASTIC: the key's hash (see lowbit_tree/update.py) */
-    int8_t *corr;            /* LBT_CORRECT: the param's correction, read and written in place */
+    int8_t *corr;            /* LBT_PARAM_CORRECTION: the param's correction, read and written in place */
     int64_t nstates;
     lbt_state st[LBT_STATE_SLOTS];
 } lbt_job;
@@ -1467,7 +1467,7 @@ static inline int32_t binade_bits(float v, const int32_t EMIN) {
     return b > 0x7F000000 ? 0x7F000000 : b;
 }
 
-/* The corrected write (LBT_CORRECT; lowbit_tree/correction.py) of n elements: pv the param's
+/* The corrected write (LBT_PARAM_CORRECTION; lowbit_tree/correction.py) of n elements: pv the param's
  * float32 values, d the update, c the int8 corrections (in place), q the bfloat16 (F16: float16)
  * param's bits. x = (p + c * scale(p)) + d: the master value is exact, the sum rounds once (no
  * contraction); p' = x to nearest even, or the neighbour above where c' would be +128;
@@ -1541,16 +1541,16 @@ static inline __attribute__((always_inline)) void corrected_fast(const float *re
 }
 
 /* float16's corrected write: corrected_fast a chunk at a time, then the slow path where the rest is +128 */
-#define LBT_CORRECT_CHUNK 1024
+#define LBT_CORRECTION_CHUNK 1024
 static inline __attribute__((always_inline)) void corrected_run(const float *restrict pv, const float *restrict d,
                                                                 int8_t *restrict c, int64_t n,
                                                                 uint16_t *restrict q, const int F16) {
     const int32_t emin = F16 ? -14 : -126;
     const float unit = F16 ? 0x1p-18f : 0x1p-15f, steps = F16 ? 0x1p17f : 0x1p14f;
-    int8_t c0[LBT_CORRECT_CHUNK];
-    float rest[LBT_CORRECT_CHUNK];
-    for (int64_t k0 = 0; k0 < n; k0 += LBT_CORRECT_CHUNK) {
-        const int64_t m = n - k0 < LBT_CORRECT_CHUNK ? n - k0 : LBT_CORRECT_CHUNK;
+    int8_t c0[LBT_CORRECTION_CHUNK];
+    float rest[LBT_CORRECTION_CHUNK];
+    for (int64_t k0 = 0; k0 < n; k0 += LBT_CORRECTION_CHUNK) {
+        const int64_t m = n - k0 < LBT_CORRECTION_CHUNK ? n - k0 : LBT_CORRECTION_CHUNK;
         memcpy(c0, c + k0, (size_t)m);
         corrected_fast(pv + k0, d + k0, c0, c + k0, rest, m, q + k0, F16);
         int32_t any = 0; /* an integer reduction (a float max would not vectorize): rest > 127 as bits */
@@ -1886,9 +1886,9 @@ static int rule_variant(const lbt_job *J, int64_t n, run_io *io, int tr, const b
 static void rule_dispatch(const lbt_job *J, int64_t n, run_io *io, int tr, const block_codes *D) {
     const int flags = (int)J->flags;
     const int epi = (flags & LBT_LR) ? ((flags & LBT_DECAY) ? 2 : 1) : ((flags & LBT_DECAY) ? 3 : 0);
-    /* a corrected write (LBT_CORRECT) takes the update as its output: run_elements adds it to the
+    /* a corrected write (LBT_PARAM_CORRECTION) takes the update as its output: run_elements adds it to the
      * master value (corrected_store) */
-    const int write = (flags & (LBT_WRITE_PARAM | LBT_CORRECT)) == LBT_WRITE_PARAM;
+    const int write = (flags & (LBT_WRITE_PARAM | LBT_PARAM_CORRECTION)) == LBT_WRITE_PARAM;
     if ((epi == 1 || epi == 2) && rule_variant(J, n, io, tr, D, write ? epi : epi + 2, io->o)) return;
     if (!epi && !write) { /* no epilogue: u is the output */
         if (rule_variant(J, n, io, tr, D, 0, io->o)) return;
@@ -1993,11 +1993,11 @@ static void sum_store(const float *p, const float *restrict u, int64_t n, int64_
 static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, scratch *B, int tr,
                          const block_codes *D, int stream) {
     const int flags = (int)J->flags, write = !!(flags & LBT_WRITE_PARAM);
-    const int correct = write && (flags & LBT_CORRECT);
+    const int corrected = write && (flags & LBT_PARAM_CORRECTION);
     const int needs_p = write || (flags & (LBT_L2 | LBT_DECAY | LBT_NEW_PARAM));
     const float *p = NULL;
     float *o;
-    if (correct) { /* p the param's values, o the update (rule_dispatch), then corrected_store */
+    if (corrected) { /* p the param's values, o the update (rule_dispatch), then corrected_store */
         load_plain((const char *)J->p + off * dt_size(J->pdt), J->pdt, n, B->p);
         p = B->p;
         o = B->o;
@@ -2019,7 +2019,7 @@ static void run_elements(const lbt_job *J, int64_t off, int64_t n, run_io *io, s
     rule_dispatch(J, n, io, tr, D);
     if (!write && stream) stream_store((float *)J->out + off, o, n);
     if (flags & LBT_NEW_PARAM) sum_store(p, o, n, J->pdt, (char *)J->pout + off * dt_size(J->pdt), B->u);
-    if (correct) corrected_store(p, o, J->corr + off, n, J->pdt, (uint16_t *)J->out + off);
+    if (corrected) corrected_store(p, o, J->corr + off, n, J->pdt, (uint16_t *)J->out + off);
     else if (write && J->pdt != LBT_F32)
         store_plain(o, n, J->pdt, (char *)J->out + off * dt_size(J->pdt), !!(flags & LBT_STOCHASTIC), off,
                     (uint32_t)J->sr_hash);

@@ -538,9 +538,9 @@ class NativeJob(NamedTuple):
 
 
 @functools.lru_cache(maxsize=256)
-def _spec_flags(s: StepSpec, write: bool, stochastic: bool, correct: bool, maxima: bool, new_param: bool) -> int:
+def _spec_flags(s: StepSpec, write: bool, stochastic: bool, corrected: bool, maxima: bool, new_param: bool) -> int:
     return flag_bits(maximize=s.maximize, l2=s.l2, decay=s.decay, lr=s.lr, **s.variants,
-                     write_param=write, stochastic=stochastic, correct=correct, maxima=maxima, new_param=new_param)
+                     write_param=write, stochastic=stochastic, param_correction=corrected, maxima=maxima, new_param=new_param)
 
 
 def _flags(job: NativeJob) -> int:

@@ -86,13 +86,13 @@ NHYPER = len(HYPER_NAMES)
 Hyper = collections.namedtuple("Hyper", HYPER_NAMES)
 """The entries of one hyperparameter vector by name: ``Hyper(*hyper.unbind(0)).rbc1``."""
 
-FLAGS = ("maximize", "l2", "decay", "lr") + VARIANT_FLAGS + ("write_param", "stochastic", "correct", "maxima",
+FLAGS = ("maximize", "l2", "decay", "lr") + VARIANT_FLAGS + ("write_param", "stochastic", "param_correction", "maxima",
                                                            "new_param")
 """A job's flag bits: flag ``FLAGS[i]`` is bit ``1 << i``. ``write_param``: the output is the
 param itself, updated in place (else a float32 update); ``new_param`` (never with
 ``write_param``): besides the update, ``p + u`` rounded once to the param's dtype goes to the
 row's ``pout`` (what ``apply_updates`` would compute, in the same pass); ``stochastic``: a bfloat16 param is
-rounded stochastically; ``correct`` (with ``write_param``, never with ``stochastic``): the
+rounded stochastically; ``param_correction`` (with ``write_param``, never with ``stochastic``): the
 bfloat16 / float16 param is written from its corrected master value and its int8 correction
 (the row's ``corr``) with it; ``maxima``: the job only computes the row and column maxima of
 its rank-1 states' new values (``rmax_new``, ``cmax_new``) and writes nothing else, the first
@@ -113,7 +113,7 @@ addresses of param (0 when the step needs none), gradient, output and new param 
 the ``new_param`` flag); the rule id
 (:data:`RULES`), flag bits (:data:`FLAGS`), param and gradient dtype ids (:data:`DTYPES`); the
 address of the float32 hyperparameter vector; the stochastic-rounding key's hash; the address
-of the param's int8 correction, read and written in place (0 without the ``correct`` flag); the
+of the param's int8 correction, read and written in place (0 without the ``param_correction`` flag); the
 number of states. cpu.c's ``lbt_job`` declares these fields with C types and checks at build time that
 each sits at ``8 * index`` (its header is generated from this tuple)."""
 

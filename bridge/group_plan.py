@@ -61,11 +61,11 @@ class GroupPlan:
         tree, self.counts, self.seeds, self.scalars = binding.tree(live, self.hyper)
         self.count = int(float(self.states[0]["step"])) if self.states else 0
         # one tensor of step counts; each param's "step" a view of it (module docstring)
-        self.steps = torch.full((len(self.params),), float(self.count), dtype=torch.float32, device="cpu")
-        self.views = [self.steps[k] for k in range(len(self.params))]
+        self.step_values = torch.full((len(self.params),), float(self.count), dtype=torch.float32, device="cpu")
+        self.views = [self.step_values[k] for k in range(len(self.params))]
         for st, v in zip(self.states, self.views):
             st["step"] = v
-        self.version = self.steps._version
+        self.version = self.step_values._version
         # each rule scalar: the tree's tensor, and one tensor of the params' values (their views)
         self.scalar_rows = []
         for name, t in self.scalars:
@@ -80,7 +80,7 @@ class GroupPlan:
         self.seed = None
         stepped = set(present)
         self.all_locals = [to_local(p) if i in stepped else None for i, p in enumerate(params)]
-        self.step = plan_of(tx, what)(tree, self.all_locals, write=True, leaf_offset=offset)
+        self.core_plan = plan_of(tx, what)(tree, self.all_locals, write=True, leaf_offset=offset)
         self.size = len(params)
 
     def current(self, state, params: list, present: tuple) -> bool:
@@ -88,7 +88,7 @@ class GroupPlan:
         replaces it): the same params with gradients at the same positions (in the same dtypes),
         the same state objects, step counts untouched since the last step. (Loops, not
         generators: a step calls nothing here.)"""
-        if present != self.present or len(params) != self.size or self.steps._version != self.version:
+        if present != self.present or len(params) != self.size or self.step_values._version != self.version:
             return False
         for name, _, row, views, version in self.scalar_rows:
             if row._version != version:
@@ -132,9 +132,9 @@ class GroupPlan:
             for s in self.seeds:
                 s.fill_(seed)
             self.seed = seed
-        rest = self.step(grads)  # advances the state tree's counts itself
-        self.steps.add_(1)
-        self.version = self.steps._version
+        rest = self.core_plan(grads)  # advances the state tree's counts itself
+        self.step_values.add_(1)
+        self.version = self.step_values._version
         for held in self.scalar_rows:  # the tree's scalars, advanced by the plan, to the params' views
             held[2].copy_(held[1].expand_as(held[2]))
             held[4] = held[2]._version

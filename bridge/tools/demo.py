@@ -520,7 +520,7 @@ def run(args) -> int:
     """The demo; under ``--fsdp`` the process ends here with ``os._exit``
     (:func:`bridge.distributed.run_and_exit`, pytorch issue 190489)."""
     if args.fsdp:
-        from .distributed import run_and_exit
+        from ..distributed import run_and_exit
 
         run_and_exit(lambda: _run(args))
     return _run(args)

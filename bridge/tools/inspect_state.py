@@ -199,7 +199,7 @@ def _versions(groups: list[dict], layout: int | None = None) -> str:
 
 
 def _readable_versions() -> tuple:
-    from .state_dict import READABLE_VERSIONS
+    from ..state_dict import READABLE_VERSIONS
 
     return READABLE_VERSIONS
 
@@ -209,7 +209,7 @@ def _layout(entries: dict) -> int | None:
     if any("::" in k for k in keys):
         return 1
     if any("." in k and k.rsplit(".", 1)[1] in RECORD_PARTS for k in keys):
-        from .state_dict import STATE_DICT_VERSION
+        from ..state_dict import STATE_DICT_VERSION
 
         return STATE_DICT_VERSION  # versions 2 and 3 nest records alike; the loader takes it as 3
     return None
