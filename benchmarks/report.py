@@ -336,6 +336,22 @@ def correction_cost(b: dict) -> str:
             " ratio of their ratios to torch fused): " + "; ".join(parts) + ".")
 
 
+def pure_form_ratio(b: dict) -> str:
+    """The functional API's two forms against the bridge's step, where the battery has all three
+    rows: the README's and the functional guide's first example is the pure form."""
+    rows = b["rows"]
+    if not all(k in rows and rows[k]["ratio"] for k in ("bridge-8bit", "functional-8bit", "functional-8bit-pure")):
+        return ""
+
+    def against_bridge(impl):  # per run, both against the same run's fused step
+        return statistics.median(x / y for x, y in zip(rows[impl]["ratio"], rows["bridge-8bit"]["ratio"]))
+
+    return (f"\n\nThe functional API against the bridge's step (`bridge-8bit`), per run, median: its pure form "
+            f"(`tx.update` then `apply_updates`, `functional-8bit-pure`, the README's quickstart) "
+            f"**{against_bridge('functional-8bit-pure'):.2f}x**; its donated form (`UpdateStep(tx)(..., "
+            f"donate=True)`, `functional-8bit`) **{against_bridge('functional-8bit'):.2f}x**.")
+
+
 def step_table(b: dict, muon: bool = False) -> str:
     head = ["implementation", "ms/step", "x torch fused AdamW", "runs (x fused)", "fused AdamW ms/step in those runs",
             "state B/param", "first step s"]
@@ -873,7 +889,7 @@ def main(argv=None) -> int:
         n = results[title]
         sections.append(f"## Step time: {title}\n\n{n['tensors']} tensors, {n['params'] / 1e6:.2f}M params. "
                         f"{runs} run(s) of {cmd('benchmarks/step_time.py', sargs)}; medians over the runs.\n\n"
-                        + step_table(n, muon="muon" in title.lower()) + correction_cost(n))
+                        + step_table(n, muon="muon" in title.lower()) + correction_cost(n) + pure_form_ratio(n))
     if whole is not None:
         sections.append(f"## Step time: {MUON_WHOLE[0]}\n\nOne run of {cmd('benchmarks/step_time.py', MUON_WHOLE[1])}"
                         " (a whole step takes seconds on a CPU without bfloat16 matrix units; Newton-Schulz is the"

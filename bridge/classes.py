@@ -49,8 +49,7 @@ import torch
 from lowbit_tree import alias, rules
 from lowbit_tree.base import state_names
 from lowbit_tree.moments import FORMAT_ARGUMENTS, RANK1_STATE_FORMATS, check_state_format, state_formats
-from lowbit_tree.transform import (ScaleByAdadeltaState, ScaleByAdamaxState, ScaleByAdamState, ScaleByAdEMAMixState,
-                                  ScaleByLionState, ScaleByNAdamState, ScaleByRAdamState, ScaleByRmsState, ScaleByRssState, TraceState)
+from lowbit_tree.rule_builder import state_type
 
 from . import group_args
 from .optimizer import LowBitOptimizer
@@ -306,7 +305,7 @@ class _Declared(TorchOptimizerBase):
         super().__init_subclass__(**kwargs)
         if "_decl" in cls.__dict__:
             cls.__init__ = _constructor(cls._decl)
-            cls._state_types = (_STATE_TYPES[cls._decl.rule],)
+            cls._state_types = (state_type(cls._decl.rule),)
         if cls.__dict__.get("__doc__") is None and ("_decl" in cls.__dict__ or "_summary" in cls.__dict__):
             cls.__doc__ = _docstring(cls)  # ours; a user's subclass keeps its own (or inherits ours)
 
@@ -382,11 +381,7 @@ def _docstring(cls) -> str:
     return f"{own}\n\nStates (``optimizer.state[p]``): ``step``, {states}.\n\n" + rules.args_section(names, docs, defaults)
 
 
-_STATE_TYPES = {"adam": ScaleByAdamState, "lion": ScaleByLionState, "momentum": TraceState,
-                "ademamix": ScaleByAdEMAMixState, "rmsprop": ScaleByRmsState, "adagrad": ScaleByRssState,
-                "adamax": ScaleByAdamaxState, "adadelta": ScaleByAdadeltaState,
-                "radam": ScaleByRAdamState, "nadam": ScaleByNAdamState}
-"""Each rule's core state class (its ``roles`` are the rule's declared states)."""
+
 
 
 # ---------------------------------------------------------------------------- the declarations

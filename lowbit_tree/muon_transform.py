@@ -39,11 +39,11 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import kernels, moments, rules
-from .base import STEP, GradientTransformation, ScalarOrSchedule, scalar_value, state_names
+from . import kernels, moments
+from .base import GradientTransformation, ScalarOrSchedule, scalar_value, state_names
 from .lowrank import FACTOR_DTYPE, LowRankQTensor, lowrank_dequantize, lowrank_expand, lowrank_rank, refresh_factors
 from .qtensor import QTensor, row_layout
-from .rule_builder import RuleStage, staged_rule
+from .rule_builder import RuleStage, rule_state, staged_rule
 from .tree_utils import flatten
 
 __all__ = [
@@ -71,12 +71,11 @@ Newton-Schulz (and, sharded, sent to the matrix's owner); a 4-bit input there co
 (design.md, "Muon")."""
 
 
+@rule_state("muon")
 class ScaleByMuonState(NamedTuple):
     count: torch.Tensor  # int32, 0-d: steps taken (a learning-rate schedule's argument)
     trace: Any  # the momentum buffer, shaped like params (torch.optim.Muon's ``momentum_buffer``);
     # with momentum_rank, quantized buffers are LowRankQTensor records
-
-    roles = rules.rule("muon").roles(STEP)
 
 
 class NSInput(NamedTuple):

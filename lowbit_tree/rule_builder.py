@@ -13,13 +13,50 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import kernels, moments, rules
-from .base import GradientTransformation, init_count
+from .base import STEP, GradientTransformation, init_count
 from .kernels.pure_rows import PureRows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
-__all__ = ["Fusion", "fused_spec", "hyper_vector", "run_rule", "RulePlan", "rule_transformation", "RuleStage",
-           "staged_rule", "declared_rule"]
+__all__ = ["rule_state", "state_type", "Fusion", "fused_spec", "hyper_vector", "run_rule", "RulePlan",
+           "rule_transformation", "RuleStage", "staged_rule", "declared_rule"]
+
+_STATE_TYPES: dict = {}
+"""rule -> its core state class: those the catalogue names (:func:`rule_state`), then those
+:func:`state_type` made from a declaration alone."""
+
+
+def _fields(declared: rules.RuleDef) -> tuple:
+    """A rule's state fields in order: ``count`` where it counts, its scalars, its states."""
+    return ((("count",) if declared.counted else ()) + tuple(f for f, _ in declared.scalars)
+            + tuple(s.field for s in declared.states))
+
+
+def rule_state(name: str):
+    """Class decorator: the core state class of the declared rule ``name`` (a NamedTuple whose
+    fields are the declaration's, :func:`_fields`); sets its ``roles`` from the declaration and
+    makes it the class :func:`state_type` gives for ``name``."""
+    declared = rules.rule(name)
+
+    def register(cls):
+        if tuple(cls._fields) != _fields(declared):
+            raise TypeError(f"{cls.__name__}'s fields {cls._fields} are not the {name} rule's {_fields(declared)}")
+        cls.roles = declared.roles(STEP if declared.counted else None)
+        _STATE_TYPES[name] = cls
+        return cls
+
+    return register
+
+
+def state_type(name: str) -> type:
+    """The core state class of the declared rule ``name``: the catalogue's (:func:`rule_state`), or
+    for a rule declared without one a NamedTuple made from its declaration (same fields and roles),
+    so that a new rule's declaration is all the bridge's classes need of its state."""
+    if name not in _STATE_TYPES:
+        declared = rules.rule(name)
+        cls = NamedTuple(f"Scale{name.title().replace('_', '')}State", [(f, Any) for f in _fields(declared)])
+        rule_state(name)(cls)
+    return _STATE_TYPES[name]
 
 
 class Fusion(NamedTuple):

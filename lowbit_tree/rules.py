@@ -70,6 +70,8 @@ class RuleDef:
     each step (``kernels.spec.nadam_terms``) and the bridge keeps them per param as ``step``."""
     torch_name: Optional[str] = None
     """The torch.optim class whose math and state names the rule follows (``None``: none has it)."""
+    counted: bool = True
+    """Whether the rule's state keeps a step count (torch.optim's ``step``); SGD's momentum keeps none."""
 
     def kept(self, **variants: bool) -> tuple:
         """The states kept with these variants, in slot order."""
@@ -114,7 +116,7 @@ RULE_DEFS = {
                 torch_name="Adam"),
         RuleDef("lion", (StateDef("mu", "exp_avg", _M),), slots=(("b1", "b1"), ("b2", "b2"))),
         RuleDef("momentum", (StateDef("trace", "momentum_buffer", _M),), variants=("nesterov",),
-                slots=(("momentum", "b1"),), torch_name="SGD"),
+                slots=(("momentum", "b1"),), torch_name="SGD", counted=False),
         RuleDef("ademamix", (StateDef("mu", "exp_avg", _M), StateDef("nu", "exp_avg_sq", _V),
                              StateDef("mu_slow", "exp_avg_slow", _M)),
                 slots=(("b1", "b1"), ("b2", "b2"), ("eps", "eps"), ("b3", "b3"), ("alpha", "alpha")),

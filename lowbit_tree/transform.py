@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import kernels, rules
+from . import kernels
 from .base import (STEP, EmptyState, GradientTransformation, ScalarOrSchedule, init_count, plan_from_update,
                    scalar_value)
 from .moments import StateFormat
-from .rule_builder import Fusion, declared_rule
+from .rule_builder import Fusion, declared_rule, rule_state
 from .tree_utils import flatten, map_leaves
 
 __all__ = [
@@ -60,84 +60,74 @@ __all__ = [
 ]
 
 
+@rule_state("adam")
 class ScaleByAdamState(NamedTuple):
     count: torch.Tensor  # int32, 0-d: steps taken
     mu: Any  # first moments, shaped like params (QTensor / float tensor leaves)
     nu: Any  # second moments (QTensor / Rank1QTensor / float tensor leaves)
     nu_max: Any  # running max of nu (amsgrad) or None
 
-    roles = rules.rule("adam").roles(STEP)
 
-
+@rule_state("lion")
 class ScaleByLionState(NamedTuple):
     count: torch.Tensor
     mu: Any
 
-    roles = rules.rule("lion").roles(STEP)
 
-
+@rule_state("ademamix")
 class ScaleByAdEMAMixState(NamedTuple):
     count: torch.Tensor
     mu: Any  # the fast EMA of the gradient (bias-corrected in the update)
     nu: Any  # the second moment
     mu_slow: Any  # the slow EMA (rate b3, weight alpha; not bias-corrected)
 
-    roles = rules.rule("ademamix").roles(STEP)
 
-
+@rule_state("momentum")
 class TraceState(NamedTuple):
     trace: Any  # the momentum buffer, shaped like params
 
-    roles = rules.rule("momentum").roles()
 
-
+@rule_state("rmsprop")
 class ScaleByRmsState(NamedTuple):
     count: torch.Tensor
     nu: Any  # the running average of squared gradients (torch.optim.RMSprop's square_avg)
     trace: Any  # the momentum buffer (has_momentum) or None
     mu: Any  # the running average of gradients (centered) or None
 
-    roles = rules.rule("rmsprop").roles(STEP)
 
-
+@rule_state("adagrad")
 class ScaleByRssState(NamedTuple):
     count: torch.Tensor
     sum: Any  # the running sum of squared gradients (torch.optim.Adagrad's sum)
 
-    roles = rules.rule("adagrad").roles(STEP)
 
-
+@rule_state("adamax")
 class ScaleByAdamaxState(NamedTuple):
     count: torch.Tensor
     nu: Any  # the exponentially weighted infinity norm (torch.optim.Adamax's exp_inf)
     mu: Any  # the first moment (exp_avg)
 
-    roles = rules.rule("adamax").roles(STEP)
 
-
+@rule_state("adadelta")
 class ScaleByAdadeltaState(NamedTuple):
     count: torch.Tensor
     nu: Any  # the running average of squared gradients (torch.optim.Adadelta's square_avg)
     delta: Any  # the running average of squared updates (acc_delta)
 
-    roles = rules.rule("adadelta").roles(STEP)
 
-
+@rule_state("radam")
 class ScaleByRAdamState(NamedTuple):
     count: torch.Tensor
     nu: Any  # the second moment (torch.optim.RAdam's exp_avg_sq)
     mu: Any  # the first moment (exp_avg)
 
-    roles = rules.rule("radam").roles(STEP)
 
-
+@rule_state("nadam")
 class ScaleByNAdamState(NamedTuple):
     count: torch.Tensor
     mu_product: torch.Tensor  # float32, 0-d: the product of the steps' momenta (torch.optim.NAdam's)
     nu: Any  # the second moment (exp_avg_sq)
     mu: Any  # the first moment (exp_avg)
-
-    roles = rules.rule("nadam").roles(STEP)
 
 
 class ScaleByScheduleState(NamedTuple):

@@ -23,3 +23,22 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     for i, block in enumerate(blocks):
         code = block.replace("/tmp/", str(tmp_path) + "/")
         exec(compile(code, f"README block {i}", "exec"), namespace)
+
+
+FUNCTIONAL = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "guide", "functional.md")
+
+
+def test_the_functional_guide_opens_with_the_readmes_form_and_its_examples_run(tmp_path, monkeypatch):
+    """The README's functional quickstart and the functional guide's first example are the same
+    form (the pure ``tx.update`` then ``apply_updates``); the guide's first two blocks run, the
+    second's donated step giving the pure form's bits."""
+    readme = next(b for b in python_blocks() if "tx.update(" in b)
+    first, second = python_blocks(FUNCTIONAL)[:2]
+    for block in (readme, first):
+        assert "tx.update(grads, state, params)" in block and "apply_updates(params, updates)" in block
+        assert "donate=True" not in block
+    assert "donate=True" in second
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, block in enumerate((first, second)):
+        exec(compile(block, f"functional guide block {i}", "exec"), namespace)

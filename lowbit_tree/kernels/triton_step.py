@@ -18,6 +18,9 @@ int64 table row (:data:`LEAF_FIELDS`), each program's leaf from an int32 map, bo
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import triton
 import triton.language as tl
 
@@ -26,9 +29,10 @@ from .spec import HYPER_NAMES, RULE_IDS
 __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
            "STORAGE_F32", "STORAGE_BF16", "STORAGE_Q8", "STORAGE_Q4", "DT_F32", "DT_BF16", "DT_F16"]
 
-TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam",
-                "nadam")
-"""The rules whose math this kernel has (the declaration's ids: ``spec.RULE_IDS``)."""
+TRITON_RULES = tuple(r for r in RULE_IDS if re.search(rf'RULE_IDS\["{r}"\]', Path(__file__).read_text()))
+"""The declared rules (``spec.RULE_IDS``) whose math this kernel has: those whose id it names for
+a branch (``_ADAM = tl.constexpr(RULE_IDS["adam"])``), read from this file, so a rule declared
+without a branch here is refused by name (``triton_backend``), with no list to keep."""
 
 LEAF_FIELDS = ("R", "tiles_per_row", "tile_start", "p", "g", "out", "sr_hash", "corr", "rows", "Rp", "k")
 """A leaf's int64 table row, header: row length, tiles per row, the leaf's first program, the
