@@ -211,7 +211,7 @@ class _ClassDecl:
     """``((group key, alias argument), ...)`` beyond the declared ``Arg.core`` names."""
 
     def arg(self, name: str) -> rules.Arg:
-        return dict(self.docs).get(name) or rules.ARGS[name]
+        return dict(self.docs).get(name) or group_args.BRIDGE_ARGS.get(name) or rules.ARGS[name]
 
 
 class _GroupKwargs:

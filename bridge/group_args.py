@@ -11,10 +11,27 @@ import numbers
 import torch
 
 from lowbit_tree.moments import check_state_format
+from lowbit_tree.rules import Arg
 
-__all__ = ["FUSED_DEVICES", "as_number", "in_range", "flag", "betas", "check_implementation_args", "check_storage_args",
-           "group_params"]
+__all__ = ["BRIDGE_ARGS", "FUSED_DEVICES", "as_number", "in_range", "flag", "betas", "check_implementation_args",
+           "check_storage_args", "group_params"]
 
+BRIDGE_ARGS = {
+    a.name: a
+    for a in (
+        Arg("foreach", "Chooses nothing: the step is always one fused kernel call per param group; kept in the param "
+            "groups as torch does (frameworks pass it blindly).", "True, False or None"),
+        Arg("fused", "As ``foreach``; ``fused=True`` with ``foreach=True`` raises, and so does ``fused=True`` for a "
+            "param on a device without our kernels (CPU and CUDA have them).", "True, False or None"),
+        Arg("capturable", "Accepted; the step reads no tensor on the host (except with ``skip_nonfinite``).",
+            "True or False"),
+        Arg("differentiable", "``True`` is refused: quantized states cannot carry autograd history.", "False"),
+        Arg("skip_nonfinite", "Skip the whole step (params, states, step counts) when any gradient of it is NaN or "
+            "infinite (one flag a step, read on the host).", "True or False"),
+    )
+}
+"""The classes' arguments the bridge reads alone (the core never sees them): torch.optim's
+implementation switches and ``skip_nonfinite``. The rest are :data:`lowbit_tree.rules.ARGS`."""
 
 FUSED_DEVICES = ("cpu", "cuda")
 """Device types with our fused kernels (native C on CPU, compiled torch on CUDA)."""

@@ -261,12 +261,12 @@ class SOAP(torch.optim.Optimizer):
         box = owner_step.whole_box
         whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
         sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items()
-                   if name not in soap_states.SCALARS]
+                   if name not in soap_states.SOAP_SCALARS]
         got = owner_step.gather(lay, [(t, boxes) for _, _, parts in sharded for _, t, boxes, _ in parts],
                                 _GATHER_STATES, self._sent, "state_gather")
         u, out = None, [None] * len(sharded)
         if whole is not None:
-            full_state, at = {name: state[name] for name in soap_states.SCALARS}, 0
+            full_state, at = {name: state[name] for name in soap_states.SOAP_SCALARS}, 0
             for name, v, parts in sharded:
                 full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
                 at += len(parts)
@@ -275,7 +275,7 @@ class SOAP(torch.optim.Optimizer):
         else:
             state["step"] += 1
         one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
-        scalars = [state[n] for n in soap_states.SCALARS if n != "step"]
+        scalars = [state[n] for n in soap_states.SOAP_SCALARS if n != "step"]
         parts = [(u, box, p.dtype)]
         parts += [(None if w is None else w[j], boxes, t.dtype) for (_, _, ps), w in zip(sharded, out)
                   for j, (_, t, boxes, _) in enumerate(ps)]
@@ -427,7 +427,7 @@ class SOAP(torch.optim.Optimizer):
             if is_dtensor(p):
                 fresh = soap_states.create(p, fresh)
                 for name, live in fresh.items():
-                    if name in soap_states.SCALARS:
+                    if name in soap_states.SOAP_SCALARS:
                         live.copy_(to_local(entries[name]))
                     else:
                         soap_states.load(live, entries[name])

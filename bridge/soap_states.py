@@ -31,9 +31,9 @@ from . import owner_step
 from .distributed import is_dtensor, to_local
 from .qstate import QState
 
-__all__ = ["SCALARS", "MOMENTS", "placements", "create", "state_parts", "assemble", "saved", "load"]
+__all__ = ["SOAP_SCALARS", "MOMENTS", "placements", "create", "state_parts", "assemble", "saved", "load"]
 
-SCALARS = ("step", "soap_step", "precond_failures")
+SOAP_SCALARS = ("step", "soap_step", "precond_failures")
 """0-d states kept whole and alike on every rank."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -86,7 +86,7 @@ def create(p, template: dict) -> dict:
     mesh, device, me = p.device_mesh, to_local(p).device, dist.get_rank()
     out = {}
     for name, t in template.items():
-        if name in SCALARS:
+        if name in SOAP_SCALARS:
             out[name] = torch.zeros((), dtype=t.dtype, device="cpu" if name == "step" else device)
             continue
         pls = placements(p, name, t)

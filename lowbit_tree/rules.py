@@ -166,7 +166,7 @@ class Arg:
     """One constructor argument of the bridge's classes (and its param-group key).
 
     ``core`` is the alias argument it becomes (``"learning_rate"`` for ``lr``; ``None``: read by
-    the bridge alone, ``foreach``); ``check`` names how a group's value is checked
+    the bridge alone); ``check`` names how a group's value is checked
     (``bridge.classes._CHECKS``); ``static``: it chooses states or code, so it is passed to
     the core as it is and never injected as a changeable tensor."""
 
@@ -215,13 +215,6 @@ ARGS = {
            "moment's format) and normalize by it.", "True or False", "flag", "amsgrad", static=True),
         _a("maximize", "Maximize the objective: the gradient is negated before anything else (L2 decay included), as "
            "torch.optim does; it may change between steps.", "True or False", None, "maximize", static=True),
-        _a("foreach", "Chooses nothing: the step is always one fused kernel call per param group; kept in the param "
-           "groups as torch does (frameworks pass it blindly).", "True, False or None"),
-        _a("fused", "As ``foreach``; ``fused=True`` with ``foreach=True`` raises, and so does ``fused=True`` for a "
-           "param on a device without our kernels (CPU and CUDA have them).", "True, False or None"),
-        _a("capturable", "Accepted; the step reads no tensor on the host (except with ``skip_nonfinite``).",
-           "True or False"),
-        _a("differentiable", "``True`` is refused: quantized states cannot carry autograd history.", "False"),
         _a("state_format", "How the states are stored: ``\"fp32\"``, ``\"bf16\"``, ``\"8bit\"``, ``\"4bit\"``, "
            "``\"nf4\"``, ``\"fp8\"``, ``\"8bit_bnb\"`` (docs/guide/formats.md), or a mapping from this class's state "
            "names to formats, ``{{{example}}}``, the states it leaves out in the class's format. A named low-bit "
@@ -235,8 +228,6 @@ ARGS = {
         _a("bf16_stochastic_round", "Round bfloat16 params stochastically (reproducibly: a hash of seed, step, "
            "param and element) instead of to nearest even.", "True or False", None, "stochastic_round",
            static=True),
-        _a("skip_nonfinite", "Skip the whole step (params, states, step counts) when any gradient of it is NaN or "
-           "infinite (one flag a step, read on the host).", "True or False"),
         _a("param_correction", "bfloat16 / float16 params keep an int8 correction per element, the rounding error "
            "of their float32 master value, updated with them (``bridge.master_params`` gives the masters). "
            "Refused with ``bf16_stochastic_round=True``.", "True or False", None, "param_correction", static=True),
@@ -246,7 +237,10 @@ ARGS = {
            "rank1_normalization", static=True),
     )
 }
-"""Every argument of the classes declared with :data:`ARGS` (``bridge/classes.py``'s ``_ClassDecl``)."""
+"""Every argument of the classes declared with :data:`ARGS` (``bridge/classes.py``'s ``_ClassDecl``)
+that the core takes or that shapes the math; those the bridge reads alone (torch.optim's
+``foreach``, ``fused``, ``capturable``, ``differentiable``; ``skip_nonfinite``) are
+``bridge.group_args.BRIDGE_ARGS``."""
 
 STATIC_ARGS = frozenset(
     [a.core for a in ARGS.values() if a.static and a.core]

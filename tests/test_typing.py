@@ -18,6 +18,7 @@ import sys
 import pytest
 
 import bridge
+from bridge.group_args import BRIDGE_ARGS
 from bridge import classes, stub
 from lowbit_tree import rules
 
@@ -79,8 +80,8 @@ def test_the_stub_says_what_each_runtime_class_takes():
     ("weight_decay", rules.ARGS["weight_decay"], 0.0, "float"),
     ("dampening", classes.SGD._decl.arg("dampening"), 0.0, "float"),
     ("amsgrad", rules.ARGS["amsgrad"], False, "bool"),
-    ("differentiable", rules.ARGS["differentiable"], False, "bool"),
-    ("foreach", rules.ARGS["foreach"], None, "bool | None"),
+    ("differentiable", BRIDGE_ARGS["differentiable"], False, "bool"),
+    ("foreach", BRIDGE_ARGS["foreach"], None, "bool | None"),
     ("state_format", rules.ARGS["state_format"], None, "str | Mapping[str, str] | None"),
     ("slow_state_format", classes.AdEMAMix._decl.arg("slow_state_format"), None, "str | None"),
     ("block_size", rules.ARGS["block_size"], None, "int | None"),
