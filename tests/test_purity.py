@@ -408,3 +408,33 @@ def test_what_a_transformation_closes_over_stays_as_it_was(name, inject):
         after = _reachable(tx)
         changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
         assert changed == [], f"{name}: a call of {caller} changed what the transformation holds: {changed[:8]}"
+
+
+def test_the_walk_sees_what_a_call_writes_into_a_closure():
+    """The walk above can fail: a transformation that writes its call's learning rate into a
+    tensor it closes over, or appends to a list it closes over, shows as changed, and one that
+    only reads what it closes over does not."""
+
+    def toy(writes: bool) -> lt.GradientTransformation:
+        lr, seen = torch.zeros(()), []
+
+        def init(params):
+            return lt.EmptyState()
+
+        def update(updates, state, params=None, **extra):
+            if writes:
+                lr.fill_(float(len(seen)) + 1.0)
+                seen.append(1)
+            return [u * lr for u in updates], state
+
+        return lt.GradientTransformation(init, update)
+
+    for writes in (False, True):
+        tx = toy(writes)
+        before = _reachable(tx)
+        tx.update([torch.ones(2)], tx.init(None))
+        after = _reachable(tx)
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        assert bool(changed) is writes, changed
+        if writes:
+            assert any(k.endswith(".lr") for k in changed) and any(".seen" in k for k in changed), changed

@@ -152,7 +152,7 @@ class PureRows:
 _BUILDING: contextvars.ContextVar = contextvars.ContextVar("lowbit_tree_rows_from", default=None)
 
 
-class rows_from:  # noqa: N801 (a context manager used as a function: ``with rows_from(store):``)
+class rows_from:  # lower case: used as ``with rows_from(store):``, as a function
     """While this block builds a transformation, its rules take their :class:`PureRows` from
     ``store`` in the order they are built, and a rule past its end puts a new one there: a
     transformation rebuilt with other hyperparameter values keeps the job rows the earlier
