@@ -14,7 +14,7 @@ import torch
 
 from . import kernels, moments, rules
 from .base import STEP, GradientTransformation, init_count
-from .kernels.pure_rows import PureRows
+from .kernels.pure_rows import PureRows, rule_rows
 from .moments import StateFormat
 from .tree_utils import flatten, map_leaves
 
@@ -187,7 +187,7 @@ def rule_transformation(spec: kernels.StepSpec, trees_of, rebuild, rule_hyper, c
     ``rule_hyper(count, scalars)`` returns this step's hyperparameters and the scalars' next
     values, and its ``rebuild(state, new trees, new scalars)``."""
 
-    pure_rows = PureRows()  # the pure step's job rows, built once per structure of the tree
+    pure_rows = rule_rows()  # the pure step's job rows, built once per structure of the tree
 
     def hyper_at(count):
         return rule_hyper(count) if callable(rule_hyper) else rule_hyper

@@ -12,8 +12,8 @@ float32 operations on their own.
 All arithmetic is float32 whatever the parameter or gradient dtype, and updates
 are float32 (a low-precision param is rounded once, by
 :func:`~lowbit_tree.apply_updates`). Hyperparameters may be Python floats or 0-d
-tensors (so :func:`~lowbit_tree.inject_hyperparams` can swap them without
-rebuilding anything).
+tensors (so :func:`~lowbit_tree.inject_hyperparams` can change them without
+recompiling anything).
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import operator
 from typing import Any, Callable, Iterable, NamedTuple
 
 import optree
@@ -10,6 +11,7 @@ import torch
 
 from .rules import STATIC_ARGS
 from .base import HYPERPARAMS, STEP, GradientTransformation, init_count, plan_of
+from .kernels.pure_rows import rows_from
 from .tree_utils import broadcast_mask, map_leaves
 
 __all__ = ["masked", "MaskedState", "inject_hyperparams", "InjectHyperparamsState"]
@@ -81,9 +83,13 @@ def inject_hyperparams(
     is a schedule, evaluated at ``state.count`` each step and its value stored
     there. Write a new 0-d tensor into ``state.hyperparams[name]`` (e.g. the
     learning rate) to change it: a compiled ``update`` sees a new input value,
-    not a new program, so nothing recompiles. The factory is called once per device:
-    its transformation closes over 0-d tensors that each step overwrites with the
-    state's values (numbers change, structure never does). Arguments named in
+    not a new program, so nothing recompiles. Each call's step reads the state's
+    own tensors: the factory is called with them (as optax does), except in a loop
+    that passes the tensors of the first state again (the transformation built for
+    them is kept), and no call writes what another reads, so one transformation
+    may serve several callers at once (threads, each with its own state). The job
+    rows of its rules, which depend on the tree's structure only, are kept across
+    the factory's calls (``kernels.pure_rows.rows_from``). Arguments named in
     ``static_args`` or :data:`~lowbit_tree.rules.STATIC_ARGS`, and non-numeric ones
     (str, bool, None, trees), are passed through unchanged. Arguments left at
     their defaults are not injected (as in optax).
@@ -104,31 +110,53 @@ def inject_hyperparams(
             else:
                 static[name] = value
         names = list(numeric) + list(schedules)
-        built: dict = {}  # device -> (the transformation, its hyperparameter tensors)
+        rows: list = []  # the rules' job rows, kept across the builds below (kernels.pure_rows.rows_from)
+        first: list = []  # set once: (the first state's hyperparameter tensors, the transformation over them)
 
         def as_tensor(value, device):
             return torch.as_tensor(value, dtype=hyperparam_dtype, device=device).reshape(())
 
-        def inner(device):
-            """The factory's transformation on ``device``, built once: its numeric arguments are
-            0-d tensors that each step overwrites with that step's values."""
-            hit = built.get(device)
-            if hit is None:
-                slots = {k: torch.zeros((), dtype=hyperparam_dtype, device=device) for k in names}
-                hit = built[device] = (factory(**static, **slots), slots)
-            return hit
+        def build(hyperparams: dict) -> GradientTransformation:
+            """The factory's transformation over one call's hyperparameter tensors: it reads those
+            tensors, the state's own, and holds no other call's values."""
+            if torch.compiler.is_compiling():  # traced: a caller's compiled step runs no job rows
+                return factory(**static, **{k: hyperparams[k] for k in names})
+            with rows_from(rows):
+                return factory(**static, **{k: hyperparams[k] for k in names})
 
-        def load(slots: dict, hyperparams: dict) -> None:
-            for k, t in slots.items():
-                t.copy_(hyperparams[k])
+        def built_for(hyperparams: dict) -> GradientTransformation:
+            """``build(hyperparams)``, or the one built for the first state (the first ``init`` or
+            ``update``) when ``hyperparams`` holds the very tensors it was built over (a loop that
+            keeps its state's tensors, as ``update`` does: the factory is not called again).
+            Written once, then only read, so a call never changes what another reads. Schedules
+            give new tensors each step: built."""
+            if schedules or torch.compiler.is_compiling():
+                return build(hyperparams)
+            tensors = [hyperparams[k] for k in names]
+            if first:
+                seen, tx = first[0]
+                if all(map(operator.is_, tensors, seen)):
+                    return tx
+                return build(hyperparams)
+            tx = build(hyperparams)
+            first.append((tensors, tx))  # (two first calls at once may both append: each is right)
+            return tx
+
+        def inner() -> GradientTransformation:
+            """The factory's transformation, for a reader of what the transformation is made of
+            (``init.lowbit_inner``): the first state's, else one over the values given
+            (schedules at step 0)."""
+            if first:
+                return first[0][1]
+            zero = torch.zeros((), dtype=torch.int32)
+            values = {**numeric, **{k: as_tensor(s(zero), "cpu") for k, s in schedules.items()}}
+            return build({k: as_tensor(v, "cpu") for k, v in values.items()})
 
         def init(params):
             count = init_count(params)
             hyperparams = {k: as_tensor(v, count.device) for k, v in numeric.items()}
             hyperparams.update({k: as_tensor(s(count), count.device) for k, s in schedules.items()})
-            tx, slots = inner(count.device)
-            load(slots, hyperparams)
-            return InjectHyperparamsState(count, hyperparams, tx.init(params))
+            return InjectHyperparamsState(count, hyperparams, built_for(hyperparams).init(params))
 
         def current(state) -> dict:
             device = state.count.device
@@ -141,14 +169,12 @@ def inject_hyperparams(
 
         def update(updates, state, params=None, **extra):
             hyperparams = current(state)
-            tx, slots = inner(state.count.device)
-            load(slots, hyperparams)
-            updates, inner_state = tx.update(updates, state.inner_state, params, **extra)
+            updates, inner_state = built_for(hyperparams).update(updates, state.inner_state, params, **extra)
             return updates, InjectHyperparamsState(state.count + 1, hyperparams, inner_state)
 
         def plan(state, params, *, write=False, leaf_offset=0):
             # built over the state's own hyperparameter tensors: a step reads them where they are
-            tx = factory(**static, **{k: state.hyperparams[k] for k in names})
+            tx = build(state.hyperparams)
             inner_step = plan_of(tx, f"{getattr(factory, '__name__', 'the factory')}'s transformation")(
                 state.inner_state, params, write=write, leaf_offset=leaf_offset)
 
@@ -161,6 +187,7 @@ def inject_hyperparams(
 
             return step
 
+        init.lowbit_inner = inner
         return GradientTransformation(init, update, plan)
 
     return wrapped

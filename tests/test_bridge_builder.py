@@ -66,6 +66,8 @@ def _links(tx: GradientTransformation) -> list:
             stack.extend(o)
         elif inspect.isfunction(o):
             stack.extend(c.cell_contents for c in (o.__closure__ or ()))
+            if hasattr(o, "lowbit_inner"):  # inject_hyperparams builds its factory's transformation per call
+                stack.append(o.lowbit_inner())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
         elif isinstance(o, dict):

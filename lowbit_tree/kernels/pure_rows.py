@@ -12,10 +12,16 @@ call, as :func:`run_step` makes them (``inplace=False``): the same bits, nothing
 The caller holds a :class:`PureRows` (a rule's transformation holds one); nothing is kept in a
 module. A call that the rows cannot take (another backend, rank-1 records, empty leaves, a
 layout the checks refuse) returns ``None``: the caller runs :func:`run_step`.
+
+No hyperparameter value enters the rows (a call writes in the address of its own vector), so
+one :class:`PureRows` serves concurrent calls and transformations built again and again of one
+structure: :func:`rows_from` hands a rebuilt transformation's rules the ones its earlier
+builds made (``inject_hyperparams`` builds its factory's transformation on every call).
 """
 from __future__ import annotations
 
 import array
+import contextvars
 from typing import Optional, Sequence
 
 import torch
@@ -28,7 +34,7 @@ from .spec import StepLeaf
 from .stepper import native_state
 from .spec import NHYPER, STATE_SLOTS, StepSpec, job_row_index
 
-__all__ = ["PureRows"]
+__all__ = ["PureRows", "rows_from", "rule_rows"]
 
 _P, _G, _OUT, _HYPER = (job_row_index(f) for f in ("p", "g", "out", "hyper"))
 _STATE = [tuple(job_row_index(f, k) for f in ("in", "out", "scale_in", "scale_out")) for k in range(STATE_SLOTS)]
@@ -143,3 +149,43 @@ class PureRows:
             numel += n
         native.run_rows(rows, len(leaves), numel)
         return outs, news
+
+
+_BUILDING: contextvars.ContextVar = contextvars.ContextVar("lowbit_tree_rows_from", default=None)
+
+
+class rows_from:  # lower case: used as ``with rows_from(store):``, as a function
+    """While this block builds a transformation, its rules take their :class:`PureRows` from
+    ``store`` in the order they are built, and a rule past its end puts a new one there: a
+    transformation rebuilt with other hyperparameter values keeps the job rows the earlier
+    builds made. ``store`` is the caller's (a list, first empty). Two first builds at once may
+    both add rows (a rule then finds another's, of another structure, and builds its own
+    again): rows are looked up by structure, so that costs a build, never a wrong step.
+    (A class, not a generator: it is entered on every call of ``inject_hyperparams``.)"""
+
+    __slots__ = ("store", "token")
+
+    def __init__(self, store: list):
+        self.store = store
+
+    def __enter__(self):
+        self.token = _BUILDING.set([self.store, 0])
+
+    def __exit__(self, *exc):
+        _BUILDING.reset(self.token)
+
+
+def rule_rows() -> PureRows:
+    """The job rows of a rule being built: the next of :func:`rows_from`'s store inside that
+    block, a new :class:`PureRows` elsewhere (and under a caller's torch.compile, whose traced
+    step runs no rows)."""
+    building = None if torch.compiler.is_compiling() else _BUILDING.get()
+    if building is None:
+        return PureRows()
+    store, i = building
+    building[1] = i + 1
+    if i < len(store):
+        return store[i]
+    rows = PureRows()
+    store.append(rows)
+    return rows
