@@ -2,8 +2,8 @@
 record's parts (decode, row and column maxima, 4-bit codes), with the bits of the native kernel
 and of the references (:mod:`lowbit_tree.qtensor`, :mod:`lowbit_tree.rank1`).
 
-The block kernels are the step kernel's own state code (``triton_step._load_state`` and
-``_store_state``: float32 division ``div_rn``, root ``sqrt_rn``, codes by the threshold search
+The block kernels are the step kernel's own state code (``triton_step.load_state`` and
+``store_state``: float32 division ``div_rn``, root ``sqrt_rn``, codes by the threshold search
 ``triton_step.code_index``) over a one-slot address table, with the step's tile layout: a
 program quantizes ``L`` elements of a row (``L`` a multiple of the block size and of 2), or ``k``
 short rows. The rank-1 encode divides by ``min(row_max, col_max)`` (1 where that is not > 0,
@@ -54,14 +54,14 @@ def _quantize_kernel(x, slot, ftab, etab, R, rows, tpr, Rp, k, K: tl.constexpr, 
                      NB: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
     row, cols, valid, prow, pcol, pvalid = _tile(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE)
     v = tl.load(x + row * R + cols, mask=valid, other=0.0)
-    ts._store_state(slot, row, R, cols, valid, prow, pcol, pvalid, v, ftab, etab, K, BS, NB, TILE)
+    ts.store_state(slot, row, R, cols, valid, prow, pcol, pvalid, v, ftab, etab, K, BS, NB, TILE)
 
 
 @triton.jit
 def _dequantize_kernel(out, slot, ftab, R, rows, tpr, Rp, k, K: tl.constexpr, BS: tl.constexpr,
                        L: tl.constexpr, TILE: tl.constexpr):
     row, cols, valid, prow, pcol, pvalid = _tile(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE)
-    v = ts._load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K, BS, TILE)
+    v = ts.load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K, BS, TILE)
     tl.store(out + row * R + cols, v, mask=valid)
 
 

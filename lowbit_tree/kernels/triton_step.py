@@ -470,3 +470,9 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
         _store_state(s1, row, R, cols, valid, prow, pcol, pvalid, n1, ftab, etab, K1, BS1, NB1, TILE)
     if NS > 2:
         _store_state(s2, row, R, cols, valid, prow, pcol, pvalid, n2, ftab, etab, K2, BS2, NB2, TILE)
+
+
+load_state = _load_state
+"""A state's values in a tile (``_load_state``), for :mod:`.triton_quant`'s dequantizer."""
+store_state = _store_state
+"""A state's new values written in a tile (``_store_state``), for :mod:`.triton_quant`'s quantizer."""
