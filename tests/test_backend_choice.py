@@ -53,9 +53,9 @@ def test_cuda_picks_triton_for_the_rules_its_kernel_has(fmt, monkeypatch):
     assert step_backend(spec, leaf, True, device=CUDA) == "compiled"
 
 
-def test_cuda_picks_compiled_for_rank1_and_lowrank_records():
+def test_cuda_picks_triton_for_rank1_and_compiled_for_lowrank_records():
     spec, leaf, _ = _leaf("adam", "4bit-rank1")
-    assert step_backend(spec, leaf, True, device=CUDA) == "compiled"
+    assert step_backend(spec, leaf, True, device=CUDA) == "triton"  # stepped as its float32 values
     muon = StepSpec("muon", lr=True)
     torch.manual_seed(0)
     g = torch.randn(8, 16)
@@ -128,16 +128,16 @@ def test_a_cuda_step_launches_triton_by_itself_with_the_cpu_bits(monkeypatch):
 
 @INTERPRETED
 @pytest.mark.skipif(not native.available(), reason="no C compiler")
-def test_one_step_splits_between_triton_and_torch_with_the_same_bits(monkeypatch):
-    """The CUDA split on CPU tensors: the block-record leaf on triton (interpreted), the rank-1 leaf
-    on the torch backend, in one call, equal to the native kernel's step bit for bit."""
+def test_one_step_takes_block_and_rank1_leaves_on_triton_with_the_same_bits(monkeypatch):
+    """The CUDA choice on CPU tensors: the block-record leaf and the rank-1 leaf on triton
+    (interpreted), in one call, equal to the native kernel's step bit for bit."""
     spec, a, hyper = _leaf("adam", "8bit", seed=1)
     b = _leaf("adam", "4bit-rank1", shape=(6, 33), seed=2)[1]._replace(index=4)
     monkeypatch.setattr(backend_choice, "auto_triton", lambda device, backend: True)
     launches = count_launches(monkeypatch)
     leaves = _copies((a, b), "cpu")
     _, got = run_step(spec, hyper, leaves, write=True, backend="compiled")
-    assert len(launches) == 1  # the block-record leaf only
+    assert len(launches) == 2  # a step launch per static combination: 8-bit states, 4-bit + rank-1 values
     ref = _copies((a, b), "cpu")
     _, want = run_step(spec, hyper, ref, write=True, backend="native")
     _same_leaves(leaves, ref, got, want)

@@ -222,15 +222,16 @@ def test_the_kernel_has_every_declared_rule():
     assert list(triton_backend.backend_rules()) == list(backend_choice.BACKENDS)
 
 
-def test_rank1_records_are_refused_with_the_fix():
+def test_rank1_records_step_on_triton_as_on_eager():
+    """A rank-1 second moment under LOWBIT_TREE_BACKEND=triton (tests/test_triton_quant.py: every case)."""
     from lowbit_tree.rank1 import rank1_quantize
 
     torch.manual_seed(0)
-    x = torch.rand(4, 6)
-    states = (lt.quantize(torch.randn(4, 6), "4bit", 128, signed=True), rank1_quantize(x))
-    with pytest.raises(NotImplementedError, match="rank-1 and low-rank states.*LOWBIT_TREE_BACKEND=native"):
-        run_step(StepSpec("adam"), step_hyperparams(StepSpec("adam")), [StepLeaf(None, torch.randn(4, 6), states)],
-                 backend="triton")
+    states = (lt.quantize(torch.randn(4, 6), "4bit", 128, signed=True), rank1_quantize(torch.rand(4, 6)))
+    leaf = StepLeaf(None, torch.randn(4, 6), states)
+    hyper = step_hyperparams(StepSpec("adam"))
+    got, want = (run_step(StepSpec("adam"), hyper, [leaf], backend=b) for b in ("triton", "eager"))
+    assert same(got[0][0], want[0][0]) and all(map(same, got[1][0], want[1][0]))
 
 
 def test_interpreter_fma_is_correctly_rounded():

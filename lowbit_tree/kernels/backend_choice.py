@@ -4,7 +4,7 @@ the native (:func:`native_ok`) and triton (:func:`triton_ok`) kernels take.
 
 The automatic choice (no ``backend``, no ``LOWBIT_TREE_BACKEND``): native on CPU (eager where it
 cannot be built); on CUDA, per leaf, triton where its kernel has the rule and every state's kind
-(:func:`triton_ok`; rank-1 and low-rank records have none) and triton is importable, compiled
+(:func:`triton_ok`; a rank-1 record steps as its float32 values) and triton is importable, compiled
 otherwise. A backend named explicitly runs every leaf it is given, or raises."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..correction import CORRECTED_DTYPES
-from ..record_base import KERNEL_BLOCKS, Record, kernel_of
+from ..record_base import KERNEL_BLOCKS, KERNEL_VALUES, Record, kernel_of
 from . import native
 from .setting import BACKENDS, backend_setting
 from .spec import StepLeaf, StepSpec
@@ -80,8 +80,10 @@ def triton_ok(spec: StepSpec, leaf: StepLeaf, write: bool) -> bool:
         return False
     if any(isinstance(s, torch.Tensor) and not s.is_contiguous() for s in leaf.states):
         return False  # stepped in place only when contiguous
+    # a rank-1 record steps as its float32 values (stepper._triton_leaves): a float32 state's key
+    states = [torch.empty(0, dtype=torch.float32) if kernel_of(s) == KERNEL_VALUES else s for s in leaf.states]
     try:
-        key = triton_backend.launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write,
+        key = triton_backend.launch_key(spec, p if (write or spec.needs_param) else None, g, states, write,
                                         False, c is not None)
         triton_backend.tile_length([b for _, b in key[0]])
     except (NotImplementedError, TypeError, KeyError, ValueError):

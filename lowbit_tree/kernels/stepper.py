@@ -1,6 +1,10 @@
 """The step over a list of leaves (:func:`run_step`): the native C kernel's jobs, the compiled
 torch backend's batches, the eager fallback, the triton launches, and the rank-1 records' maxima
-completed across shards in leaf order (``_Rank1Wait``)."""
+completed across shards in leaf order (``_Rank1Wait``).
+
+A rank-1 record on triton steps as its float32 values (decoded by :mod:`.triton_quant`, a
+plain state of the step kernel); the new values' maxima, once completed, encode its new codes
+(triton kernels too), as on the torch backend."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
@@ -24,8 +28,9 @@ class _Rank1Wait(NamedTuple):
     """A rank-1 state (:data:`~lowbit_tree.record_base.KERNEL_VALUES`) waiting for the maxima of
     its new values: they are completed across shards (the record's ``reduce``, a collective) in
     leaf order on every rank. From the torch backend: its new float32 ``values`` ``(rows, R)``,
-    encoded once complete. From the native kernel: the ``maxima`` its maxima job wrote,
-    completed in place for its step job, which writes the new ``codes``."""
+    encoded once complete (by torch, or by the triton kernels: ``triton``). From the native
+    kernel: the ``maxima`` its maxima job wrote, completed in place for its step job, which
+    writes the new ``codes``."""
 
     leaf: int
     slot: int
@@ -33,6 +38,7 @@ class _Rank1Wait(NamedTuple):
     old: object  # the record
     maxima: Optional[tuple] = None  # native: (row_max, col_max) of the new values
     codes: Optional[torch.Tensor] = None  # native: where the step job writes the new codes
+    triton: bool = False  # the values' maxima and codes by triton_quant's kernels
 
 
 def _rank1_complete(w: _Rank1Wait, inplace: bool):
@@ -40,6 +46,18 @@ def _rank1_complete(w: _Rank1Wait, inplace: bool):
     record (written into ``w.old`` with ``inplace``). Native: the maxima in place, for the
     step job; returns None."""
     old = w.old
+    if w.triton:
+        from . import triton_quant
+
+        row_max, col_max = triton_quant.rank1_maxima(w.values)
+        if old.reduce is not None:
+            row_max, col_max = old.reduce(row_max, col_max)
+        codes = triton_quant.rank1_encode(w.values, row_max, col_max, torch.empty_like(old.codes))
+        if inplace:
+            for dst, src in ((old.codes, codes), (old.row_max, row_max), (old.col_max, col_max)):
+                dst.copy_(src)
+            return old
+        return old.with_parts({"codes": codes, "row_max": row_max, "col_max": col_max})
     if w.maxima is None:
         new = rank1_quantize(w.values.reshape(old.shape), old.reduce)  # KERNEL_VALUES: a rank-1 record
         if inplace:
@@ -114,6 +132,45 @@ def _torch_leaf(spec, hyper, leaf: StepLeaf, i: int, write, inplace, sr_key, com
     return out, list(new)
 
 
+def _triton_leaves(spec, hyper, leaves, where: Sequence[int], write, inplace, sr_key, waits: list):
+    """``leaves[i]`` for ``i`` in ``where`` on the triton backend (one :func:`.triton_backend.run_step`):
+    ``(outs, news)`` in ``where``'s order. A rank-1 record steps as its float32 values
+    (:func:`.triton_quant.rank1_values`); its new values join ``waits`` (encoded by triton once
+    their maxima are complete) and its slot holds the old record until then."""
+    from . import triton_backend, triton_quant  # import triton: only here
+
+    subs = []
+    for i in where:
+        leaf = leaves[i]
+        if any(kernel_of(s) == KERNEL_VALUES for s in leaf.states):
+            states = tuple(triton_quant.rank1_values(s).reshape(s.shape) if kernel_of(s) == KERNEL_VALUES else s
+                           for s in leaf.states)
+            leaf = leaf._replace(states=states)
+        subs.append(leaf)
+    outs, news = triton_backend.run_step(spec, hyper, subs, write=write, inplace=inplace, sr_key=sr_key)
+    news = [list(n) for n in news]
+    for i, new in zip(where, news):
+        for k, s in enumerate(leaves[i].states):
+            if kernel_of(s) != KERNEL_VALUES:
+                continue
+            if leaves[i].grad.numel() or s.reduce is not None:  # an empty shard joins its reduce all the same
+                waits.append(_Rank1Wait(i, k, new[k].reshape(row_layout(s.shape)), s, triton=True))
+                new[k] = s
+            else:
+                new[k] = s if inplace else s.clone()
+    return outs, news
+
+
+def _complete_waits(waits: list, news: list, inplace: bool) -> None:
+    """The torch backend's and triton's rank-1 waits completed, in leaf order (a record's reduce
+    is a collective: every rank completes its records in the same order)."""
+    waits.sort(key=lambda w: (w.leaf, w.slot))
+    for w in waits:
+        new = _rank1_complete(w, inplace)
+        if new is not None:
+            news[w.leaf][w.slot] = new
+
+
 def _copy_leaf_(dst, src) -> None:
     """Overwrite a state leaf's tensors with another's of the same kind."""
     if isinstance(dst, torch.Tensor):
@@ -149,9 +206,10 @@ def run_step(
     if write and not spec.lr:
         raise ValueError("run_step(write=True) needs a fused learning-rate link (spec.lr)")
     if leaves and backend_for(leaves[0].grad.device, backend) == "triton":
-        from . import triton_backend  # imports triton: only here
-
-        return triton_backend.run_step(spec, hyper, leaves, write=write, inplace=inplace, sr_key=sr_key)
+        waits: list = []
+        outs, news = _triton_leaves(spec, hyper, leaves, range(len(leaves)), write, inplace, sr_key, waits)
+        _complete_waits(waits, news, inplace)
+        return outs, [tuple(n) for n in news]
     outs: list = [None] * len(leaves)
     news: list = [None] * len(leaves)
     jobs = []  # native jobs
@@ -228,18 +286,12 @@ def run_step(
             outs[i], news[i] = _torch_leaf(spec, hyper, leaf, i, write, inplace, sr, which == "compiled", waits)
     native.run_jobs(_hyper_jobs(jobs, hyper))
     if on_triton:
-        from . import triton_backend
-
-        t_outs, t_news = triton_backend.run_step(spec, hyper, [leaves[i] for i in on_triton], write=write,
-                                                 inplace=inplace, sr_key=sr_key)
+        t_outs, t_news = _triton_leaves(spec, hyper, leaves, on_triton, write, inplace, sr_key, waits)
         for i, out, new in zip(on_triton, t_outs, t_news):
-            outs[i], news[i] = out, list(new)
+            outs[i], news[i] = out, new
     _compiled_leaves(spec, hyper, leaves, batched, write, inplace, sr_key, outs, news)
     native.run_jobs(_hyper_jobs(maxima_jobs, hyper))
-    for w in waits:
-        new = _rank1_complete(w, inplace)
-        if new is not None:
-            news[w.leaf][w.slot] = new
+    _complete_waits(waits, news, inplace)
     native.run_jobs(_hyper_jobs(rank1_jobs, hyper))
     for w in waits:
         if w.maxima is not None:

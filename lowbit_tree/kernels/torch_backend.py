@@ -13,7 +13,10 @@ Float contract. On CPU inductor compiles without floating-point contraction
 rounded, so compiled and eager results agree bit for bit. Every compiled graph
 is built with ``emulate_precision_casts``: it keeps each cast to a 16-bit dtype (a
 param correction's rest is ``x - float(bfloat16(x))``) and on CUDA turns Triton's
-FMA fusion off; Triton divides and takes roots with ``div_rn`` / ``sqrt_rn``. Eager CPU ``torch.sqrt(float32)`` is
+FMA fusion off; on CUDA its division is ``div_rn`` only under the division-rounding option
+(:func:`_compile_options`), and a division by a constant becomes a reciprocal multiply, so
+compiled CUDA results are not claimed bit-exact (the automatic choice there is the triton
+kernels). Eager CPU ``torch.sqrt(float32)`` is
 not correctly rounded, so the eager path takes the square root in float64
 (:func:`_exact_sqrt`), as the reference does.
 """
@@ -399,6 +402,13 @@ def _compile_options(device_type: str) -> dict:
       (``x.to(bfloat16).float()`` becomes ``x``; on the CPU too), so a param correction's
       rest ``x - float(p')`` came out 0; in Triton it also keeps mul/add uncontracted (no
       FMA), so results equal eager's exactly.
+    - division rounding (:func:`_division_rounding_option`): inductor's Triton code divides
+      float32 with ``/``, which lowers to an approximate PTX division (``div.full.f32``, within
+      2 ulp), unless this option makes it ``div_rn``; the C++ it makes for the CPU divides
+      exactly either way. It does not stop inductor from rewriting a division by a constant
+      into a multiply by its reciprocal on a non-CPU device (``absmax / 448``, fp8's scale, is
+      then not the reference's): the compiled backend on CUDA is not bit-exact
+      (``docs/guide/gpu.md``); the automatic choice there takes the triton kernels.
     - ``size_asserts`` off: the generated wrapper re-checked every input's sizes and strides
       on each call, which dynamo's guards have already checked (a new stride pattern
       recompiles); about half a microsecond an input.
@@ -406,7 +416,28 @@ def _compile_options(device_type: str) -> dict:
       scalar code instead of a second, masked vector loop; the step's C++ then compiles in
       about half the time, with the same bits.
     """
-    return {"emulate_precision_casts": True, "size_asserts": False, "cpp.enable_loop_tail_vec": False}
+    options = {"emulate_precision_casts": True, "size_asserts": False, "cpp.enable_loop_tail_vec": False}
+    rounding = _division_rounding_option()
+    if rounding is not None:
+        options[rounding] = True
+    elif device_type != "cpu":
+        raise RuntimeError(f"torch {torch.__version__}'s inductor has no float32 division-rounding option "
+                           "(eager_numerics.division_rounding, or emulate_divison_rounding before it): its GPU code "
+                           "would divide approximately; use LOWBIT_TREE_BACKEND=triton (or auto) on this device")
+    return options
+
+
+def _division_rounding_option() -> Optional[str]:
+    """The name of inductor's option that makes float32 division ``div_rn`` in its Triton code, in
+    the installed torch: ``eager_numerics.division_rounding`` (torch 2.13), ``emulate_divison_rounding``
+    (its spelling, with the typo, in earlier releases); ``None`` where there is neither."""
+    from torch._inductor import config
+
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        return "eager_numerics.division_rounding"
+    if hasattr(config, "emulate_divison_rounding"):
+        return "emulate_divison_rounding"
+    return None
 
 
 _CORES = {"quantize": _quantize_core, "dequantize": _dequantize_core, "step": _step_core,

@@ -180,6 +180,19 @@ def _block_max(bits, BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def code_index(n, thr, last, STEPS: tl.constexpr):
+    """The code index of normalized values ``n``: the count of the format's thresholds ``thr``
+    (float32, ``last`` of them) ``<= n``, by binary search in ``STEPS`` halvings; NaN: ``last``."""
+    idx = tl.zeros(n.shape, tl.int32)
+    for k in tl.static_range(STEPS):
+        cand = idx + (1 << (STEPS - 1 - k))
+        ok = cand <= last
+        tk = tl.load(thr + tl.where(ok, cand - 1, 0))
+        idx = tl.where(ok & (tk <= n), cand, idx)
+    return tl.where(n != n, last, idx)
+
+
+@triton.jit
 def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K: tl.constexpr,
                  BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
     """The new values ``x`` of a state: plain, or transformed (sqrt; NaN for a negative value of
@@ -202,15 +215,7 @@ def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K
         nb = (R + BS - 1) // BS
         tl.store(_ptr(slot, 3, tl.float32) + row * nb + cols // BS, s, mask=valid & (cols % BS == 0))
         n = tl.div_rn(t, tl.where(s > 0.0, s, 1.0))
-        thr = f + 256
-        idx = tl.zeros((TILE,), tl.int32)
-        STEPS: tl.constexpr = 8 if K == 8 else 4
-        for k in tl.static_range(STEPS):
-            cand = idx + (1 << (STEPS - 1 - k))
-            ok = cand <= last
-            tk = tl.load(thr + tl.where(ok, cand - 1, 0))
-            idx = tl.where(ok & (tk <= n), cand, idx)
-        idx = tl.where(n != n, last, idx)
+        idx = code_index(n, f + 256, last, 8 if K == 8 else 4)
         code = tl.load(etab + fid * 256 + idx).to(tl.int32)
         cptr = _ptr(slot, 1, tl.uint8)
         if K == 8:
@@ -469,3 +474,9 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
         _store_state(s1, row, R, cols, valid, prow, pcol, pvalid, n1, ftab, etab, K1, BS1, NB1, TILE)
     if NS > 2:
         _store_state(s2, row, R, cols, valid, prow, pcol, pvalid, n2, ftab, etab, K2, BS2, NB2, TILE)
+
+
+load_state = _load_state
+"""A state's values in a tile (``_load_state``), for :mod:`.triton_quant`'s dequantizer."""
+store_state = _store_state
+"""A state's new values written in a tile (``_store_state``), for :mod:`.triton_quant`'s quantizer."""
