@@ -244,8 +244,9 @@ def main(argv=None) -> int:
         import triton
 
         with open(a.json, "w") as f:
-            json.dump(dict(results=results, wall_s=wall, jobs=a.jobs, triton=triton.__version__, load=[load0, os.getloadavg()[0]],
-                           archs=a.arch.split(","), failed=len(failed)), f, indent=1)
+            json.dump(dict(results=results, wall_s=wall, jobs=a.jobs, triton=triton.__version__,
+                           load=[load0, os.getloadavg()[0]], cores=os.cpu_count(), archs=a.arch.split(","),
+                           failed=len(failed)), f, indent=1)
     print(f"load average (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores "
           "(this machine's other work included)")
     print("PTX scan: " + ("clean" if not failed else f"{len(failed)} failing") + f" (banned: {', '.join(BANNED)}; "

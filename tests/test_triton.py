@@ -425,6 +425,23 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     assert "PTX scan: clean" in r.stdout
 
 
+def test_links_are_not_specialised():
+    """The fused links are a runtime int the compiled kernel takes as it is: no second compile for
+    a link set whose bits are a multiple of 16 (or 1) (a process without the interpreter)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from lowbit_tree.kernels import triton_step as ts; "
+            "print([p.name for p in ts.step_kernel.params if p.do_not_specialize])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, PYTHONPATH=str(root)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['links']"
+
+
 @NATIVE
 @pytest.mark.parametrize("write", [True, False], ids=["write", "update"])
 def test_a_kernel_plan_launches_once_per_static_combination_over_tables_built_once(write, monkeypatch):

@@ -15,6 +15,14 @@ quantized state's block size and of 2, so blocks and 4-bit bytes never straddle 
 launch covers every leaf of a (group, static combination): each leaf's addresses come from an
 int64 table row (:data:`LEAF_FIELDS`), each program's leaf from an int32 map, both built once
 (``triton_backend``). Imported only where triton is (``LOWBIT_TREE_BACKEND=triton``).
+
+Index math: a tile's start is int64 (a leaf may pass 2**31 elements), its lanes int32 from it.
+Two forms of each variant (``ALIGNED``, in the launch key): where every address of a leaf's row
+is a multiple of :data:`ALIGN_BYTES` and its rows of whole :data:`ALIGN_ELEMS` vectors (and blocks),
+its lanes are contiguous from an aligned start and the pointers carry that as hints
+(``tl.multiple_of``), so the compiler may load and store them as vectors (128-bit for float32
+params and gradients); any other leaf (an offset view, an odd row) takes the general form, the
+same arithmetic on the same elements.
 """
 from __future__ import annotations
 
