@@ -669,10 +669,12 @@ def triton_section(result: dict | None, targs: list[str]) -> str:
         " Registers, spills (local memory bytes) and shared memory from `cuobjdump --dump-resource-usage`, sm_80 /"
         " sm_90; `widest load`: the widest global load of data in the PTX in bits (`ld.global.v4.b32`: 128),"
         " `128-bit loads`: how many (a thread's: the aligned 8-bit AdamW's 4 are its float32 params and"
-        " gradients, two each); `fma`: the `fma.rn.f32` in the PTX; `bytes/param`: what the step reads and writes per param"
+        " gradients, two each); `fma`: the `fma.rn.f32` in the PTX; `bytes/param`: what the step reads and writes"
+        " per param"
         " element (gradient, param, states' codes and scales), the floor of a GPU step at its memory bandwidth."
         " Not run on a GPU here: docs/guide/gpu.md says what has run where.\n\n"
-        + table(["variant", "registers", "spills", "shared", "widest load", "128-bit loads", "fma", "bytes/param"], rows))
+        + table(["variant", "registers", "spills", "shared", "widest load", "128-bit loads", "fma", "bytes/param"],
+                rows))
 
 
 def _load_note(result: dict) -> str:

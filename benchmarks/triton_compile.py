@@ -15,12 +15,14 @@ The fused links are runtime flags (not specialised): one variant serves every li
 Fails (exit 1) on a compile error or, in any variant's PTX, on ``div.full`` / ``div.approx``
 (Triton's ``/``), ``sqrt.approx`` / ``rsqrt.approx`` (``tl.sqrt``), ``ex2.approx`` /
 ``lg2.approx``, ``.ftz`` (subnormals flushed to zero), or an ``fma`` in a variant whose source
-writes none (only Muon's and centered RMSprop's lerps call ``tl.fma``). The widest global load is
-read off the PTX (``ld.global.v4.b32``: 128 bits; the table's 64-bit addresses left out), registers and spills (local memory bytes) off the
-cubin (``cuobjdump --dump-resource-usage``). Cubins and their scan results are cached under ``--cache``
-(default ``$LOWBIT_TREE_CACHE/triton`` or ``~/.cache/lowbit_tree/triton``, with their PTX, which
-every run scans again) by the sha256 of the kernel's source, the variant, the target and the
-triton version.
+writes none (only Muon's and centered RMSprop's lerps call ``tl.fma``), or an aligned 8-bit AdamW
+with float32 params whose params and gradients do not load as 128-bit vectors or that spills
+(:data:`VECTOR_CHECK`). The widest global load is read off the PTX (``ld.global.v4.b32``: 128 bits;
+the table's 64-bit addresses left out), registers and spills (local memory bytes) off the cubin
+(``cuobjdump --dump-resource-usage``). Cubins, their resources and their PTX (which every run
+scans again, so a change of the scan needs no compile) are cached under ``--cache`` (default
+``$LOWBIT_TREE_CACHE/triton`` or ``~/.cache/lowbit_tree/triton``) by the sha256 of the kernel's
+source, the variant, the target and the triton version.
 """
 from __future__ import annotations
 
@@ -247,8 +249,8 @@ def main(argv=None) -> int:
             json.dump(dict(results=results, wall_s=wall, jobs=a.jobs, triton=triton.__version__,
                            load=[load0, os.getloadavg()[0]], cores=os.cpu_count(), archs=a.arch.split(","),
                            failed=len(failed)), f, indent=1)
-    print(f"load average (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores "
-          "(this machine's other work included)")
+    print(f"load average (1 min) {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on "
+          f"{os.cpu_count()} cores (this machine's other work included)")
     print("PTX scan: " + ("clean" if not failed else f"{len(failed)} failing") + f" (banned: {', '.join(BANNED)}; "
           "fma only where the source writes tl.fma)")
     return 1 if failed else 0

@@ -395,9 +395,10 @@ def test_the_load_widths_read_off_the_ptx():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from triton_compile import global_loads
 
-    ptx = ("\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n\tld.global.L1::evict_last.v2.b32 {%r5, %r6}, [%rd2];"
-           "\n\tld.global.b8 %rs1, [%rd3];\n\tld.global.b64 %rd4, [%rd5];\n\tld.global.nc.v4.b32 {%r1,%r2,%r3,%r4}, [%rd6];"
-           "\n\tst.global.v4.b32 [%rd1], {%r1, %r2, %r3, %r4};")
+    ptx = "\n".join(["\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];",
+                     "\tld.global.L1::evict_last.v2.b32 {%r5, %r6}, [%rd2];", "\tld.global.b8 %rs1, [%rd3];",
+                     "\tld.global.b64 %rd4, [%rd5];", "\tld.global.nc.v4.b32 {%r1,%r2,%r3,%r4}, [%rd6];",
+                     "\tst.global.v4.b32 [%rd1], {%r1, %r2, %r3, %r4};"])
     assert global_loads(ptx) == {128: 2, 64: 1, 8: 1}  # the scalar 64-bit (an address) left out, stores too
 
 

@@ -32,7 +32,8 @@ import triton.language as tl
 from .spec import HYPER_NAMES, RULE_IDS
 
 __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
-           "ALIGN_BYTES", "ALIGN_ELEMS", "STORAGE_F32", "STORAGE_BF16", "STORAGE_Q8", "STORAGE_Q4", "DT_F32", "DT_BF16", "DT_F16"]
+           "ALIGN_BYTES", "ALIGN_ELEMS",
+           "STORAGE_F32", "STORAGE_BF16", "STORAGE_Q8", "STORAGE_Q4", "DT_F32", "DT_BF16", "DT_F16"]
 
 TRITON_RULES = ("adam", "lion", "momentum", "ademamix", "muon", "rmsprop", "adagrad", "adamax", "adadelta", "radam",
                 "nadam")
