@@ -661,7 +661,7 @@ def triton_section(result: dict | None, targs: list[str]) -> str:
     for name, arches in by_name.items():
         a80, a90 = arches.get("80", {}), arches.get("90", {})
         cells = []
-        for key in ("regs", "spills", "shared"):
+        for key in ("regs", "spills", "shared", "widest_load", "loads_128"):
             cells.append(f"{a80.get(key, '-')} / {a90.get(key, '-')}")
         any_r = a80 or a90
         rows.append([name, *cells, any_r.get("fma_count", "-"), f"{any_r['bytes']:.2f}" if "bytes" in any_r else "-"])
@@ -674,16 +674,30 @@ def triton_section(result: dict | None, targs: list[str]) -> str:
         f"{cmd('benchmarks/triton_compile.py', targs)} with triton {result['triton']} and its bundled `ptxas`, no"
         f" GPU: {len(by_name)} variants of `lowbit_tree/kernels/triton_step.py`'s one kernel (every declared rule and"
         " variant x every state format with float32 params written in place, and per rule with 8-bit states:"
-        " bfloat16 params with stochastic rounding, with the int8 correction, and the float32 update), each for"
+        " bfloat16 params with stochastic rounding, with the int8 correction, and the float32 update; each"
+        " `aligned`, every address a multiple of 16 bytes and rows of whole 32-element vectors, and `offset`, any"
+        " view), each for"
         f" sm_80 and sm_90: {len(result['results'])} compiles ({how}), {result['wall_s']:.0f} s wall with"
-        f" {result['jobs']} processes; {result['failed']} failed the PTX scan (banned: `div.full`, `div.approx`,"
-        " `sqrt.approx`, `rsqrt.approx`, `ex2.approx`, `lg2.approx`; `fma` only where the source writes"
-        " `tl.fma`). Formats that differ only by their value table (`8bit`, `8bit_bnb`, `fp8`) share a variant."
+        f" {result['jobs']} processes{_load_note(result)}; {result['failed']} failed the PTX scan (banned: `div.full`,"
+        " `div.approx`, `sqrt.approx`, `rsqrt.approx`, `ex2.approx`, `lg2.approx`, `.ftz`; `fma` only where the"
+        " source writes `tl.fma`; the aligned 8-bit AdamW with float32 params without 4 128-bit loads or with a"
+        " spill). Formats that differ only by their value table (`8bit`, `8bit_bnb`, `fp8`) share a variant."
         " Registers, spills (local memory bytes) and shared memory from `cuobjdump --dump-resource-usage`, sm_80 /"
-        " sm_90; `fma`: the `fma.rn.f32` in the PTX; `bytes/param`: what the step reads and writes per param"
+        " sm_90; `widest load`: the widest global load of data in the PTX in bits (`ld.global.v4.b32`: 128),"
+        " `128-bit loads`: how many (a thread's: the aligned 8-bit AdamW's 4 are its float32 params and"
+        " gradients, two each); `fma`: the `fma.rn.f32` in the PTX; `bytes/param`: what the step reads and writes"
+        " per param"
         " element (gradient, param, states' codes and scales), the floor of a GPU step at its memory bandwidth."
         " Not run on a GPU here: docs/guide/gpu.md says what has run where.\n\n"
-        + table(["variant", "registers", "spills", "shared", "fma", "bytes/param"], rows))
+        + table(["variant", "registers", "spills", "shared", "widest load", "128-bit loads", "fma", "bytes/param"],
+                rows))
+
+
+def _load_note(result: dict) -> str:
+    """The machine's load average at the compile run's start and end, where it was recorded."""
+    load = result.get("load")
+    cores = result.get("cores", "?")
+    return f" (load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {cores} cores)" if load else ""
 
 
 # ----------------------------------------------------------------------------- the summary

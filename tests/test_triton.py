@@ -41,6 +41,9 @@ FORMATS = ["8bit", "4bit", "nf4", "fp8", "8bit_bnb", "fp32", "bf16"]
 # row of a default block size with its tail
 SHAPES = [((5, 16), 7), ((3, 2, 129), 64), ((2, 301), None)]
 REFERENCE_RULES = ("adam", "lion", "momentum", "ademamix", "muon")  # test_kernels_step.reference_step's
+# rows of the aligned variant (every row a multiple of 32 elements, fresh tensors): several rows
+# a tile (32 of 64 elements), and a row over two tiles (1024 + 32 elements)
+ALIGNED_SHAPES = [((40, 64), 32), ((2, 1056), 32)]
 
 
 def _interpreter_fma_rounds_once() -> bool:
@@ -123,13 +126,19 @@ def _check(rule, variant, fmt, dtype, links_list, shapes, seed=0):
                     assert all(same(a, b) for a, b in zip(new, want_states)), (k, where)
 
 
-def count_launches(monkeypatch) -> list:
-    """The triton backend's kernel launches from here on (one entry each)."""
+def count_launches(monkeypatch, what=lambda a, k: a[0]) -> list:
+    """The triton backend's kernel launches from here on (one entry each: its programs, or
+    ``what(args, kwargs)``)."""
     from lowbit_tree.kernels import triton_backend
 
     calls, real = [], triton_backend.launch_kernel
-    monkeypatch.setattr(triton_backend, "launch_kernel", lambda *a, **k: (calls.append(a[0]), real(*a, **k))[1])
+    monkeypatch.setattr(triton_backend, "launch_kernel", lambda *a, **k: (calls.append(what(a, k)), real(*a, **k))[1])
     return calls
+
+
+def aligned_launches(monkeypatch) -> list:
+    """Whether each triton launch from here on is the kernel's aligned variant."""
+    return count_launches(monkeypatch, lambda a, k: k["ALIGNED"])
 
 
 @NATIVE
@@ -140,6 +149,98 @@ def test_triton_step_matches_native_and_reference(rule, variant, fmt):
     k = RULES.index((rule, variant)) + FORMATS.index(fmt)
     _check(rule, variant, fmt, torch.float32, [LINKS[k % len(LINKS)]], SHAPES[:2] if fmt in ("fp32", "bf16")
            else SHAPES, seed=k)
+
+
+@NATIVE
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp32", "bf16"])
+@pytest.mark.parametrize("rule,variant", RULES, ids=RULE_IDS)
+def test_triton_aligned_variant_matches_native_and_reference(rule, variant, fmt, monkeypatch):
+    """Rows of whole vectors in fresh tensors take the aligned variant (contiguous lanes, vector
+    loads on a GPU): the same bits as native; (the test above: odd rows, the general variant)."""
+    k = RULES.index((rule, variant))
+    seen = aligned_launches(monkeypatch)
+    _check(rule, variant, fmt, torch.float32, [LINKS[k % len(LINKS)]], ALIGNED_SHAPES, seed=k)
+    assert seen and all(seen)
+
+
+def _offset_copy(x):
+    """A copy of ``x`` that starts one element into its storage (an offset view: no address of
+    it a multiple of 16 bytes)."""
+    if isinstance(x, QTensor):
+        return QTensor(_offset_copy(x.codes), _offset_copy(x.scale), x.shape, x.block_size, x.format)
+    buf = torch.zeros(x.numel() + 1, dtype=x.dtype)
+    view = buf[1:].view(x.shape)
+    view.copy_(x)
+    assert view.data_ptr() % 16 and view.is_contiguous()
+    return view
+
+
+OFFSET_CASES = [("adam", {}, "8bit", torch.float32), ("adam", {"amsgrad": True}, "4bit", torch.bfloat16),
+                ("lion", {}, "fp32", torch.float32), ("muon", {}, "nf4", torch.float16)]
+
+
+@NATIVE
+@pytest.mark.parametrize("rule,variant,fmt,dtype", OFFSET_CASES, ids=[f"{r}-{f}" for r, _, f, _ in OFFSET_CASES])
+@pytest.mark.parametrize("write", [True, False], ids=["write", "update"])
+def test_triton_offset_views_take_the_general_variant_with_the_same_bits(rule, variant, fmt, dtype, write,
+                                                                         monkeypatch):
+    """Param, gradient and states as views one element into their storage, of a shape whose fresh
+    tensors step aligned: the general variant, stepped in place in the views, the same bits as
+    native (bfloat16 params rounded stochastically: the element's index in the leaf, not in the
+    storage); fresh copies of the same values: the aligned variant, the same bits again."""
+    spec, states, p, g, hyper = make_case(rule, variant, {"decay": True, "lr": True}, fmt, dtype, (8, 64), 32, 4)
+    key = torch.tensor([5, 11]) if write and dtype is torch.bfloat16 else None
+    want_p, want_out, want_states, _, _ = _run("native", spec, hyper, p, g, states, write=write, inplace=True,
+                                               sr_key=key)
+    seen = aligned_launches(monkeypatch)
+    for form, copy in (("offset", _offset_copy), ("aligned", clone_state)):
+        pp, gg, ss = copy(p), copy(g), tuple(copy(s) for s in states)
+        outs, news = run_step(spec, hyper, [StepLeaf(pp, gg, ss, 3)], write=write, inplace=True, sr_key=key,
+                              backend="triton")
+        assert all(a is b for a, b in zip(news[0], ss))  # stepped in place, in the views
+        assert same(pp, want_p) if write else same(outs[0], want_out), form
+        assert all(map(same, ss, want_states)), form
+    assert seen == [False, True]
+
+
+def test_which_leaves_are_aligned():
+    """The launch key's test: every address a multiple of 16 bytes, and the row length (the flat
+    length without quantized states) a multiple of 32 and of the block unit."""
+    from lowbit_tree.kernels.triton_backend import aligned
+
+    q = lt.quantize(torch.randn(4, 64), "8bit", 64, signed=True)
+    g = torch.randn(4, 64)
+    assert aligned(g, (q,), [torch.randn(4, 64)])
+    assert not aligned(_offset_copy(g), (q,), [])  # the gradient
+    assert not aligned(g, (_offset_copy(q),), [])  # the state's codes and scales
+    assert not aligned(g, (q,), [g, _offset_copy(g)])  # an output or correction
+    q48 = lt.quantize(torch.randn(4, 48), "8bit", 16, signed=True)
+    assert not aligned(torch.randn(4, 48), (q48,), [])  # rows of 48: not whole vectors of 32
+    q96 = lt.quantize(torch.randn(4, 96), "8bit", 64, signed=True)
+    assert not aligned(torch.randn(4, 96), (q96,), [])  # 96: not whole blocks of 64
+    assert aligned(torch.randn(3, 32), (torch.randn(3, 32),), [])  # float32 states: the flat length, 96
+    assert not aligned(torch.randn(3, 11), (torch.randn(3, 11),), [])
+
+
+@NATIVE
+def test_a_launch_built_aligned_steps_a_later_offset_gradient_from_a_copy(monkeypatch):
+    """A KernelPlan's launch is built once, aligned; a later step's gradient an offset view: the
+    launch stays aligned and gives native's bits."""
+    from lowbit_tree.kernels.plan import KernelPlan
+
+    spec = StepSpec("adam", decay=True, lr=True)
+    _, states, p, g, hyper = make_case("adam", {}, {"decay": True, "lr": True}, "8bit", torch.float32, (8, 64), 32, 2)
+    grads = [g, _offset_copy(g * 0.5)]
+    seen = aligned_launches(monkeypatch)
+    got = {}
+    for backend in ("native", "triton"):
+        params, sts = [p.clone()], [tuple(clone_state(s) for s in states)]
+        plan = KernelPlan(spec, params, sts, [0], write=True, backend=backend)
+        for gr in grads:
+            plan.run([gr], hyper, None)
+        got[backend] = (params[0], sts[0])
+    assert seen == [True, True]
+    assert same(got["native"][0], got["triton"][0]) and all(map(same, got["native"][1], got["triton"][1]))
 
 
 DTYPE_CASES = [("adam", {}, "8bit"), ("adam", {"amsgrad": True}, "4bit"), ("lion", {}, "fp8"), ("muon", {}, "nf4"),
@@ -281,14 +382,32 @@ def test_the_ptx_scan_finds_what_would_change_the_bits():
 
     assert scan_ptx("\tdiv.rn.f32 %f1, %f2, %f3;\n\tsqrt.rn.f32 %f4, %f1;", fma_allowed=False) == []
     assert scan_ptx("\tdiv.full.f32 %f1, %f2, %f3;\n\tsqrt.approx.ftz.f32 %f4, %f1;", False) == [
-        "div.full", "sqrt.approx"]
+        ".ftz", "div.full", "sqrt.approx"]
+    assert scan_ptx("\tadd.ftz.f32 %f1, %f2, %f3;", False) == [".ftz"]
+    assert scan_ptx("\tadd.rn.f32 %f1, %f2, %f3; // .ftzx", False) == []
     assert scan_ptx("\tfma.rn.f32 %f1, %f2, %f3, %f4;", fma_allowed=False) == ["fma (the source writes none)"]
     assert scan_ptx("\tfma.rn.f32 %f1, %f2, %f3, %f4;", fma_allowed=True) == []
 
 
+def test_the_load_widths_read_off_the_ptx():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from triton_compile import global_loads
+
+    ptx = "\n".join(["\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];",
+                     "\tld.global.L1::evict_last.v2.b32 {%r5, %r6}, [%rd2];", "\tld.global.b8 %rs1, [%rd3];",
+                     "\tld.global.b64 %rd4, [%rd5];", "\tld.global.nc.v4.b32 {%r1,%r2,%r3,%r4}, [%rd6];",
+                     "\tst.global.v4.b32 [%rd1], {%r1, %r2, %r3, %r4};"])
+    assert global_loads(ptx) == {128: 2, 64: 1, 8: 1}  # the scalar 64-bit (an address) left out, stores too
+
+
 def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
-    """One variant through the compile script (a process without the interpreter): PTX clean,
-    registers from the cubin; Muon's lerps are fmas, AdamW has none."""
+    """Two variants through the compile script (a process without the interpreter): PTX clean,
+    registers from the cubin; Muon's lerps are fmas, AdamW has none; the aligned 8-bit AdamW loads
+    its float32 params and gradients as 128-bit vectors without spills, the general variant as
+    words."""
     import subprocess
     import sys
     from pathlib import Path
@@ -296,13 +415,33 @@ def test_the_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "benchmarks/triton_compile.py", "--arch", "90", "--jobs", "1", "--cache",
-                        str(tmp_path), "--only", "^(adam 8bit f32 write|muon 4bit f32 write)$"],
+                        str(tmp_path), "--only", "^(adam 8bit f32 write aligned|muon 4bit f32 write offset)$"],
                        cwd=root, env=env, capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in r.stdout.splitlines() if "| 90 |" in line}
-    assert set(rows) == {"adam 8bit f32 write", "muon 4bit f32 write"}
-    assert int(rows["adam 8bit f32 write"][4]) == 0 and int(rows["muon 4bit f32 write"][4]) > 0  # fma column
+    adam, muon = rows["adam 8bit f32 write aligned"], rows["muon 4bit f32 write offset"]
+    assert set(rows) == {"adam 8bit f32 write aligned", "muon 4bit f32 write offset"}
+    assert int(adam[6]) == 0 and int(muon[6]) > 0  # fma column
+    assert (int(adam[4]), int(adam[5]), int(adam[2])) == (128, 4, 0)  # widest load, 128-bit loads, spills
+    assert int(muon[4]) == 32 and int(muon[5]) == 0
     assert "PTX scan: clean" in r.stdout
+
+
+def test_links_are_not_specialised():
+    """The fused links are a runtime int the compiled kernel takes as it is: no second compile for
+    a link set whose bits are a multiple of 16 (or 1) (a process without the interpreter)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from lowbit_tree.kernels import triton_step as ts; "
+            "print([p.name for p in ts.step_kernel.params if p.do_not_specialize])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=dict(env, PYTHONPATH=str(root)),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "['links']"
 
 
 @NATIVE

@@ -99,19 +99,41 @@ def tile_length(block_sizes: Sequence[int]) -> int:
 
 
 def launch_key(spec: StepSpec, p: Optional[torch.Tensor], g: torch.Tensor, states: Sequence, write: bool,
-               stochastic: bool, corrected: bool = False) -> tuple:
-    """The static combination a leaf compiles to (its launch groups with the others of the same key)."""
+               stochastic: bool, corrected: bool = False, others: Sequence[Optional[torch.Tensor]] = ()) -> tuple:
+    """The static combination a leaf compiles to (its launch groups with the others of the same key),
+    the last entry whether it is :func:`aligned` (``others``: the tensors besides ``p``, ``g`` and
+    the states that its table row addresses, a correction or an output)."""
     storages = [_storage(s) for s in states]
-    return (tuple(storages), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic, corrected)
+    return (tuple(storages), _DT[p.dtype] if p is not None else 0, _DT[g.dtype], write, stochastic, corrected,
+            aligned(g, states, [p, *others]))
+
+
+def aligned(g: torch.Tensor, states: Sequence, tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether a leaf steps in the kernel's aligned variant, whose loads may be 128-bit vectors:
+    the gradient, ``tensors`` and the states' tensors (codes, scales, values) start at a multiple of
+    ``ALIGN_BYTES`` bytes, and its row length (the flat length where no state is quantized) is a
+    multiple of ``ALIGN_ELEMS`` and of its tiles' block unit, so every tile starts and ends on whole
+    vectors. Any other leaf (an offset view, an odd row) takes the general variant: the same bits."""
+    parts = [g, *tensors]
+    for s in states:
+        parts += [s.codes, s.scale] if isinstance(s, QTensor) else [s]
+    if any(t is not None and t.data_ptr() % ts.ALIGN_BYTES for t in parts):
+        return False
+    blocks = [b for _, b in (_storage(s) for s in states)]
+    R = row_layout(g.shape)[1] if any(blocks) else g.numel()
+    unit = tile_unit(blocks)
+    need = unit * ts.ALIGN_ELEMS // math.gcd(unit, ts.ALIGN_ELEMS)
+    return tile_length(blocks) % ts.ALIGN_ELEMS == 0 and R % need == 0
 
 
 def _constexprs(spec: StepSpec, key: tuple) -> dict:
-    storages, pdt, gdt, write, stochastic, corrected = (tuple(key) + (False,))[:6]
+    storages, pdt, gdt, write, stochastic, corrected, aligned = (tuple(key) + (False, False))[:7]
     storages = list(storages) + [(0, 0)] * (3 - len(storages))
     L, unit = tile_length([b for _, b in storages]), tile_unit([b for _, b in storages])
     tile = triton_next_pow2(L)
     out = dict(RULE=RULES.index(spec.rule), VAR=spec.variant, NS=spec.nstates, PDT=pdt, GDT=gdt,
-               P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile)
+               P=write or spec.needs_param, WRITE=write, SR=stochastic, CORR=corrected, L=L, TILE=tile,
+               ALIGNED=aligned)
     out["UNIT"] = unit  # not a kernel argument: the launcher's row padding
     for i, (k, b) in enumerate(storages):
         out[f"K{i}"], out[f"BS{i}"] = k, max(b, 1)
@@ -148,6 +170,7 @@ class TritonLaunch:
         param's int8 correction (written in place with the param)."""
         self.spec, self.key = spec, key
         self.constexprs = _constexprs(spec, key)
+        self.aligned = bool(self.constexprs["ALIGNED"])
         self.links = link_bits(spec)
         L = self.constexprs["L"]
         dev = leaves[0][1].device
@@ -183,7 +206,12 @@ class TritonLaunch:
                  sr_hash: Optional[int] = None) -> None:
         """Leaf ``i``'s gradient (contiguous, of the shape and dtype it was built with), its
         update buffer (``None``: the one it has, or the param written in place) and its
-        stochastic-rounding hash for the next launch."""
+        stochastic-rounding hash for the next launch. In an aligned launch a gradient that does not
+        start at a multiple of ``ALIGN_BYTES`` steps from an aligned copy."""
+        if self.aligned and g.data_ptr() % ts.ALIGN_BYTES:
+            g = g.clone()
+        if self.aligned and out is not None and out.data_ptr() % ts.ALIGN_BYTES:
+            raise ValueError(f"an update buffer of an aligned launch starts at a multiple of {ts.ALIGN_BYTES} bytes")
         h = self.host[i]
         h[4] = g.data_ptr()
         self.keep[i][1] = g
@@ -224,8 +252,8 @@ class TritonSteps:
                 raise ValueError("the triton backend writes contiguous params in place only")
             stochastic = bool(write and sr and p.dtype is torch.bfloat16 and corr is None)
             pin = p if (spec.needs_param or write) else None
-            key = launch_key(spec, pin, g, states, write, stochastic, corr is not None)
             out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
+            key = launch_key(spec, pin, g, states, write, stochastic, corr is not None, (out, corr))
             slots = [_inplace_slot(s) for s in states]
             groups.setdefault(key, []).append((j, (pin, g.contiguous(), out, slots, 0, corr), stochastic))
         self.launches = []  # (launch, [(leaf position, row, stochastic)])
@@ -314,8 +342,9 @@ def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bo
             outs[i] = None if write else torch.zeros(g.shape, dtype=torch.float32, device=g.device)
             news[i] = tuple(s if inplace else s.clone() for s in leaf.states)
             continue
-        key = launch_key(spec, p if (write or spec.needs_param) else None, g, leaf.states, write, stochastic,
-                         corr is not None)
+        pin = p.contiguous() if p is not None and (spec.needs_param or write) else None
+        g = g.contiguous()
+        key = launch_key(spec, pin, g, leaf.states, write, stochastic, corr is not None, (corr,))
         slots, new = [], []
         for s in leaf.states:
             if isinstance(s, QTensor):
@@ -336,8 +365,7 @@ def run_step(spec: StepSpec, hyper: torch.Tensor, leaves: Sequence, *, write: bo
                     raise ValueError("the triton backend steps non-contiguous states in place only as copies")
         out = p if write else torch.empty(g.shape, dtype=torch.float32, device=g.device)
         sr_hash = rounding_hash(sr_key, leaf.index) if stochastic else 0
-        pin = p.contiguous() if p is not None and (spec.needs_param or write) else None
-        groups.setdefault(key, []).append((pin, g.contiguous(), out, slots, sr_hash, corr))
+        groups.setdefault(key, []).append((pin, g, out, slots, sr_hash, corr))
         outs[i] = None if write else out
         news[i] = tuple(new)
     for key, items in groups.items():

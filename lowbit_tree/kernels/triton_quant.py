@@ -31,38 +31,21 @@ _RANK1_BLOCK = 1024
 
 
 @triton.jit
-def _tile(pid, R, rows, tpr, Rp, k, L: tl.constexpr, TILE: tl.constexpr):
-    """Program ``pid``'s lanes, as the step kernel lays them out: ``k`` rows of ``Rp`` lanes
-    (short rows) or a piece of ``L`` lanes of one row; each lane's row, column and validity,
-    and those of each lane pair (4-bit bytes). 64-bit rows and columns."""
-    t = pid.to(tl.int64)
-    r0 = (t // tpr) * k
-    j0 = (t % tpr) * L
-    lane = tl.arange(0, TILE)
-    row = r0 + lane // Rp
-    cols = j0 + lane % Rp
-    valid = (lane < k * Rp) & (cols < R) & (row < rows)
-    pl = 2 * tl.arange(0, TILE // 2)
-    prow = r0 + pl // Rp
-    pcol = j0 + pl % Rp
-    pvalid = (pl < k * Rp) & (pcol < R) & (prow < rows)
-    return row, cols, valid, prow, pcol, pvalid
-
-
-@triton.jit
 def _quantize_kernel(x, slot, ftab, etab, R, rows, tpr, Rp, k, K: tl.constexpr, BS: tl.constexpr,
                      NB: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
-    row, cols, valid, prow, pcol, pvalid = _tile(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE)
-    v = tl.load(x + row * R + cols, mask=valid, other=0.0)
-    ts.store_state(slot, row, R, cols, valid, prow, pcol, pvalid, v, ftab, etab, K, BS, NB, TILE)
+    geo = ts.tile_geometry(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE, False)
+    base, loc, valid = geo[2], geo[3], geo[4]
+    v = tl.load(x + base + loc, mask=valid, other=0.0)
+    ts.store_state(slot, geo, R, v, ftab, etab, K, BS, NB, L, TILE, False)
 
 
 @triton.jit
 def _dequantize_kernel(out, slot, ftab, R, rows, tpr, Rp, k, K: tl.constexpr, BS: tl.constexpr,
                        L: tl.constexpr, TILE: tl.constexpr):
-    row, cols, valid, prow, pcol, pvalid = _tile(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE)
-    v = ts.load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K, BS, TILE)
-    tl.store(out + row * R + cols, v, mask=valid)
+    geo = ts.tile_geometry(tl.program_id(0), R, rows, tpr, Rp, k, L, TILE, False)
+    base, loc, valid = geo[2], geo[3], geo[4]
+    v = ts.load_state(slot, geo, R, ftab, K, BS, L, TILE, False)
+    tl.store(out + base + loc, v, mask=valid)
 
 
 def block_fits(block_size: int) -> bool:

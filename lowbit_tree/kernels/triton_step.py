@@ -15,6 +15,14 @@ quantized state's block size and of 2, so blocks and 4-bit bytes never straddle 
 launch covers every leaf of a (group, static combination): each leaf's addresses come from an
 int64 table row (:data:`LEAF_FIELDS`), each program's leaf from an int32 map, both built once
 (``triton_backend``). Imported only where triton is (``LOWBIT_TREE_BACKEND=triton``).
+
+Index math: a tile's start is int64 (a leaf may pass 2**31 elements), its lanes int32 from it.
+Two forms of each variant (``ALIGNED``, in the launch key): where every address of a leaf's row
+is a multiple of :data:`ALIGN_BYTES` and its rows of whole :data:`ALIGN_ELEMS` vectors (and blocks),
+its lanes are contiguous from an aligned start and the pointers carry that as hints
+(``tl.multiple_of``), so the compiler may load and store them as vectors (128-bit for float32
+params and gradients); any other leaf (an offset view, an odd row) takes the general form, the
+same arithmetic on the same elements.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import triton.language as tl
 from .spec import HYPER_NAMES, RULE_IDS
 
 __all__ = ["step_kernel", "TRITON_RULES", "LEAF_FIELDS", "SLOT_FIELDS", "LEAF_ROW", "FMT_STRIDE",
+           "ALIGN_BYTES", "ALIGN_ELEMS", "tile_geometry", "load_state", "store_state", "code_index",
            "STORAGE_F32", "STORAGE_BF16", "STORAGE_Q8", "STORAGE_Q4", "DT_F32", "DT_BF16", "DT_F16"]
 
 TRITON_RULES = tuple(r for r in RULE_IDS if re.search(rf'RULE_IDS\["{r}"\]', Path(__file__).read_text()))
@@ -45,6 +54,12 @@ SLOT_FIELDS = ("in", "out", "scale_in", "scale_out", "fmt", "unused")
 the format table."""
 LEAF_ROW = len(LEAF_FIELDS) + 3 * len(SLOT_FIELDS)
 
+ALIGN_BYTES = 16
+"""The aligned variant's promise about every address of a leaf's table row (one 128-bit load)..."""
+ALIGN_ELEMS = 32
+"""... and about its row length (so about every tile's start and length): a multiple of this many
+elements (16 bytes of a 4-bit state)."""
+
 FMT_STRIDE = 520
 """float32 entries per format in the format table: 256 decoded values, 256 thresholds (+inf
 padded), then divisor, last index, sqrt flag, unsigned flag."""
@@ -56,6 +71,8 @@ _ROW = tl.constexpr(LEAF_ROW)
 _HDR = tl.constexpr(len(LEAF_FIELDS))
 _SLOT = tl.constexpr(len(SLOT_FIELDS))
 _FMT = tl.constexpr(FMT_STRIDE)
+_AB = tl.constexpr(ALIGN_BYTES)
+_AE = tl.constexpr(ALIGN_ELEMS)
 _ADAM = tl.constexpr(RULE_IDS["adam"])
 _LION = tl.constexpr(RULE_IDS["lion"])
 _MOMENTUM = tl.constexpr(RULE_IDS["momentum"])
@@ -81,19 +98,32 @@ _H_ALPHA, _H_CM, _H_RECT, _H_CG = (_hyper_index(n) for n in ("alpha", "cm", "rec
 
 
 @triton.jit
-def _ptr(row, k, TY: tl.constexpr):
-    return tl.load(row + k).to(tl.pointer_type(TY))
+def _typed(addr, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """An address (int64) as a pointer to TY; in the aligned variant hinted a multiple of
+    :data:`ALIGN_BYTES` (the launcher checked it; a hint on the int64 does not survive the cast),
+    which lets the loads and stores through it be vectors."""
+    ptr = addr.to(tl.pointer_type(TY))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, _AB)
+    return ptr
 
 
 @triton.jit
-def _load_plain(ptr, offs, valid, DT: tl.constexpr):
+def _ptr(row, k, TY: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer at ``k`` of a leaf's table row."""
+    return _typed(tl.load(row + k), TY, ALIGNED)
+
+
+@triton.jit
+def _load_plain(addr, base, loc, valid, DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Elements ``base + loc`` (an int64 scalar, int32 lanes) of the tensor at ``addr``, as float32."""
     if DT == 0:
-        x = tl.load(ptr.to(tl.pointer_type(tl.float32)) + offs, mask=valid, other=0.0)
+        x = tl.load(_typed(addr, tl.float32, ALIGNED) + base + loc, mask=valid, other=0.0)
     elif DT == 1:
-        h = tl.load(ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=valid, other=0)
+        h = tl.load(_typed(addr, tl.uint16, ALIGNED) + base + loc, mask=valid, other=0)
         x = (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        x = tl.load(ptr.to(tl.pointer_type(tl.float16)) + offs, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(_typed(addr, tl.float16, ALIGNED) + base + loc, mask=valid, other=0.0).to(tl.float32)
     return x
 
 
@@ -125,41 +155,50 @@ def _bf16_stochastic(x, idx, h):
 
 
 @triton.jit
-def _store_plain(ptr, offs, valid, x, DT: tl.constexpr):
+def _store_plain(addr, base, loc, valid, x, DT: tl.constexpr, ALIGNED: tl.constexpr):
     if DT == 0:
-        tl.store(ptr.to(tl.pointer_type(tl.float32)) + offs, x, mask=valid)
+        tl.store(_typed(addr, tl.float32, ALIGNED) + base + loc, x, mask=valid)
     elif DT == 1:
-        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, _bf16_bits(x), mask=valid)
+        tl.store(_typed(addr, tl.uint16, ALIGNED) + base + loc, _bf16_bits(x), mask=valid)
     else:
-        tl.store(ptr.to(tl.pointer_type(tl.float16)) + offs, x.to(tl.float16), mask=valid)
+        tl.store(_typed(addr, tl.float16, ALIGNED) + base + loc, x.to(tl.float16), mask=valid)
 
 
 @triton.jit
-def _codes_in(cptr, row, cols, R, valid, prow, pcol, pvalid, K: tl.constexpr, TILE: tl.constexpr):
+def _scale_at(g, R, BS: tl.constexpr, L: tl.constexpr):
+    """(the tile's first block scale: int64, each lane's from it: int32) of block size BS."""
+    r0, j0, lrow, lcol = g[0], g[1], g[5], g[6]
+    nb = (R + BS - 1) // BS
+    return r0 * nb + j0 // BS, lrow * tl.minimum(nb, L).to(tl.int32) + lcol // BS
+
+
+@triton.jit
+def _codes_in(cptr, g, K: tl.constexpr, TILE: tl.constexpr):
     """The tile's code bytes (8-bit) or nibbles (4-bit: the even element in the low one; a lane
-    pair's byte at its row and even column)."""
+    pair's byte)."""
+    base, loc, valid, pbase, ploc, pvalid = g[2], g[3], g[4], g[7], g[8], g[9]
     if K == 8:
-        c = tl.load(cptr + row * R + cols, mask=valid, other=0).to(tl.int32)
+        c = tl.load(cptr + base + loc, mask=valid, other=0).to(tl.int32)
     else:
-        cc = (R + 1) // 2
-        b = tl.load(cptr + prow * cc + pcol // 2, mask=pvalid, other=0).to(tl.int32)
+        b = tl.load(cptr + pbase + ploc, mask=pvalid, other=0).to(tl.int32)
         c = tl.reshape(tl.join(b & 15, b >> 4), (TILE,))
     return c
 
 
 @triton.jit
-def _load_state(slot, row, R, cols, valid, prow, pcol, pvalid, ftab, K: tl.constexpr, BS: tl.constexpr,
-                TILE: tl.constexpr):
+def load_state(slot, g, R, ftab, K: tl.constexpr, BS: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """State values of the tile as float32: plain values, or codes decoded (``dec[c] * s``,
     squared for the sqrt formats)."""
+    base, loc, valid = g[2], g[3], g[4]
     if K == 0:
-        x = _load_plain(tl.load(slot + 0), row * R + cols, valid, 0)
+        x = _load_plain(tl.load(slot + 0), base, loc, valid, 0, ALIGNED)
     elif K == 1:
-        x = _load_plain(tl.load(slot + 0), row * R + cols, valid, 1)
+        x = _load_plain(tl.load(slot + 0), base, loc, valid, 1, ALIGNED)
     else:
-        c = _codes_in(_ptr(slot, 0, tl.uint8), row, cols, R, valid, prow, pcol, pvalid, K, TILE)
-        nb = (R + BS - 1) // BS
-        s = tl.load(_ptr(slot, 2, tl.float32) + row * nb + cols // BS, mask=valid, other=0.0)
+        c = _codes_in(_ptr(slot, 0, tl.uint8, ALIGNED), g, K, TILE)
+        sfirst, sloc = _scale_at(g, R, BS, L)
+        s = tl.load(_ptr(slot, 2, tl.float32, ALIGNED) + sfirst + sloc, mask=valid, other=0.0)
         f = ftab + tl.load(slot + 4) * _FMT
         t = tl.load(f + c) * s
         x = tl.where(tl.load(f + 514) != 0.0, t * t, t)
@@ -193,15 +232,16 @@ def code_index(n, thr, last, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K: tl.constexpr,
-                 BS: tl.constexpr, NB: tl.constexpr, TILE: tl.constexpr):
+def store_state(slot, g, R, x, ftab, etab, K: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, L: tl.constexpr,
+                 TILE: tl.constexpr, ALIGNED: tl.constexpr):
     """The new values ``x`` of a state: plain, or transformed (sqrt; NaN for a negative value of
     an unsigned map), block scale ``absmax / divisor`` (NaN for a non-finite absmax), codes of
     ``t / scale`` (``scale`` 1 where it is not > 0)."""
+    base, loc, valid, lcol, pbase, ploc, pvalid = g[2], g[3], g[4], g[6], g[7], g[8], g[9]
     if K == 0:
-        _store_plain(tl.load(slot + 1), row * R + cols, valid, x, 0)
+        _store_plain(tl.load(slot + 1), base, loc, valid, x, 0, ALIGNED)
     elif K == 1:
-        _store_plain(tl.load(slot + 1), row * R + cols, valid, x, 1)
+        _store_plain(tl.load(slot + 1), base, loc, valid, x, 1, ALIGNED)
     else:
         fid = tl.load(slot + 4)
         f = ftab + fid * _FMT
@@ -212,19 +252,18 @@ def _store_state(slot, row, R, cols, valid, prow, pcol, pvalid, x, ftab, etab, K
         bits = tl.where(valid, t.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
         amax = _block_max(bits, BS, NB, TILE)
         s = tl.where(amax >= 0x7F800000, float("nan"), tl.div_rn(amax.to(tl.float32, bitcast=True), divisor))
-        nb = (R + BS - 1) // BS
-        tl.store(_ptr(slot, 3, tl.float32) + row * nb + cols // BS, s, mask=valid & (cols % BS == 0))
+        sfirst, sloc = _scale_at(g, R, BS, L)
+        tl.store(_ptr(slot, 3, tl.float32, ALIGNED) + sfirst + sloc, s, mask=valid & (lcol % BS == 0))
         n = tl.div_rn(t, tl.where(s > 0.0, s, 1.0))
         idx = code_index(n, f + 256, last, 8 if K == 8 else 4)
         code = tl.load(etab + fid * 256 + idx).to(tl.int32)
-        cptr = _ptr(slot, 1, tl.uint8)
+        cptr = _ptr(slot, 1, tl.uint8, ALIGNED)
         if K == 8:
-            tl.store(cptr + row * R + cols, code.to(tl.uint8), mask=valid)
+            tl.store(cptr + base + loc, code.to(tl.uint8), mask=valid)
         else:
             code = tl.where(valid, code, 0)
             lo, hi = tl.split(tl.reshape(code, (TILE // 2, 2)))
-            cc = (R + 1) // 2
-            tl.store(cptr + prow * cc + pcol // 2, (lo | (hi << 4)).to(tl.uint8), mask=pvalid)
+            tl.store(cptr + pbase + ploc, (lo | (hi << 4)).to(tl.uint8), mask=pvalid)
 
 
 @triton.jit
@@ -272,11 +311,11 @@ def _finite(v):
 
 
 @triton.jit
-def _corrected_write(pptr, cptr, offs, valid, p, u, PDT: tl.constexpr):
+def _corrected_write(pptr, cptr, loc, valid, p, u, PDT: tl.constexpr):
     """lowbit_tree.correction: x = (p + c * scale(p)) + u; p' = x to nearest even, or the neighbour
     above where the rest would be 128; c' = rint((x - p') / scale(p')) clamped to int8, 0 where p' is
     not finite."""
-    c = tl.load(cptr + offs, mask=valid, other=0).to(tl.float32)
+    c = tl.load(cptr + loc, mask=valid, other=0).to(tl.float32)
     x = (p + c * _correction_scale(p, PDT)) + u
     b = _param_bits(x, PDT)
     q = _param_value(b, PDT)
@@ -288,8 +327,49 @@ def _corrected_write(pptr, cptr, offs, valid, p, u, PDT: tl.constexpr):
     q = tl.where(move, qa, q)
     r = tl.where(move, _rint(tl.div_rn(x - q, _correction_scale(q, PDT))), r)
     r = tl.where(_finite(q), tl.where(r < -128.0, -128.0, tl.where(r > 127.0, 127.0, r)), 0.0)
-    tl.store(pptr + offs, b.to(tl.uint16), mask=valid)
-    tl.store(cptr + offs, r.to(tl.int8), mask=valid)
+    tl.store(pptr + loc, b.to(tl.uint16), mask=valid)
+    tl.store(cptr + loc, r.to(tl.int8), mask=valid)
+
+
+@triton.jit
+def tile_geometry(t, R, rows, tpr, Rp, k, L: tl.constexpr, TILE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Program ``t`` of a leaf's tiles (``tpr`` a row, ``k`` rows of ``Rp`` lanes each, or a piece of
+    one row of ``Rp = L`` lanes): ``(r0, j0, base, loc, valid, lrow, lcol, pbase, ploc, pvalid)``,
+    the tile's first row and column, where it starts (int64, elements; ``pbase``: 4-bit bytes),
+    each lane's int32 offset from there, validity, row and column in the tile, and each lane
+    pair's byte offset and validity. The step kernel's tile, and :mod:`.triton_quant`'s."""
+    q = t // tpr  # this program's first row r0 and column j0: k rows of Rp lanes, or a piece of one row
+    r0 = (q * k).to(tl.int64)
+    j0 = (t - q * tpr).to(tl.int64) * L
+    kr = tl.minimum(rows - r0, k).to(tl.int32)  # the tile's rows, and lanes of each
+    cw = tl.minimum(R - j0, Rp).to(tl.int32)
+    # int64 where a tile starts (element, 4-bit byte), int32 lanes from it: R, nb and cc clamped
+    # to L multiply only a short-row tile's rows (R <= L / 2) among the valid lanes
+    base = r0 * R + j0
+    cc = (R + 1) // 2
+    pbase = r0 * cc + j0 // 2
+    lane = tl.arange(0, TILE)
+    if ALIGNED:  # rows of whole tiles' multiples (Rp == R), every address aligned: lanes contiguous
+        base = tl.multiple_of(base, _AE)
+        pbase = tl.multiple_of(pbase, _AE // 2)
+        n = tl.multiple_of(kr * cw, _AE)
+        lrow = 0
+        lcol = lane
+        loc = lane
+        valid = lane < n
+        ploc = tl.arange(0, TILE // 2)
+        pvalid = ploc < tl.multiple_of(n // 2, _AE // 2)
+    else:
+        lrow = lane // Rp
+        lcol = lane - lrow * Rp
+        loc = lrow * tl.minimum(R, L).to(tl.int32) + lcol
+        valid = (lrow < kr) & (lcol < cw)
+        pl = 2 * tl.arange(0, TILE // 2)  # 4-bit codes: each lane pair's byte
+        plrow = pl // Rp
+        plcol = pl - plrow * Rp
+        ploc = plrow * tl.minimum(cc, L).to(tl.int32) + plcol // 2
+        pvalid = (plrow < kr) & (plcol < cw)
+    return r0, j0, base, loc, valid, lrow, lcol, pbase, ploc, pvalid
 
 
 @triton.jit
@@ -302,34 +382,25 @@ def _lerp(a, c, w):
     return r
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["links"])
 def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
                 RULE: tl.constexpr, VAR: tl.constexpr, NS: tl.constexpr,
                 K0: tl.constexpr, K1: tl.constexpr, K2: tl.constexpr,
                 BS0: tl.constexpr, BS1: tl.constexpr, BS2: tl.constexpr,
                 NB0: tl.constexpr, NB1: tl.constexpr, NB2: tl.constexpr,
                 PDT: tl.constexpr, GDT: tl.constexpr, P: tl.constexpr,
-                WRITE: tl.constexpr, SR: tl.constexpr, CORR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr):
+                WRITE: tl.constexpr, SR: tl.constexpr, CORR: tl.constexpr, L: tl.constexpr, TILE: tl.constexpr,
+                ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
-    leaf = tl.load(tile_leaf + pid).to(tl.int64)
-    row_ptr = leaves + leaf * _ROW
+    row_ptr = leaves + tl.load(tile_leaf + pid) * _ROW
     R = tl.load(row_ptr + 0)
-    tpr = tl.load(row_ptr + 1)
-    t = pid - tl.load(row_ptr + 2)
+    tpr = tl.load(row_ptr + 1).to(tl.int32)
+    t = pid - tl.load(row_ptr + 2).to(tl.int32)
     rows = tl.load(row_ptr + 8)
-    Rp = tl.load(row_ptr + 9)
-    k = tl.load(row_ptr + 10)
-    r0 = (t // tpr) * k  # this program's first row, and column: k rows of Rp lanes, or a piece of one row
-    j0 = (t % tpr) * L
-    lane = tl.arange(0, TILE)
-    row = r0 + lane // Rp
-    cols = j0 + lane % Rp
-    valid = (lane < k * Rp) & (cols < R) & (row < rows)
-    pl = 2 * tl.arange(0, TILE // 2)  # 4-bit codes: each lane pair's byte
-    prow = r0 + pl // Rp
-    pcol = j0 + pl % Rp
-    pvalid = (pl < k * Rp) & (pcol < R) & (prow < rows)
-    offs = row * R + cols
+    Rp = tl.load(row_ptr + 9).to(tl.int32)
+    k = tl.load(row_ptr + 10).to(tl.int32)
+    geo = tile_geometry(t, R, rows, tpr, Rp, k, L, TILE, ALIGNED)  # the helpers' tile
+    r0, j0, base, loc, valid, lrow, lcol, pbase, ploc, pvalid = geo
     s0 = row_ptr + _HDR
     s1 = row_ptr + _HDR + _SLOT
     s2 = row_ptr + _HDR + 2 * _SLOT
@@ -347,18 +418,18 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
 
     p = tl.zeros((TILE,), tl.float32)
     if P:
-        p = _load_plain(tl.load(row_ptr + 3), offs, valid, PDT)
-    g = _load_plain(tl.load(row_ptr + 4), offs, valid, GDT)
+        p = _load_plain(tl.load(row_ptr + 3), base, loc, valid, PDT, ALIGNED)
+    g = _load_plain(tl.load(row_ptr + 4), base, loc, valid, GDT, ALIGNED)
     g = tl.where((links & 1) != 0, -g, g)  # the fused links: runtime flags (spec.FLAGS' order)
     g = tl.where((links & 2) != 0, g + l2 * p, g)
 
-    x0 = _load_state(s0, row, R, cols, valid, prow, pcol, pvalid, ftab, K0, BS0, TILE)
+    x0 = load_state(s0, geo, R, ftab, K0, BS0, L, TILE, ALIGNED)
     if NS > 1:
-        x1 = _load_state(s1, row, R, cols, valid, prow, pcol, pvalid, ftab, K1, BS1, TILE)
+        x1 = load_state(s1, geo, R, ftab, K1, BS1, L, TILE, ALIGNED)
     else:
         x1 = x0
     if NS > 2:
-        x2 = _load_state(s2, row, R, cols, valid, prow, pcol, pvalid, ftab, K2, BS2, TILE)
+        x2 = load_state(s2, geo, R, ftab, K2, BS2, L, TILE, ALIGNED)
     else:
         x2 = x0
 
@@ -458,25 +529,21 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     u = tl.where((links & 4) != 0, u + wd * p, u)
     u = tl.where((links & 8) != 0, nlr * u, u)
     if CORR:
-        _corrected_write(_ptr(row_ptr, 3, tl.uint16), _ptr(row_ptr, 7, tl.int8), offs, valid, p, u, PDT)
+        _corrected_write(_ptr(row_ptr, 3, tl.uint16, ALIGNED) + base, _ptr(row_ptr, 7, tl.int8, ALIGNED) + base, loc,
+                         valid, p, u, PDT)
     elif WRITE:
         y = p + u
         if PDT == 1 and SR:
             h = tl.load(row_ptr + 6).to(tl.uint32)
-            tl.store(_ptr(row_ptr, 3, tl.uint16) + offs, _bf16_stochastic(y, offs, h), mask=valid)
+            y16 = _bf16_stochastic(y, base + loc.to(tl.int64), h)
+            tl.store(_ptr(row_ptr, 3, tl.uint16, ALIGNED) + base + loc, y16, mask=valid)
         else:
-            _store_plain(tl.load(row_ptr + 3), offs, valid, y, PDT)
+            _store_plain(tl.load(row_ptr + 3), base, loc, valid, y, PDT, ALIGNED)
     else:
-        tl.store(_ptr(row_ptr, 5, tl.float32) + offs, u, mask=valid)
+        tl.store(_ptr(row_ptr, 5, tl.float32, ALIGNED) + base + loc, u, mask=valid)
 
-    _store_state(s0, row, R, cols, valid, prow, pcol, pvalid, n0, ftab, etab, K0, BS0, NB0, TILE)
+    store_state(s0, geo, R, n0, ftab, etab, K0, BS0, NB0, L, TILE, ALIGNED)
     if NS > 1:
-        _store_state(s1, row, R, cols, valid, prow, pcol, pvalid, n1, ftab, etab, K1, BS1, NB1, TILE)
+        store_state(s1, geo, R, n1, ftab, etab, K1, BS1, NB1, L, TILE, ALIGNED)
     if NS > 2:
-        _store_state(s2, row, R, cols, valid, prow, pcol, pvalid, n2, ftab, etab, K2, BS2, NB2, TILE)
-
-
-load_state = _load_state
-"""A state's values in a tile (``_load_state``), for :mod:`.triton_quant`'s dequantizer."""
-store_state = _store_state
-"""A state's new values written in a tile (``_store_state``), for :mod:`.triton_quant`'s quantizer."""
+        store_state(s2, geo, R, n2, ftab, etab, K2, BS2, NB2, L, TILE, ALIGNED)
