@@ -6,7 +6,8 @@ embeddings, qkv, mlp, layer norms, biases); (c) many small tensors; (m) 2 x 512x
 rows with their whole Newton-Schulz on a CPU without bfloat16 matrix units, where case (a)'s
 takes minutes a step); (g) 4 x 4096x4096 (67M params: a GPU's step long enough, about half a
 millisecond at 16 bytes a param on an H100, for its share of the memory bandwidth to mean
-something); (t) 2 x 64x96 (one shape: the CPU rehearsal of benchmarks/gpu_check.py).
+something); (t) 2 x 16x64 (one shape, two of the Triton kernel's programs: the CPU rehearsal of
+benchmarks/gpu_check.py, whose interpreter takes about 0.1 s a program).
 
 Implementations (each skipped with a note when unavailable); params float32 unless
 the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochastic rounding,
@@ -116,7 +117,7 @@ def case_shapes(case: str) -> list[tuple[int, ...]]:
     if case == "g":  # GPU-sized: a step moves about a gigabyte
         return [(4096, 4096)] * 4
     if case == "t":  # tiny, one shape (an anchor that compiles per shape compiles once)
-        return [(64, 96), (64, 96)]
+        return [(16, 64), (16, 64)]
     if case == "c":  # many small tensors
         shapes = []
         for i in range(100):
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", default=None, choices=["a", "b", "c", "m", "g", "t", "all"],
                     help="default: a with --quick, else all (a, b, c); m: 2 x 512x512, for the Muon rows on a CPU; "
-                         "g: 4 x 4096x4096, for a GPU; t: 2 x 64x96, a rehearsal's")
+                         "g: 4 x 4096x4096, for a GPU; t: 2 x 16x64, a rehearsal's")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", nargs="*", default=None, help=f"subset of {IMPLS}")
