@@ -418,6 +418,16 @@ def rehearsal_setup(run: Run) -> int:
             print(f"rehearsal setup failed: {shlex.join(cmd)} exited {rc} (see {log})", file=sys.stderr)
             return EXIT_USAGE
     run.python = str(venv / "bin" / "python")
+    # --system-site-packages gives the base interpreter's packages: where this Python is itself a
+    # virtual environment (CI's), its own site-packages (torch, triton) are added by a .pth file.
+    out = subprocess.run([run.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True)
+    import site
+
+    mine = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    Path(out.stdout.strip(), "gpu_check_running_python.pth").write_text("\n".join(mine) + "\n")
+    with open(log, "a") as f:
+        f.write(f"{run.python}: sees {', '.join(mine)} (gpu_check_running_python.pth) and the base interpreter's\n")
     return 0
 
 
