@@ -380,26 +380,36 @@ def run_case(case, device, impls, steps, out):
     print(f"\ncase ({case}): {len(shapes)} tensors, {n / 1e6:.2f}M params, device {device}, "
           f"{torch.get_num_threads()} threads, {steps} timed steps (interleaved)")
     states = []
-    for impl in impls:
-        try:
-            states.append(setup(impl, shapes, device))
-        except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
-            states.append({"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"})
-    for i in range(steps):
-        for st in states:
-            if "skipped" in st:
-                continue
+    interrupted = False
+    try:
+        for impl in impls:
             try:
-                timed_step(st, device, last=i == steps - 1)
-            except Exception as e:  # noqa: BLE001
-                states[states.index(st)] = {"impl": st["impl"], "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+                states.append(setup(impl, shapes, device))
+            except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
+                states.append({"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"})
+        for i in range(steps):
+            for st in states:
+                if "skipped" in st:
+                    continue
+                try:
+                    timed_step(st, device, last=i == steps - 1)
+                except Exception as e:  # noqa: BLE001
+                    states[states.index(st)] = {"impl": st["impl"],
+                                                "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    except KeyboardInterrupt:  # SIGINT (gpu_check.py past a step's budget): the table of what was timed
+        interrupted = True
+        print("\ninterrupted: each row below is the median of the steps timed before it", flush=True)
+        done = {st["impl"] for st in states}
+        states = [st if "skipped" in st or st.get("times") else {"impl": st["impl"], "skipped": "interrupted"}
+                  for st in states] + [{"impl": i, "skipped": "interrupted"} for i in impls if i not in done]
     rows = []
     for st in states:
         rows.append(result(st, shapes))
         print_row(rows[-1], rows)
     del states
     gc.collect()
-    out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows})
+    out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows,
+                "interrupted": interrupted})
 
 
 def print_row(r, rows):
@@ -454,12 +464,14 @@ def main(argv=None) -> int:
     out = []
     for case in cases:
         run_case(case, device, impls, steps, out)
+        if out[-1]["interrupted"]:
+            break
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "lowbit_tree": lt.__file__, "threads": torch.get_num_threads(),
                        "backend_env": os.environ.get("LOWBIT_TREE_BACKEND", ""), "cases": out}, f, indent=2)
         print(f"\nwrote {args.json}")
-    return 0
+    return 130 if out and out[-1]["interrupted"] else 0
 
 
 if __name__ == "__main__":
