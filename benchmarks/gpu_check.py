@@ -29,6 +29,7 @@ preflight or install stops the run there, with one line saying which check and w
 Test hooks (environment variables; tests/test_gpu_check.py uses them):
   GPU_CHECK_INJECT=bits          the pytest steps flip one bit of a state after every Triton step
   GPU_CHECK_INJECT=skip          the pytest steps see the native kernel as missing (its tests skip)
+  GPU_CHECK_INJECT=hang          every test of the pytest steps sleeps an hour first (past any budget)
   GPU_CHECK_BUDGETS=bits=5,...   a step's budget in seconds in place of the table's
   GPU_CHECK_PYTEST_ARGS="..."    more arguments for every pytest step (a selection, -x)
 
@@ -60,8 +61,8 @@ THIS = Path(__file__).resolve()
 
 EXIT_FAILED, EXIT_USAGE, EXIT_PREFLIGHT, EXIT_INSTALL = 1, 2, 3, 4
 GRACE_S = 15
-"""After a step's budget, SIGINT (pytest prints its summary and writes its junit file); after
-this many seconds more, SIGKILL to the step's whole process group."""
+"""After a step's budget, SIGINT to the step's process group (pytest prints its summary and writes
+its junit file); after this many seconds more, SIGKILL to it."""
 REHEARSAL_FACTOR, REHEARSAL_MIN_S = 3, 60
 """A rehearsal's limit for a step: its planned seconds times this, at least REHEARSAL_MIN_S. A
 shared CPU runs the Triton kernels under the interpreter: the rehearsal checks the machinery,
@@ -270,8 +271,11 @@ def run_command(argv: list, env: dict, log: Path, budget_s: float, echo: bool = 
             proc.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            f.write(f"\n[gpu_check] past its budget of {budget_s:g} s: SIGINT\n".encode())
-            proc.send_signal(signal.SIGINT)
+            f.write(f"\n[gpu_check] past its budget of {budget_s:g} s: SIGINT to its process group\n".encode())
+            try:  # as Ctrl-C (and `timeout -s INT`) would: xdist's workers stop their tests too
+                os.killpg(proc.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
             try:
                 proc.wait(timeout=GRACE_S)
             except subprocess.TimeoutExpired:

@@ -5,12 +5,14 @@
          ``backend="triton"``, or on CUDA tensors), one bit of the first leaf's first state is
          flipped: a bit mismatch the GPU-vs-CPU comparisons must catch;
   skip   the native C kernel reported unavailable: the tests that compare against it skip, as they
-         would on a machine without a C compiler.
+         would on a machine without a C compiler;
+  hang   every test sleeps an hour before it runs: the step runs past its budget.
 
 tests/test_gpu_check.py checks that each ends the device script's run non-zero."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -29,9 +31,9 @@ def _flip(x) -> bool:
 
 def pytest_sessionstart(session):
     kinds = set(filter(None, os.environ.get("GPU_CHECK_INJECT", "").split(",")))
-    unknown = kinds - {"bits", "skip"}
+    unknown = kinds - {"bits", "skip", "hang"}
     if unknown:
-        raise ValueError(f"GPU_CHECK_INJECT: unknown {sorted(unknown)} (bits, skip)")
+        raise ValueError(f"GPU_CHECK_INJECT: unknown {sorted(unknown)} (bits, skip, hang)")
     from lowbit_tree import kernels
     from lowbit_tree.kernels import native
 
@@ -49,3 +51,8 @@ def pytest_sessionstart(session):
             return outs, news
 
         kernels.run_step = run_step
+
+
+def pytest_runtest_call(item):
+    if "hang" in os.environ.get("GPU_CHECK_INJECT", "").split(","):
+        time.sleep(3600)

@@ -190,7 +190,8 @@ def test_the_rehearsal_runs_every_step_and_leaves_its_files(rehearsal):
 @pytest.mark.parametrize("how, status, evidence", [
     ({"GPU_CHECK_INJECT": "bits", "GPU_CHECK_PYTEST_ARGS": TESTS_SELECTION}, "failed", "AssertionError"),
     ({"GPU_CHECK_INJECT": "skip", "GPU_CHECK_PYTEST_ARGS": TESTS_SELECTION}, "skipped", "no C compiler"),
-    ({"GPU_CHECK_BUDGETS": "bits=6"}, "timed out", "KeyboardInterrupt"),
+    ({"GPU_CHECK_INJECT": "hang", "GPU_CHECK_PYTEST_ARGS": TESTS_SELECTION, "GPU_CHECK_BUDGETS": "bits=40"},
+     "timed out", "KeyboardInterrupt"),
 ], ids=["bit-mismatch", "skipped-must-run-step", "past-its-budget"])
 def test_a_broken_must_run_step_ends_the_run_non_zero_with_its_output_kept(tmp_path, core_wheels, how, status,
                                                                            evidence):
