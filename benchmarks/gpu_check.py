@@ -23,8 +23,9 @@ times its planned seconds, at least a minute (REHEARSAL_FACTOR).
 
 Exit status: 0 every step passed; 1 a step failed (a GPU-vs-CPU bit comparison among them) or ran
 past its budget, or a step that must run skipped (a test skipped for a reason not on its list of
-expected ones); 2 bad arguments; 3 the preflight failed; 4 the offline install failed. A failed
-preflight or install stops the run there, with one line saying which check and why.
+expected ones); 2 bad arguments, or a rehearsal's setup (its venv, its wheels) failed; 3 the
+preflight failed; 4 the offline install failed. A failed preflight or install stops the run there,
+with one line saying which check and why.
 
 Test hooks (environment variables; tests/test_gpu_check.py uses them):
   GPU_CHECK_INJECT=bits          the pytest steps flip one bit of a state after every Triton step
@@ -171,7 +172,8 @@ def _compile_scan(run: Run) -> list:
 STEPS = [
     Step("preflight", 20, True,
          "python, pip, a C compiler, Python.h, torch and triton in range, a CUDA device, a one-element Triton launch",
-         lambda r: ([r.python, str(THIS), "--probe", "machine", str(r.res)] + (["--rehearse"] if r.rehearse else []), {}),
+         lambda r: ([r.python, str(THIS), "--probe", "machine", str(r.res)] + (["--rehearse"] if r.rehearse else []),
+                    {}),
          fail_code=EXIT_PREFLIGHT),
     Step("install", 10, True,
          "what the image lacks, from the wheels folder offline (--no-index --no-deps) into the run's own folder",
@@ -192,10 +194,12 @@ STEPS = [
          lambda r: (_pytest(r, "cuda_bits", ["-m", "cuda", *CUDA_TEST_FILES]), {"TORCHINDUCTOR_COMPILE_THREADS": "1"}),
          pytest=True),
     Step("step_time", 35, False,
-         "ms a step, 67M params: the bridge's formats and rules (float32 and bfloat16 params) against torch's fused AdamW",
+         "ms a step, 67M params: the bridge's formats and rules (float32 and bfloat16 params) against torch's "
+         "fused AdamW",
          lambda r: (_step_time(r, OURS, "step_time.json", "g", 20), _ours_env(r))),
     Step("anchors", 60, False,
-         "ms a step, same params: torchao, bitsandbytes, FlashOptim (their wheels permitting) against torch's fused AdamW",
+         "ms a step, same params: torchao, bitsandbytes, FlashOptim (their wheels permitting) against torch's "
+         "fused AdamW",
          lambda r: (_step_time(r, ANCHORS, "anchors.json", "g", 20), {})),
     Step("bandwidth", 15, False,
          "bytes a param each step moves and the share of the card's memory bandwidth it reaches",
@@ -241,7 +245,7 @@ def _budgets() -> dict:
     for item in filter(None, os.environ.get("GPU_CHECK_BUDGETS", "").split(",")):
         name, _, secs = item.partition("=")
         if name not in {s.name for s in STEPS} or not secs.strip().isdigit():
-            raise SystemExit(f"GPU_CHECK_BUDGETS: {item!r} is not STEP=SECONDS with a step of "
+            raise ValueError(f"GPU_CHECK_BUDGETS: {item!r} is not STEP=SECONDS with a step of "
                              f"{', '.join(s.name for s in STEPS)}")
         out[name] = int(secs)
     return out
@@ -388,7 +392,7 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     try:
         budgets = _budgets()
-    except SystemExit as e:
+    except ValueError as e:
         print(e, file=sys.stderr)
         return EXIT_USAGE
     wheels = Path(a.wheels).resolve() if a.wheels else None
@@ -539,7 +543,8 @@ def _machine_checks(facts: dict, rehearse: bool) -> list:
 
     def compiler():
         cc = os.environ.get("CC", "")
-        found = shutil.which(cc.split()[0]) if cc else next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+        names = [cc.split()[0]] if cc else ["cc", "gcc", "clang"]
+        found = next(filter(None, map(shutil.which, names)), None)
         if not found:
             raise Fail(f"no C compiler ({'CC=' + cc if cc else 'cc, gcc, clang'} not on PATH): the native kernel "
                        "and Triton's launcher are built with one")
@@ -601,7 +606,8 @@ def _machine_checks(facts: dict, rehearse: bool) -> list:
         if x.item() != 1.0:
             raise Fail(f"a one-element Triton kernel stored {x.item()}, not 1.0")
         interp = os.environ.get("TRITON_INTERPRET") == "1"
-        return f"ok on {dev}{' under the interpreter' if interp else ''} ({time.perf_counter() - t0:.1f} s with its compile)"
+        where = f"{dev} under the interpreter" if interp else dev
+        return f"ok on {where} ({time.perf_counter() - t0:.1f} s with its compile)"
 
     return [("python", python), ("pip", pip), ("C compiler", compiler), ("Python.h", python_h),
             ("torch", torch_version), ("triton", triton_version), ("device", device), ("triton launch", triton_launch)]
