@@ -91,8 +91,9 @@ def test_a_must_run_pytest_steps_status(tmp_path, passed, failed, skips, rc, tim
     assert r.failed == (want != "ok")
 
 
-def test_a_step_past_its_budget_is_interrupted_then_killed(tmp_path):
+def test_a_step_past_its_budget_is_interrupted_then_killed(tmp_path, monkeypatch):
     """SIGINT first (pytest prints its summary on it), then SIGKILL to the process group."""
+    monkeypatch.setattr(gpu_check, "GRACE_S", 2)
     log = tmp_path / "log.txt"
     code = ("import signal, time, sys\n"
             "def h(*a): print('interrupted, summary printed', flush=True); sys.exit(2)\n"
