@@ -4,7 +4,10 @@ bitsandbytes, all in one process on the same parameters and gradients.
 Cases: (a) 2 x 2048x2048; (b) a GPT-like set of ~76 mixed tensors (~10M params:
 embeddings, qkv, mlp, layer norms, biases); (c) many small tensors; (m) 2 x 512x512 (the Muon
 rows with their whole Newton-Schulz on a CPU without bfloat16 matrix units, where case (a)'s
-takes minutes a step).
+takes minutes a step); (g) 4 x 4096x4096 (67M params: a GPU's step long enough, about half a
+millisecond at 16 bytes a param on an H100, for its share of the memory bandwidth to mean
+something); (t) 2 x 16x64 (one shape, two of the Triton kernel's programs: the CPU rehearsal of
+benchmarks/gpu_check.py, whose interpreter takes about 0.1 s a program).
 
 Implementations (each skipped with a note when unavailable); params float32 unless
 the name ends in -bf16 / -bf16sr / -bf16c (bfloat16 params; -bf16sr with stochastic rounding,
@@ -65,11 +68,15 @@ import warnings
 
 import torch
 
-import lowbit_tree as lt
-from lowbit_tree import kernels
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The tree this script sits in, before any installed copy of the package (run as a script, its own
+# folder is first on the path, not the repository's), and its sibling modules, however it was loaded.
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling modules, however it was loaded
 import deepspeed_anchor  # noqa: E402
+
+import lowbit_tree as lt  # noqa: E402
+from lowbit_tree import kernels  # noqa: E402
 
 LOW = ("8bit", "4bit", "fp8")
 IMPLS = (
@@ -107,6 +114,10 @@ def case_shapes(case: str) -> list[tuple[int, ...]]:
         return shapes + [(d,), (d,)]
     if case == "m":  # Muon-sized for a CPU without bf16 matrix units (case a's Newton-Schulz takes minutes there)
         return [(512, 512), (512, 512)]
+    if case == "g":  # GPU-sized: a step moves about a gigabyte
+        return [(4096, 4096)] * 4
+    if case == "t":  # tiny, one shape (an anchor that compiles per shape compiles once)
+        return [(16, 64), (16, 64)]
     if case == "c":  # many small tensors
         shapes = []
         for i in range(100):
@@ -357,6 +368,7 @@ def result(st, shapes):
         "state_bytes_per_param": state_bytes(st["opt"]) / n,
         "peak_extra_bytes": st.get("peak"),
         "largest_param_bytes": max(math.prod(s) for s in shapes) * 4,
+        "param_element_bytes": torch.empty((), dtype=param_dtype(st["impl"])).element_size(),
     }
 
 
@@ -368,26 +380,36 @@ def run_case(case, device, impls, steps, out):
     print(f"\ncase ({case}): {len(shapes)} tensors, {n / 1e6:.2f}M params, device {device}, "
           f"{torch.get_num_threads()} threads, {steps} timed steps (interleaved)")
     states = []
-    for impl in impls:
-        try:
-            states.append(setup(impl, shapes, device))
-        except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
-            states.append({"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"})
-    for i in range(steps):
-        for st in states:
-            if "skipped" in st:
-                continue
+    interrupted = False
+    try:
+        for impl in impls:
             try:
-                timed_step(st, device, last=i == steps - 1)
-            except Exception as e:  # noqa: BLE001
-                states[states.index(st)] = {"impl": st["impl"], "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+                states.append(setup(impl, shapes, device))
+            except Exception as e:  # noqa: BLE001 - one failing impl must not stop the table
+                states.append({"impl": impl, "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"})
+        for i in range(steps):
+            for st in states:
+                if "skipped" in st:
+                    continue
+                try:
+                    timed_step(st, device, last=i == steps - 1)
+                except Exception as e:  # noqa: BLE001
+                    states[states.index(st)] = {"impl": st["impl"],
+                                                "skipped": f"error: {type(e).__name__}: {str(e)[:120]}"}
+    except KeyboardInterrupt:  # SIGINT (gpu_check.py past a step's budget): the table of what was timed
+        interrupted = True
+        print("\ninterrupted: each row below is the median of the steps timed before it", flush=True)
+        done = {st["impl"] for st in states}
+        states = [st if "skipped" in st or st.get("times") else {"impl": st["impl"], "skipped": "interrupted"}
+                  for st in states] + [{"impl": i, "skipped": "interrupted"} for i in impls if i not in done]
     rows = []
     for st in states:
         rows.append(result(st, shapes))
         print_row(rows[-1], rows)
     del states
     gc.collect()
-    out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows})
+    out.append({"case": case, "device": str(device), "params": n, "tensors": len(shapes), "results": rows,
+                "interrupted": interrupted})
 
 
 def print_row(r, rows):
@@ -413,8 +435,9 @@ def print_row(r, rows):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default=None, choices=["a", "b", "c", "m", "all"],
-                    help="default: a with --quick, else all (a, b, c); m: 2 x 512x512, for the Muon rows on a CPU")
+    ap.add_argument("--case", default=None, choices=["a", "b", "c", "m", "g", "t", "all"],
+                    help="default: a with --quick, else all (a, b, c); m: 2 x 512x512, for the Muon rows on a CPU; "
+                         "g: 4 x 4096x4096, for a GPU; t: 2 x 16x64, a rehearsal's")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --quick)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--impl", nargs="*", default=None, help=f"subset of {IMPLS}")
@@ -436,16 +459,19 @@ def main(argv=None) -> int:
     impls = args.impl or (QUICK_IMPLS if args.quick else DEFAULT_IMPLS)
     if "torch-fused" not in impls:
         impls = ["torch-fused"] + impls  # the reference of every ratio
-    print(f"torch {torch.__version__}, lowbit_tree {lt.__version__}, native CPU kernels: {lt_native()}, "
-          f"LOWBIT_TREE_BACKEND={os.environ.get('LOWBIT_TREE_BACKEND', '')!r}")
+    print(f"torch {torch.__version__}, lowbit_tree {lt.__version__} from {os.path.dirname(lt.__file__)}, "
+          f"native CPU kernels: {lt_native()}, LOWBIT_TREE_BACKEND={os.environ.get('LOWBIT_TREE_BACKEND', '')!r}")
     out = []
     for case in cases:
         run_case(case, device, impls, steps, out)
+        if out[-1]["interrupted"]:
+            break
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "cases": out}, f, indent=2)
+            json.dump({"torch": torch.__version__, "lowbit_tree": lt.__file__, "threads": torch.get_num_threads(),
+                       "backend_env": os.environ.get("LOWBIT_TREE_BACKEND", ""), "cases": out}, f, indent=2)
         print(f"\nwrote {args.json}")
-    return 0
+    return 130 if out and out[-1]["interrupted"] else 0
 
 
 if __name__ == "__main__":
