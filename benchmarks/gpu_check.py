@@ -77,7 +77,7 @@ OURS = ["torch-fused", "bridge-8bit", "bridge-4bit", "bridge-fp8", "bridge-8bit-
         "torch-fused-bf16", "bridge-8bit-bf16", "bridge-8bit-bf16sr", "bridge-8bit-bf16c"]
 ANCHORS = ["torch-fused", "torchao-8bit", "torchao-4bit", "bnb-8bit", "torch-fused-bf16", "flashoptim-bf16c"]
 FIRST = ["torch-fused", "bridge-8bit", "bridge-4bit", "bridge-fp8", "bridge-8bit-bf16"]
-BITS_TESTS = ["-m", "triton", "tests/test_triton.py", "tests/test_backend_choice.py"]
+BITS_TESTS = ["-m", "triton", "tests/test_triton.py", "tests/test_triton_quant.py", "tests/test_backend_choice.py"]
 CUDA_TEST_FILES = ["tests/test_backend_choice.py", "tests/test_bridge_state_dict.py", "tests/test_kernels_codes.py",
                    "tests/test_kernels_step.py", "tests/test_master_params.py", "tests/test_muon.py",
                    "tests/test_qtensor.py", "tests/test_records.py"]
