@@ -78,6 +78,9 @@ OURS = ["torch-fused", "bridge-8bit", "bridge-4bit", "bridge-fp8", "bridge-8bit-
 ANCHORS = ["torch-fused", "torchao-8bit", "torchao-4bit", "bnb-8bit", "torch-fused-bf16", "flashoptim-bf16c"]
 FIRST = ["torch-fused", "bridge-8bit", "bridge-4bit", "bridge-fp8", "bridge-8bit-bf16"]
 BITS_TESTS = ["-m", "triton", "tests/test_triton.py", "tests/test_triton_quant.py", "tests/test_backend_choice.py"]
+REHEARSAL_BITS = ["-k", "8bit"]
+"""A rehearsal's sample of the bit tests (those of 8-bit states, about a fifth): under the
+interpreter they all run in CI's triton step already; the rehearsal checks the machinery."""
 CUDA_TEST_FILES = ["tests/test_backend_choice.py", "tests/test_bridge_state_dict.py", "tests/test_kernels_codes.py",
                    "tests/test_kernels_step.py", "tests/test_master_params.py", "tests/test_muon.py",
                    "tests/test_qtensor.py", "tests/test_records.py"]
@@ -187,7 +190,7 @@ STEPS = [
          "the Triton kernel on the GPU equals the native kernel on the CPU bit for bit: every rule x format, "
          "param dtypes, non-finite gradients, the automatic choice launching it (its compilations spread over "
          "the cores by pytest -n)",
-         lambda r: (_pytest(r, "bits", BITS_TESTS), {}), pytest=True),
+         lambda r: (_pytest(r, "bits", BITS_TESTS + (REHEARSAL_BITS if r.rehearse else [])), {}), pytest=True),
     Step("cuda_bits", 60, True,
          "the torch backends and records on CUDA against the CPU reference: every rule x format, the fast "
          "quantizers, moving states between devices",
