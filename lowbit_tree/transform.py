@@ -573,7 +573,7 @@ def _declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, s
         # Built field by field, not with state._replace: torch 2.11's dynamo hands back a
         # zero-length namedtuple from a _replace whose result leaves a torch.compile'd region
         # (tests/test_wrappers.py::test_changing_lr_does_not_recompile; torch 2.13 and 2.14 do not).
-        fields = {f: getattr(state, f) for f in state._fields}
+        fields = state._asdict()
         fields.update(step, **{s.field: t for s, t in zip(kept, new)},
                       **{f: v for (f, _), v in zip(declared.scalars, scalars)})
         return type(state)(**fields)
