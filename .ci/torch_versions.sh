@@ -63,11 +63,16 @@ done
 prepare() {  # prepare VENV PIN...: make or reuse the venv with these requirements
     local venv=$1; shift
     local reqs=("$@" "${PROJECT_REQS[@]}")
-    local stamp
-    stamp="$("$PY" -c 'import sys; print(sys.version)') | ${reqs[*]}"
+    local pyver stamp
+    pyver=$("$PY" -c 'import sys; print(sys.version)')
+    stamp="$pyver | ${reqs[*]}"
     if [ -x "$venv/bin/python" ] && [ -f "$venv/.lowbit-tree-reqs" ] && [ "$(cat "$venv/.lowbit-tree-reqs")" = "$stamp" ]; then
         echo "reusing $venv"
         return 0
+    fi
+    # Another Python (or a broken venv) starts afresh; changed requirements are installed over it.
+    if ! [ -x "$venv/bin/python" ] || [ "$("$venv/bin/python" -c 'import sys; print(sys.version)' 2>/dev/null)" != "$pyver" ]; then
+        rm -rf "$venv"
     fi
     echo "making $venv: ${reqs[*]}"
     rm -f "$venv/.lowbit-tree-reqs"
