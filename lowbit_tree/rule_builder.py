@@ -326,8 +326,13 @@ def declared_rule(name: str, state_type: type, variants: dict, rule_hyper, *, st
 
     def rebuild(state, new, scalars=()):
         step = {"count": state.count + 1} if counted else {}
-        return state._replace(**step, **{s.field: t for s, t in zip(kept, new)},
-                              **{f: v for (f, _), v in zip(declared.scalars, scalars)})
+        # Built field by field, not with state._replace: torch 2.11's dynamo hands back a
+        # zero-length namedtuple from a _replace whose result leaves a torch.compile'd region
+        # (tests/test_wrappers.py::test_changing_lr_does_not_recompile; torch 2.13 and 2.14 do not).
+        fields = state._asdict()
+        fields.update(step, **{s.field: t for s, t in zip(kept, new)},
+                      **{f: v for (f, _), v in zip(declared.scalars, scalars)})
+        return type(state)(**fields)
 
     spec = kernels.StepSpec(name, **variants)
     count_of = _count if counted else _no_count

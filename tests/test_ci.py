@@ -72,3 +72,46 @@ def test_an_extra_is_missing_when_one_of_its_packages_is(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert conftest.missing_distributions("parity") == ["bitsandbytes"]
     assert conftest.missing_distributions("demo") == []
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_the_torches_ci_runs_are_the_ones_pyproject_and_the_readme_claim():
+    """.ci/torch_versions.sh runs the fast tier under each torch it pins, the README's test command
+    under its own (2.13.0): together they are the torches the README names, its range runs from the
+    oldest to the newest of them and no wider, pyproject.toml's torch bound is that same range,
+    and each pinned triton is one the triton extra admits."""
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        pytest.skip("reading pyproject.toml needs tomllib (Python 3.11 or later)")
+    script = (ROOT / ".ci" / "torch_versions.sh").read_text(encoding="utf-8")
+    pins = re.findall(r'^\s*"torch==([\d.]+) triton==([\d.]+)"$', script, flags=re.M)
+    assert len(pins) >= 2, "the TORCHES list of .ci/torch_versions.sh lost its shape"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    _, test_command = readme_commands.readme_commands(readme)
+    (readme_torch,) = re.findall(r"torch==([\d.]+)", test_command)
+    tested = {torch for torch, _ in pins} | {readme_torch}
+
+    claim = re.search(r"torch (\d+\.\d+) to (\d+\.\d+) \(CI tests ([^)]+)\)", readme)
+    assert claim, "README.md states its supported torches as 'torch A to B (CI tests X, Y and Z)'"
+    named = set(re.findall(r"\d+\.\d+\.\d+", claim.group(3)))
+    assert named == tested
+    oldest, newest = min(tested, key=_release), max(tested, key=_release)
+    assert (claim.group(1), claim.group(2)) == (oldest.rsplit(".", 1)[0], newest.rsplit(".", 1)[0])
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    (torch_req,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch"]
+    major, minor = _release(newest)[:2]
+    assert {str(s) for s in torch_req.specifier} == {f">={claim.group(1)}", f"<{major}.{minor + 1}"}
+    (triton_req,) = [Requirement(r) for r in project["optional-dependencies"]["triton"]]
+    assert all(triton in triton_req.specifier for _, triton in pins)
+    # CI runs the script, and the script runs the fast tier in each venv
+    assert 'python" -m pytest -n 2 -q -p no:cacheprovider -m "not slow"' in script
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert any(line.strip() == "bash .ci/torch_versions.sh" for line in run.splitlines())
