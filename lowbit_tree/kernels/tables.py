@@ -45,6 +45,9 @@ class CodeTable:
         value of the byte, NaN for the NaN bytes; 4-bit: the first 16 entries).
       encode: uint8 ``(len(map),)``, code index -> stored byte (the index itself,
         or the float8 bits of the map value for fp8 formats).
+      divisor: float32 ``(1,)``, the format's scale divisor (``absmax / divisor``): a tensor,
+        so that inductor cannot rewrite the division into a multiply by its reciprocal, as it
+        does a division by a constant on a non-CPU device.
     """
 
     shift: int
@@ -57,6 +60,7 @@ class CodeTable:
     bucket_thresholds: torch.Tensor
     decode: torch.Tensor
     encode: torch.Tensor
+    divisor: torch.Tensor
 
 
 def _float32_ceil(x: np.ndarray) -> np.ndarray:
@@ -115,6 +119,7 @@ def _build_code_table(fmt: Format) -> CodeTable:
         bucket_thresholds=torch.from_numpy(bucket_thresholds),
         decode=decode,
         encode=encode,
+        divisor=torch.tensor([fmt.scale_divisor], dtype=torch.float32),
     )
 
 
@@ -125,7 +130,7 @@ CPU_TABLES: dict[str, CodeTable] = {name: _build_code_table(f) for name, f in FO
 
 def _mark_static(tab: CodeTable) -> CodeTable:
     # table sizes are compile-time constants (dynamic=True would make them symbols)
-    for t in (tab.base, tab.thresholds, tab.decode, tab.encode):
+    for t in (tab.base, tab.thresholds, tab.decode, tab.encode, tab.divisor):
         torch._dynamo.mark_static(t)
     return tab
 
@@ -152,6 +157,7 @@ def _device_code_table(name: str, device: torch.device) -> CodeTable:
             bucket_thresholds=t.bucket_thresholds.to(device),
             decode=t.decode.to(device),
             encode=t.encode.to(device),
+            divisor=t.divisor.to(device),
         )
     )
 

@@ -14,9 +14,9 @@ rounded, so compiled and eager results agree bit for bit. Every compiled graph
 is built with ``emulate_precision_casts``: it keeps each cast to a 16-bit dtype (a
 param correction's rest is ``x - float(bfloat16(x))``) and on CUDA turns Triton's
 FMA fusion off; on CUDA its division is ``div_rn`` only under the division-rounding option
-(:func:`_compile_options`), and a division by a constant becomes a reciprocal multiply, so
-compiled CUDA results are not claimed bit-exact (the automatic choice there is the triton
-kernels). Eager CPU ``torch.sqrt(float32)`` is
+(:func:`_compile_options`), and the scale divisors are tensors (a division by a constant
+would become a reciprocal multiply); compiled CUDA results are not claimed bit-exact until a
+GPU has checked them (the automatic choice there is the triton kernels). Eager CPU ``torch.sqrt(float32)`` is
 not correctly rounded, so the eager path takes the square root in float64
 (:func:`_exact_sqrt`), as the reference does.
 """
@@ -61,13 +61,6 @@ def _nearest_index(n: torch.Tensor, fmt_name: str, base: torch.Tensor, threshold
     return idx.clamp(0, tab.last)
 
 
-_DIVISORS = {name: int(f.scale_divisor) for name, f in FORMATS.items()}
-"""Each format's scale divisor as an int (the same value): a float read in a compiled graph
-becomes a symbolic float under ``dynamic=True``, an input converted to a tensor on every call;
-an int stays a constant."""
-assert all(_DIVISORS[name] == f.scale_divisor for name, f in FORMATS.items())
-
-
 def _block_index(r: int, block_size: int, nblocks, device) -> torch.Tensor:
     """The block of each element of a row. The clamp changes nothing, but without
     it inductor 2.13 (CPU, dynamic shapes) reads garbage from a ``(rows, 1)`` scale
@@ -82,6 +75,7 @@ def _quantize_core(
     base: torch.Tensor,
     thresholds: torch.Tensor,
     encode: torch.Tensor,
+    divisor: torch.Tensor,
     fmt_name: str,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +91,7 @@ def _quantize_core(
     xb = torch.nn.functional.pad(x2, (0, pad)).reshape(rows, nblocks, block_size)
     absmax = xb.abs().amax(dim=-1)
     absmax = torch.where(torch.isfinite(absmax), absmax, float("nan"))
-    scale = absmax / _DIVISORS[fmt_name]  # true division by the same value as a float
+    scale = absmax / divisor  # a tensor (CodeTable.divisor): inductor keeps it a true division
     safe = torch.where(scale > 0, scale, 1.0)
     n = x2 / safe[:, _block_index(r, block_size, nblocks, x2.device)]
     idx = _nearest_index(n, fmt_name, base, thresholds)
@@ -255,7 +249,7 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, storage
     (:mod:`lowbit_tree.correction`): the new param is rounded from the corrected master
     value, and the new correction follows ``out`` in the results.
 
-    ``state_tensors``: per state, ``(codes, scale, decode, base, thresholds, encode)``
+    ``state_tensors``: per state, ``(codes, scale, decode, base, thresholds, encode, divisor)``
     for ``("q", ...)`` storages, ``(values,)`` for plain ones. Returns ``(out, *new
     state tensors)``: ``out`` the float32 update, or with ``write`` the new param
     in ``p``'s dtype.
@@ -270,7 +264,7 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, storage
     for storage in storages:
         if storage[0] == "q":
             codes, scale, decode = next(it), next(it), next(it)
-            next(it), next(it), next(it)
+            next(it), next(it), next(it), next(it)
             olds.append(_dequantize_core(codes, scale, decode, storage[1], storage[2], odd))
         else:
             olds.append(next(it).reshape(rows, r).float())
@@ -293,8 +287,8 @@ def _step_core(p, g, hyper, key, leaf_index, corr, *state_tensors, spec, storage
     for storage, new in zip(storages, news):
         if storage[0] == "q":
             next(it), next(it), next(it)
-            base, thresholds, encode = next(it), next(it), next(it)
-            results.extend(_quantize_core(new, base, thresholds, encode, storage[1], storage[2]))
+            base, thresholds, encode, divisor = next(it), next(it), next(it), next(it)
+            results.extend(_quantize_core(new, base, thresholds, encode, divisor, storage[1], storage[2]))
         else:
             values = next(it)
             results.append(new.to(storage[1]).reshape(values.shape))
@@ -319,12 +313,12 @@ def _step_many_core(hyper, key, *flat, spec, storages, write, sr, width):
 def _consts_layout(formats: tuple) -> tuple[int, dict]:
     """The words (int32) of a compiled in-place call's constants buffer: the hyperparameter
     vector (float32 bits) first, then per format its decode, base, thresholds and encode
-    tables. Returns (total words, {format: four (start, end) word ranges})."""
+    tables and its divisor. Returns (total words, {format: five (start, end) word ranges})."""
     end, where = NHYPER, {}
     for f in formats:
         tab = CPU_TABLES[f]
         where[f] = []
-        for t in (tab.decode, tab.base, tab.thresholds, tab.encode):
+        for t in (tab.decode, tab.base, tab.thresholds, tab.encode, tab.divisor):
             where[f].append((end, end + t.numel()))
             end += t.numel()
     return end, where
@@ -338,7 +332,7 @@ def _pack_consts(formats: tuple, device: torch.device) -> torch.Tensor:
     buf = torch.zeros(total, dtype=torch.int32, device=device)
     for f in formats:
         tab = code_table(f, device)
-        for (a, b), t in zip(where[f], (tab.decode, tab.base, tab.thresholds, tab.encode)):
+        for (a, b), t in zip(where[f], (tab.decode, tab.base, tab.thresholds, tab.encode, tab.divisor)):
             buf[a:b] = t.view(torch.int32) if t.dtype == torch.float32 else t.to(torch.int32)
     torch._dynamo.mark_static(buf)  # its size is a constant of the graph, not a symbol
     return buf
@@ -357,8 +351,8 @@ def _step_inplace_core(key, consts, *flat, spec, storages, write, sr, formats, l
     words = consts.view(torch.float32)
     hyper = _hyper(words[:NHYPER])
     tables = {}
-    for f, ((d0, d1), (b0, b1), (t0, t1), (e0, e1)) in _consts_layout(formats)[1].items():
-        tables[f] = (words[d0:d1], consts[b0:b1], words[t0:t1], consts[e0:e1].to(torch.uint8))
+    for f, ((d0, d1), (b0, b1), (t0, t1), (e0, e1), (v0, v1)) in _consts_layout(formats)[1].items():
+        tables[f] = (words[d0:d1], consts[b0:b1], words[t0:t1], consts[e0:e1].to(torch.uint8), words[v0:v1])
     width = 4 + sum(2 if storage[0] == "q" else 1 for storage in storages)
     outs = []
     for k in range(0, len(flat), width):
@@ -405,10 +399,11 @@ def _compile_options(device_type: str) -> dict:
     - division rounding (:func:`_division_rounding_option`): inductor's Triton code divides
       float32 with ``/``, which lowers to an approximate PTX division (``div.full.f32``, within
       2 ulp), unless this option makes it ``div_rn``; the C++ it makes for the CPU divides
-      exactly either way. It does not stop inductor from rewriting a division by a constant
-      into a multiply by its reciprocal on a non-CPU device (``absmax / 448``, fp8's scale, is
-      then not the reference's): the compiled backend on CUDA is not bit-exact
-      (``docs/guide/gpu.md``); the automatic choice there takes the triton kernels.
+      exactly either way. A division by a constant would still become a multiply by its
+      reciprocal on a non-CPU device, so the scale divisors are tensors (``CodeTable.divisor``).
+      With ``eager_numerics.disable_ftz`` (where it exists) no subnormal is flushed. None of it
+      has run on a GPU: the compiled backend on CUDA is unverified (``docs/guide/gpu.md``); the
+      automatic choice there takes the triton kernels.
     - ``size_asserts`` off: the generated wrapper re-checked every input's sizes and strides
       on each call, which dynamo's guards have already checked (a new stride pattern
       recompiles); about half a microsecond an input.
@@ -420,6 +415,8 @@ def _compile_options(device_type: str) -> dict:
     rounding = _division_rounding_option()
     if rounding is not None:
         options[rounding] = True
+        if rounding.startswith("eager_numerics."):
+            options["eager_numerics.disable_ftz"] = True
     elif device_type != "cpu":
         raise RuntimeError(f"torch {torch.__version__}'s inductor has no float32 division-rounding option "
                            "(eager_numerics.division_rounding, or emulate_divison_rounding before it): its GPU code "
@@ -429,8 +426,9 @@ def _compile_options(device_type: str) -> dict:
 
 def _division_rounding_option() -> Optional[str]:
     """The name of inductor's option that makes float32 division ``div_rn`` in its Triton code, in
-    the installed torch: ``eager_numerics.division_rounding`` (torch 2.13), ``emulate_divison_rounding``
-    (its spelling, with the typo, in earlier releases); ``None`` where there is neither."""
+    the installed torch: ``eager_numerics.division_rounding`` (read in the config of torch 2.11,
+    2.13 and 2.14), ``emulate_divison_rounding`` (its spelling, with the typo, in earlier
+    releases); ``None`` where there is neither."""
     from torch._inductor import config
 
     if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
@@ -530,7 +528,7 @@ def leaf_class(p, g, storages: tuple, corr) -> tuple:
 def quantize_rows(x2: torch.Tensor, fmt_name: str, block_size: int, *, compile: bool):
     """float ``(rows, R)`` -> ``(codes uint8, scale float32)``, the reference's codes."""
     tab = code_table(fmt_name, x2.device)
-    return _run("quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode),
+    return _run("quantize", (x2.detach().float(), tab.base, tab.thresholds, tab.encode, tab.divisor),
                 {"fmt_name": fmt_name, "block_size": block_size}, x2.device,
                 compile and compiles(x2.shape, (("q", fmt_name, block_size),)))
 
@@ -578,7 +576,8 @@ def _state_inputs(states, device) -> tuple[tuple, list]:
     for s in states:
         if isinstance(s, QTensor):
             tab = code_table(s.format, device)
-            tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode]
+            tensors += [s.codes.view(torch.uint8), s.scale, tab.decode, tab.base, tab.thresholds, tab.encode,
+                        tab.divisor]
         else:
             tensors.append(s)
     return state_storages(states), tensors
