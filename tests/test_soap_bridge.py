@@ -137,3 +137,26 @@ def test_bad_betas_are_refused_naming_betas(cls, betas, words):
     with pytest.raises(ValueError, match=f"^{cls.__name__}: {words}"):
         opt.add_param_group({"params": params[1:], "betas": betas})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", ["SOAP8bit", "SOAP4bit"])
+def test_a_checkpoint_written_by_the_earlier_soap_class_loads_and_steps_on(name):
+    """tests/data/soap_state_dict.pt was written by commit 4c0ebd4's SOAP classes, which kept their own
+    state dict (tests/data/make_soap_state_dict.py, one thread); loaded here, two more steps of the same
+    gradients land on the params that code reached, bit for bit (the second refreshes the bases)."""
+    import os
+
+    torch.set_num_threads(1)
+    data = torch.load(os.path.join(os.path.dirname(__file__), "data", "soap_state_dict.pt"), weights_only=True)[name]
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in data["params"].items()}
+    opt = getattr(bridge, name)(list(ps.values()), lr=0.5, precondition_frequency=2, precondition_1d=True,
+                                min_quant_size=64)
+    opt.load_state_dict(data["saved"])
+    assert opt.param_groups[0]["lr"] == 1e-2  # the saved hyperparameters, as torch.optim restores them
+    for step in data["grads"]:
+        for k, p in ps.items():
+            p.grad = step[k].clone()
+        opt.step()
+    for k, p in ps.items():
+        assert torch.equal(p.detach(), data["params_after"][k]), k
+    assert int(opt.state[ps["w"]]["soap_step"]) == data["soap_step_after"]
