@@ -39,8 +39,8 @@ from lowbit_tree import moments, records
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
 from . import group_args, owner_step, soap_states
-from .collectives import all_ranks_finite
 from .distributed import is_dtensor, local_grad, to_local
+from .optimizer import all_grads_finite
 from .qstate import QState
 
 __all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
@@ -86,6 +86,46 @@ def _unsupported_sharding(p) -> str:
     return ""
 
 
+_CACHES = ("_txs", "_plans", "_templates", "_block_cache", "_owner_cache", "builds")
+
+
+def _core(state: dict, count: torch.Tensor, template: ScaleBySoapState) -> ScaleBySoapState:
+    """The one-leaf core state over ``state``'s tensors (records sharing their storage)."""
+    per_dim = {}
+    for field, name in _PER_DIM:
+        per_dim[field] = [tuple(None if t is None else _unwrap(state[f"{name}_{d}"])
+                                for d, t in enumerate(getattr(template, field)[0]))]
+    return ScaleBySoapState(count, [state["soap_step"]], [_unwrap(state["exp_avg"])],
+                            [_unwrap(state["exp_avg_sq"])], per_dim["basis"], per_dim["eigenvalues"],
+                            per_dim["coupling"], [state["precond_failures"]])
+
+
+class _ParamPlan:
+    """One param's in-place core step (``tx.plan``) over its whole states, built once: the
+    core's count is read from ``step`` here and kept beside it; a step then reads nothing on the
+    host. ``update`` is the last step's update (float32)."""
+
+    def __init__(self, tx, state: dict, whole: torch.Tensor, template: ScaleBySoapState):
+        self.tx, self.state = tx, state
+        self.held = tuple(state.values())
+        self.count = torch.tensor(int(state["step"]), dtype=torch.int32)
+        self.plan = tx.plan(_core(state, self.count, template), [whole])
+        self.version = state["step"]._version
+        self.update = None
+
+    def current(self, tx, state: dict) -> bool:
+        """Whether this plan still holds: the same transformation and state objects, ``step``
+        advanced by this plan only."""
+        if tx is not self.tx or state is not self.state or state["step"]._version != self.version:
+            return False
+        return len(state) == len(self.held) and all(a is b for a, b in zip(state.values(), self.held))
+
+    def step(self, grads: list) -> None:
+        self.update = self.plan(grads)[0]
+        self.state["step"] += 1
+        self.version = self.state["step"]._version
+
+
 class SOAP(torch.optim.Optimizer):
     """SOAP (github.com/nikhilvyas/SOAP ``soap.py`` at a1e5535: same arguments, defaults and
     param steps; ``lowbit_tree.soap_transform`` has the algorithm) with states in
@@ -117,7 +157,29 @@ class SOAP(torch.optim.Optimizer):
                         precond_format=self._default_precond_format if precond_format is None else precond_format,
                         bjorck_steps=bjorck_steps, block_size=block_size, min_quant_size=min_quant_size,
                         skip_nonfinite=skip_nonfinite)
+        self._clear_caches()
         super().__init__(params, defaults)
+
+    def _clear_caches(self) -> None:
+        self._txs: dict = {}  # id(group) -> (group, its values but lr and params, transformation, lr tensor)
+        self._plans: dict = {}  # param -> its _ParamPlan
+        self._templates: dict = {}  # param -> (transformation, its meta core state)
+        self._block_cache: dict = {}  # DTensor param -> (its state objects, their blocks)
+        self._owner_cache: dict = {}  # DTensor param, on its owner -> (its state objects, whole buffers, param)
+        self.builds = {"transform": 0, "plan": 0}
+        """How many times a group's transformation and a param's plan were built (each once, and
+        again only when a group's values or a param's state objects change)."""
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        return {k: v for k, v in state.items() if k not in _CACHES}
+
+    def __setstate__(self, state: dict) -> None:
+        builds = self.__dict__.get("builds")  # torch's load_state_dict comes through here too
+        super().__setstate__(state)
+        self._clear_caches()
+        if builds is not None:
+            self.builds = builds
 
     def _state_format_default(self):
         return self._default_state_format
@@ -143,7 +205,7 @@ class SOAP(torch.optim.Optimizer):
                 raise ValueError(f"skip_nonfinite must be True or False, got {group['skip_nonfinite']!r}")
             if not isinstance(group["lr"], (int, float)) or not group["lr"] >= 0:
                 raise ValueError(f"lr must be a number >= 0, got {group['lr']!r}")
-            self._tx(group)
+            self._tx(group, None)
         except ValueError as e:
             self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
@@ -154,13 +216,15 @@ class SOAP(torch.optim.Optimizer):
                 raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
 
     @staticmethod
-    def _tx(group: dict):
+    def _tx(group: dict, lr=None):
+        """The group's transformation; ``lr``: its learning rate (a 0-d tensor the step sets), else
+        the group's."""
         b1, b2 = group["betas"]
         sb = group["shampoo_beta"]
         return scale_by_soap(b1, b2, None if sb is None or sb < 0 else sb, group["eps"],
                              group["precondition_frequency"], group["max_precond_dim"], group["precondition_1d"],
                              group["normalize_grads"], group["data_format"], group["correct_bias"],
-                             learning_rate=float(group["lr"]), weight_decay=group["weight_decay"],
+                             learning_rate=float(group["lr"]) if lr is None else lr, weight_decay=group["weight_decay"],
                              state_format=group["state_format"], precond_format=group["precond_format"],
                              bjorck_steps=group["bjorck_steps"], block_size=group["block_size"],
                              min_quant_size=group["min_quant_size"])
@@ -177,34 +241,42 @@ class SOAP(torch.optim.Optimizer):
                     out[f"{name}_{d}"] = _wrap(leaf)
         return out
 
-    @staticmethod
-    def _core(state: dict, count: torch.Tensor, template: ScaleBySoapState) -> ScaleBySoapState:
-        """The one-leaf core state over ``state``'s tensors (records sharing their storage)."""
-        per_dim = {}
-        for field, name in _PER_DIM:
-            per_dim[field] = [tuple(None if t is None else _unwrap(state[f"{name}_{d}"])
-                                    for d, t in enumerate(getattr(template, field)[0]))]
-        return ScaleBySoapState(count, [state["soap_step"]], [_unwrap(state["exp_avg"])],
-                                [_unwrap(state["exp_avg_sq"])], per_dim["basis"], per_dim["eigenvalues"],
-                                per_dim["coupling"], [state["precond_failures"]])
-
     def _fresh(self, p: torch.Tensor, group: dict) -> tuple[dict, ScaleBySoapState]:
-        core = self._tx(group).init([p.detach()])
+        core = self._tx(group, None).init([p.detach()])
         return self._named(core), core
 
     # -- the step ----------------------------------------------------------------------------
+    def _transform(self, group: dict) -> tuple:
+        """``(the group's transformation, its learning rate)``: built once per group and again
+        only when one of the group's values other than ``lr`` changes; ``lr`` reaches it as a
+        0-d float64 CPU tensor set at each step (a scheduler's new value rebuilds nothing)."""
+        values = tuple((k, v) for k, v in group.items() if k not in ("params", "lr"))
+        hit = self._txs.get(id(group))
+        if hit is not None and hit[0] is group and hit[1] == values:
+            return hit[2], hit[3]
+        lr = torch.zeros((), dtype=torch.float64)
+        tx = self._tx(group, lr)
+        self.builds["transform"] += 1
+        self._txs[id(group)] = (group, values, tx, lr)
+        return tx, lr
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(g["skip_nonfinite"] for g in self.param_groups) and not self._all_finite():
+        if any(g["skip_nonfinite"] for g in self.param_groups) and all_grads_finite(
+                [g for g in self.param_groups if g["skip_nonfinite"]], self._params()) is False:
             return loss
         index = 0
         self._sent = dict.fromkeys(_SENT, 0)
         for group in self.param_groups:
-            tx = self._tx(group)
+            tx, lr = self._transform(group)
+            if isinstance(group["lr"], torch.Tensor):
+                lr.copy_(group["lr"].detach().reshape(()))
+            else:
+                lr.fill_(group["lr"])
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -214,64 +286,59 @@ class SOAP(torch.optim.Optimizer):
                 if is_dtensor(p):
                     self._sharded_step(tx, group, p, index - 1)
                 else:
-                    self._unsharded_step(tx, group, p, p.detach(), p.grad)
+                    self._param_plan(tx, group, p, self.state[p], p).step([p.grad])
+                    p.add_(self._plans[p].update.to(p.dtype))
         return loss
 
-    def _all_finite(self) -> bool:
-        """Whether every gradient of the groups with ``skip_nonfinite`` is finite: with DTensor
-        params, on every rank alike (each rank's blocks, then
-        :func:`bridge.collectives.all_ranks_finite` over all processes)."""
-        grads = [local_grad(p) for g in self.param_groups if g["skip_nonfinite"] for p in g["params"]
-                 if p.grad is not None]
-        device = grads[0].device if grads else to_local(self._params()[0]).device
-        ok = torch.ones((), dtype=torch.bool, device=device)
-        for g in grads:
-            ok &= torch.isfinite(g).all().to(device)
-        if any(is_dtensor(p) for p in self._params()):
-            return all_ranks_finite(ok)
-        return bool(ok)
-
-    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor,
-                        state: Optional[dict] = None):
-        """One param's step on whole tensors: its states in ``state`` (``self.state[p]``, made at
-        the first step); returns the update in the param's dtype (added to ``p`` unless ``p`` is
-        sharded)."""
-        state = self.state[p] if state is None else state
-        _, template = self._fresh(torch.empty(full_p.shape, device="meta"), group)
+    def _param_plan(self, tx, group: dict, p, state: dict, whole: torch.Tensor) -> "_ParamPlan":
+        """Param ``p``'s step over ``state`` (its whole states: ``self.state[p]``, or on a sharded
+        param's owner the whole buffers), built once and again only when the transformation, the
+        state objects or ``step`` (changed from outside) change; ``whole``: the whole param the
+        plan reads (the live param, or the owner's buffer)."""
         if "soap_step" not in state:
-            state.update(self._fresh(full_p, group)[0])
+            state.update(self._fresh(whole, group)[0])
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
-        count = torch.tensor(int(state["step"]), dtype=torch.int32)
-        core = self._core(state, count, template)
-        u = tx.plan(core, [full_p])([full_g])[0].to(p.dtype)
-        if not is_dtensor(p):
-            p.add_(u)
-        state["step"] += 1
-        return u
+        plan = self._plans.get(p)
+        if plan is None or not plan.current(tx, state):
+            plan = self._plans[p] = _ParamPlan(tx, state, whole, self._meta_template(p, group))
+            self.builds["plan"] += 1
+        return plan
+
+    def _meta_template(self, p, group: dict) -> ScaleBySoapState:
+        """The one-leaf core state of ``p`` on the meta device (which dimensions are rotated, the
+        kinds of the states): made once per param and transformation."""
+        tx, _ = self._transform(group)
+        hit = self._templates.get(p)
+        if hit is None or hit[0] is not tx:
+            hit = self._templates[p] = (tx, tx.init([torch.empty(tuple(p.shape), device="meta")]))
+        return hit[1]
 
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
         """A DTensor param: every rank's block of the param, of its gradient and of its states
         gathered to the owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps
-        the whole param and scatters each rank its block of the update and of the new states
-        (:mod:`bridge.soap_states`); each collective on :func:`~bridge.collectives.group_for`'s
-        group for the blocks' device (the mesh's, or a registered host group)."""
+        the whole param in buffers it keeps for it (the plan built once over them) and scatters
+        each rank its block of the update and of the new states (:mod:`bridge.soap_states`);
+        each collective on :func:`~bridge.collectives.group_for`'s group for the blocks' device
+        (the mesh's, or a registered host group)."""
         lay = owner_step.layout(p, index, type(self).__name__, _REMEDY)
         local = to_local(p.detach())
         state = self._sharded_state(p, group)
         box = owner_step.whole_box
         whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
-        sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items()
-                   if name not in soap_states.SOAP_SCALARS]
+        sharded = self._blocks(p, state)
         got = owner_step.gather(lay, [(t, boxes) for _, _, parts in sharded for _, t, boxes, _ in parts],
                                 _GATHER_STATES, self._sent, "state_gather")
         u, out = None, [None] * len(sharded)
         if whole is not None:
-            full_state, at = {name: state[name] for name in soap_states.SOAP_SCALARS}, 0
-            for name, v, parts in sharded:
-                full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
-                at += len(parts)
-            u = self._unsharded_step(tx, group, p, *whole, state=full_state)
-            out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
+            buffers, full_p = self._owner_buffers(p, group, state, local.device)
+            full_p.copy_(whole[0])
+            targets = [t for name, _, _ in sharded for t in soap_states.whole_parts(buffers[name])]
+            for t, w in zip(targets, got):
+                t.copy_(w)
+            plan = self._param_plan(tx, group, p, buffers, full_p)
+            plan.step([whole[1]])
+            u = plan.update.to(p.dtype)
+            out = [soap_states.whole_parts(buffers[name]) for name, _, _ in sharded]
         else:
             state["step"] += 1
         one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
@@ -286,6 +353,31 @@ class SOAP(torch.optim.Optimizer):
         targets = [t for _, _, ps in sharded for _, t, _, _ in ps] + scalars
         for t, new in zip(targets, news[1:]):
             t.copy_(new.reshape(t.shape))
+
+    def _blocks(self, p, state: dict) -> list:
+        """``[(name, DTensor state, soap_states.state_parts(state))]`` of a DTensor param's sharded
+        states, made once per state object."""
+        held = tuple(state.values())
+        hit = self._block_cache.get(p)
+        if hit is None or len(hit[0]) != len(held) or any(a is not b for a, b in zip(hit[0], held)):
+            sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items()
+                       if name not in soap_states.SOAP_SCALARS]
+            hit = self._block_cache[p] = (held, sharded)
+        return hit[1]
+
+    def _owner_buffers(self, p, group: dict, state: dict, device) -> tuple:
+        """On a DTensor param's owner: ``(whole states, whole param)`` buffers the owner steps in
+        (its plan is built once over them): the sharded states whole (filled from the gathered
+        blocks at each step), the 0-d scalars the live ones. Made again when the state objects
+        change (a loaded state dict)."""
+        held = tuple(state.values())
+        hit = self._owner_cache.get(p)
+        if hit is None or len(hit[0]) != len(held) or any(a is not b for a, b in zip(hit[0], held)):
+            full_p = torch.zeros(tuple(p.shape), dtype=p.dtype, device=device)
+            buffers = self._fresh(full_p, group)[0]
+            buffers.update({name: state[name] for name in soap_states.SOAP_SCALARS})
+            hit = self._owner_cache[p] = (held, buffers, full_p)
+        return hit[1], hit[2]
 
     def _sharded_state(self, p, group: dict) -> dict:
         """``self.state[p]`` of a DTensor param, its zero states made first if it has none
@@ -332,8 +424,8 @@ class SOAP(torch.optim.Optimizer):
             if not state or "soap_step" not in state:  # none yet
                 continue
             group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-            _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
-            row = soap_report(self._core(state, torch.zeros((), dtype=torch.int32), template))[0]
+            template = self._meta_template(p, group)
+            row = soap_report(_core(state, torch.zeros((), dtype=torch.int32), template))[0]
             out.append(row._replace(index=i))
         return out
 

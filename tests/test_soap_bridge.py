@@ -160,3 +160,53 @@ def test_a_checkpoint_written_by_the_earlier_soap_class_loads_and_steps_on(name)
     for k, p in ps.items():
         assert torch.equal(p.detach(), data["params_after"][k]), k
     assert int(opt.state[ps["w"]]["soap_step"]) == data["soap_step_after"]
+
+
+def test_the_transformation_and_each_plan_are_built_once_over_20_steps():
+    """20 steps, the learning rate changed at each (a scheduler's new number): one transformation
+    for the group and one plan per param; a changed weight decay builds the transformation and the
+    plans once more, a loaded state dict (new state objects) the plans."""
+    cls, _ = CLASSES["8bit"]
+    params = _params()
+    opt = cls(params, **OPTS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    for gs in _grads(20):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        sched.step()
+    assert opt.builds == {"transform": 1, "plan": len(params)}
+    opt.param_groups[0]["weight_decay"] = 0.02
+    _train(opt, params, _grads(2, seed=3))
+    assert opt.builds == {"transform": 2, "plan": 2 * len(params)}
+    opt.load_state_dict(opt.state_dict())
+    _train(opt, params, _grads(2, seed=4))
+    assert opt.builds["plan"] == 3 * len(params)
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+def test_a_step_reads_no_tensor_on_the_host(fmt, monkeypatch):
+    """After the first step (which builds the plans, reading each count once), 20 steps with
+    refreshes every 3 run with ``Tensor.item``, ``__int__`` and ``__bool__`` raising: no host sync
+    in a step (``skip_nonfinite`` off). The same steps with them working give the same bits."""
+    cls, _ = CLASSES[fmt]
+    runs = []
+    for patched in (False, True):
+        params = _params()
+        opt = cls(params, **OPTS)
+        grads = _grads(21)
+        _train(opt, params, grads[:1])
+        with monkeypatch.context() as m:
+            if patched:
+                def refuse(self, *args, **kwargs):
+                    raise AssertionError("a host read of a tensor in a SOAP step")
+
+                for name in ("item", "__int__", "__bool__"):
+                    m.setattr(torch.Tensor, name, refuse)
+            _train(opt, params, grads[1:])
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(AssertionError, match="host read"):  # the patch can fail: a read does raise
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__int__", refuse)
+            int(torch.zeros(()))
