@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit_tree import moments, records
-from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
+from lowbit_tree.soap_transform import LEAF_FIELDS, ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
 from . import group_args, owner_step, soap_states
 from .distributed import is_dtensor, local_grad, to_local
@@ -86,7 +86,7 @@ def _unsupported_sharding(p) -> str:
     return ""
 
 
-_CACHES = ("_txs", "_plans", "_templates", "_block_cache", "_owner_cache", "builds")
+_CACHES = ("_txs", "_plans", "_templates", "_block_cache", "builds")
 
 
 def _core(state: dict, count: torch.Tensor, template: ScaleBySoapState) -> ScaleBySoapState:
@@ -103,27 +103,40 @@ def _core(state: dict, count: torch.Tensor, template: ScaleBySoapState) -> Scale
 class _ParamPlan:
     """One param's in-place core step (``tx.plan``) over its whole states, built once: the
     core's count is read from ``step`` here and kept beside it; a step then reads nothing on the
-    host. ``update`` is the last step's update (float32)."""
+    host. ``live``: the param's ``optimizer.state`` entry, whose objects the plan holds while it is
+    current. ``update`` is the last step's update (float32).
 
-    def __init__(self, tx, state: dict, whole: torch.Tensor, template: ScaleBySoapState):
-        self.tx, self.state = tx, state
-        self.held = tuple(state.values())
-        self.count = torch.tensor(int(state["step"]), dtype=torch.int32)
-        self.plan = tx.plan(_core(state, self.count, template), [whole])
-        self.version = state["step"]._version
+    A sharded param's owner steps whole states gathered anew at each step: :meth:`step` points
+    the plan's state and param leaves at them (the core's plan reads its leaves at each call and
+    keeps each leaf's count on the host, so nothing is built again)."""
+
+    def __init__(self, tx, live: dict, state: dict, whole: torch.Tensor, template: ScaleBySoapState):
+        self.tx, self.live, self.template = tx, live, template
+        self.held = tuple(live.values())
+        self.count = torch.tensor(int(live["step"]), dtype=torch.int32)
+        self.core, self.params = _core(state, self.count, template), [whole]
+        self.plan = tx.plan(self.core, self.params)
+        self.version = live["step"]._version
         self.update = None
 
-    def current(self, tx, state: dict) -> bool:
+    def current(self, tx, live: dict) -> bool:
         """Whether this plan still holds: the same transformation and state objects, ``step``
         advanced by this plan only."""
-        if tx is not self.tx or state is not self.state or state["step"]._version != self.version:
+        if tx is not self.tx or live is not self.live or live["step"]._version != self.version:
             return False
-        return len(state) == len(self.held) and all(a is b for a, b in zip(state.values(), self.held))
+        return len(live) == len(self.held) and all(a is b for a, b in zip(live.values(), self.held))
 
-    def step(self, grads: list) -> None:
+    def step(self, grads: list, state: Optional[dict] = None, whole: Optional[torch.Tensor] = None) -> None:
+        """One step; ``state`` and ``whole`` (a sharded param's owner): this step's whole states and
+        param, which the plan's leaves are pointed at first."""
+        if state is not None:
+            new = _core(state, self.count, self.template)
+            for field in LEAF_FIELDS:
+                getattr(self.core, field)[0] = getattr(new, field)[0]
+            self.params[0] = whole
         self.update = self.plan(grads)[0]
-        self.state["step"] += 1
-        self.version = self.state["step"]._version
+        self.live["step"] += 1
+        self.version = self.live["step"]._version
 
 
 class SOAP(torch.optim.Optimizer):
@@ -165,7 +178,6 @@ class SOAP(torch.optim.Optimizer):
         self._plans: dict = {}  # param -> its _ParamPlan
         self._templates: dict = {}  # param -> (transformation, its meta core state)
         self._block_cache: dict = {}  # DTensor param -> (its state objects, their blocks)
-        self._owner_cache: dict = {}  # DTensor param, on its owner -> (its state objects, whole buffers, param)
         self.builds = {"transform": 0, "plan": 0}
         """How many times a group's transformation and a param's plan were built (each once, and
         again only when a group's values or a param's state objects change)."""
@@ -286,21 +298,23 @@ class SOAP(torch.optim.Optimizer):
                 if is_dtensor(p):
                     self._sharded_step(tx, group, p, index - 1)
                 else:
-                    self._param_plan(tx, group, p, self.state[p], p).step([p.grad])
-                    p.add_(self._plans[p].update.to(p.dtype))
+                    state = self.state[p]
+                    if "soap_step" not in state:
+                        state.update(self._fresh(p.detach(), group)[0])
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                    plan = self._param_plan(tx, group, p, state, state, p)
+                    plan.step([p.grad])
+                    p.add_(plan.update.to(p.dtype))
         return loss
 
-    def _param_plan(self, tx, group: dict, p, state: dict, whole: torch.Tensor) -> "_ParamPlan":
-        """Param ``p``'s step over ``state`` (its whole states: ``self.state[p]``, or on a sharded
-        param's owner the whole buffers), built once and again only when the transformation, the
-        state objects or ``step`` (changed from outside) change; ``whole``: the whole param the
-        plan reads (the live param, or the owner's buffer)."""
-        if "soap_step" not in state:
-            state.update(self._fresh(whole, group)[0])
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+    def _param_plan(self, tx, group: dict, p, live: dict, state: dict, whole: torch.Tensor) -> _ParamPlan:
+        """Param ``p``'s step (:class:`_ParamPlan`) over its whole states ``state`` (``live``, its
+        ``optimizer.state`` entry, or on a sharded param's owner the gathered whole states),
+        built once and again only when the transformation, the state objects or ``step``
+        (changed from outside) change; ``whole``: the whole param the plan reads."""
         plan = self._plans.get(p)
-        if plan is None or not plan.current(tx, state):
-            plan = self._plans[p] = _ParamPlan(tx, state, whole, self._meta_template(p, group))
+        if plan is None or not plan.current(tx, live):
+            plan = self._plans[p] = _ParamPlan(tx, live, state, whole, self._meta_template(p, group))
             self.builds["plan"] += 1
         return plan
 
@@ -316,7 +330,7 @@ class SOAP(torch.optim.Optimizer):
     def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
         """A DTensor param: every rank's block of the param, of its gradient and of its states
         gathered to the owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps
-        the whole param in buffers it keeps for it (the plan built once over them) and scatters
+        the whole param (its plan built once, pointed at the gathered states) and scatters
         each rank its block of the update and of the new states (:mod:`bridge.soap_states`);
         each collective on :func:`~bridge.collectives.group_for`'s group for the blocks' device
         (the mesh's, or a registered host group)."""
@@ -330,15 +344,14 @@ class SOAP(torch.optim.Optimizer):
                                 _GATHER_STATES, self._sent, "state_gather")
         u, out = None, [None] * len(sharded)
         if whole is not None:
-            buffers, full_p = self._owner_buffers(p, group, state, local.device)
-            full_p.copy_(whole[0])
-            targets = [t for name, _, _ in sharded for t in soap_states.whole_parts(buffers[name])]
-            for t, w in zip(targets, got):
-                t.copy_(w)
-            plan = self._param_plan(tx, group, p, buffers, full_p)
-            plan.step([whole[1]])
+            full_state, at = {name: state[name] for name in soap_states.SOAP_SCALARS}, 0
+            for name, v, parts in sharded:
+                full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
+                at += len(parts)
+            plan = self._param_plan(tx, group, p, state, full_state, whole[0])
+            plan.step([whole[1]], full_state, whole[0])
             u = plan.update.to(p.dtype)
-            out = [soap_states.whole_parts(buffers[name]) for name, _, _ in sharded]
+            out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
         else:
             state["step"] += 1
         one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
@@ -364,20 +377,6 @@ class SOAP(torch.optim.Optimizer):
                        if name not in soap_states.SOAP_SCALARS]
             hit = self._block_cache[p] = (held, sharded)
         return hit[1]
-
-    def _owner_buffers(self, p, group: dict, state: dict, device) -> tuple:
-        """On a DTensor param's owner: ``(whole states, whole param)`` buffers the owner steps in
-        (its plan is built once over them): the sharded states whole (filled from the gathered
-        blocks at each step), the 0-d scalars the live ones. Made again when the state objects
-        change (a loaded state dict)."""
-        held = tuple(state.values())
-        hit = self._owner_cache.get(p)
-        if hit is None or len(hit[0]) != len(held) or any(a is not b for a, b in zip(hit[0], held)):
-            full_p = torch.zeros(tuple(p.shape), dtype=p.dtype, device=device)
-            buffers = self._fresh(full_p, group)[0]
-            buffers.update({name: state[name] for name in soap_states.SOAP_SCALARS})
-            hit = self._owner_cache[p] = (held, buffers, full_p)
-        return hit[1], hit[2]
 
     def _sharded_state(self, p, group: dict) -> dict:
         """``self.state[p]`` of a DTensor param, its zero states made first if it has none

@@ -493,7 +493,10 @@ def scale_by_soap(
     def plan(state, params, *, write=False, leaf_offset=0):
         """The in-place step over ``state``: each leaf's gradients seen are read here, once, and
         kept as host ints beside the state (a step reads no tensor on the host: the refresh's
-        schedule and Adam's ``t`` come from them)."""
+        schedule and Adam's ``t`` come from them). A step reads the leaves of ``state``'s per-leaf
+        lists and of ``params`` when it is called, so a caller may point one at another tensor of
+        the same shape and kind between steps (the bridge's owner of a sharded param points them
+        at the states it gathers)."""
         treespec = flatten(params)[1]
         host_steps = [None if n is None else int(n) for n in treespec.flatten_up_to(state.steps)]
 
