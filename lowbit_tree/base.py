@@ -147,7 +147,9 @@ def state_roles(state_type: type) -> dict:
     """``{field: role}`` that a state class declares in its ``roles`` attribute. A role is
     :data:`STEP`, :data:`SEED`, :data:`HYPERPARAMS`, or, for a field holding one leaf per
     param, the state's torch.optim name (``"exp_avg"``): the name a ``torch.optim`` wrapper
-    keeps it under in ``optimizer.state[p]`` and in state dicts."""
+    keeps it under in ``optimizer.state[p]`` and in state dicts. A field holding, per param, a
+    tuple of one leaf per dimension of the param (SOAP's bases) has a role with ``{dim}``
+    (``"eigenbasis_{dim}"``): each leaf's name is the role with its dimension filled in."""
     return getattr(state_type, "roles", {})
 
 

@@ -53,7 +53,7 @@ non-finite gradient otherwise goes into the moments and the param as in Adam (th
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -101,8 +101,11 @@ class ScaleBySoapState(NamedTuple):
     coupling: Any  # per leaf, a tuple per dimension: S_d with a zero diagonal (n, n), or None
     failures: Any  # per leaf, int32 0-d: refreshes that kept the old basis (module docstring)
 
+    # a per-dimension field's role names one state per rotated dimension d ("eigenbasis_0", ...):
+    # ``{dim}`` is filled with the index after the leaf's (lowbit_tree.base.state_roles)
     roles = {"count": STEP, "steps": "soap_step", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
-             "basis": "eigenbasis", "eigenvalues": "eigenvalues", "coupling": "coupling", "failures": FAILURE}
+             "basis": "eigenbasis_{dim}", "eigenvalues": "eigenvalues_{dim}", "coupling": "coupling_{dim}",
+             "failures": FAILURE}
 
 
 LEAF_FIELDS = ("steps", "exp_avg", "exp_avg_sq", "basis", "eigenvalues", "coupling", "failures")
@@ -284,7 +287,8 @@ def _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_
     for name, value in (("b1", b1), ("b2", b2)):
         if isinstance(value, numbers.Real) and not 0 <= value < 1:
             raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if shampoo_beta is not None and not (isinstance(shampoo_beta, numbers.Real) and shampoo_beta < 1):
+    if shampoo_beta is not None and not isinstance(shampoo_beta, torch.Tensor) and not (
+            isinstance(shampoo_beta, numbers.Real) and shampoo_beta < 1):
         raise ValueError(f"shampoo_beta must be a number < 1 (negative or None: b2, as the reference's -1), "
                          f"got {shampoo_beta!r}")
     for name, value in (("eps", eps), ("weight_decay", weight_decay)):
@@ -326,6 +330,7 @@ def scale_by_soap(
     bjorck_steps: Optional[int] = None,
     block_size: Optional[int] = None,
     min_quant_size: int = 4096,
+    whole_step: Optional[Callable] = None,
 ) -> GradientTransformation:
     """SOAP's update (the module docstring's steps, the reference's arguments and defaults).
 
@@ -351,6 +356,14 @@ def scale_by_soap(
         eigenvalues are float32 in every format.
       bjorck_steps: Bjorck iterations after decoding a quantized basis (``None``:
         ``DEFAULT_BJORCK_STEPS``; float32 bases take none).
+      whole_step: where the in-place plan's leaves are stepped: ``whole_step(index, old, param,
+        grad, step) -> update`` for each leaf with a gradient (``index``: its position plus the
+        plan's ``leaf_offset``; ``old``: its state ``(steps, exp_avg, exp_avg_sq, bases,
+        eigenvalues, couplings, failures)``), where ``step(old, param, grad) -> update`` steps a
+        whole leaf's state in place. A sharded caller gathers the leaf's blocks, runs ``step`` on
+        one process and returns each process its block of the update (in the param's dtype);
+        ``None`` (default): ``step`` on the leaf as it is. Each leaf's count advances on every
+        process alike (kept on the host).
     Returns:
       A transformation with state :class:`ScaleBySoapState`; updates are float32.
     """
@@ -367,7 +380,8 @@ def scale_by_soap(
     n_bjorck = DEFAULT_BJORCK_STEPS[precond_format] if bjorck_steps is None else bjorck_steps
 
     def sb() -> float:
-        return float(b2) if shampoo_beta is None or shampoo_beta < 0 else float(shampoo_beta)
+        beta = None if shampoo_beta is None else float(shampoo_beta)
+        return float(b2) if beta is None or beta < 0 else beta
 
     def square(n: int, device) -> Any:
         if block_format is None or not moments.should_quantize((n, n), min_quant_size):
@@ -460,9 +474,10 @@ def scale_by_soap(
             new.add_(new, alpha=-(lr * wd))
         return new.sub_(pf)
 
-    def run(updates, state, params, inplace: bool, host_steps: Optional[list] = None):
+    def run(updates, state, params, inplace: bool, host_steps: Optional[list] = None, leaf_offset: int = 0):
         """The step over every leaf with a gradient. ``host_steps``: each leaf's gradients seen as
-        host ints (the plan's, advanced here); ``None``: read from ``state.steps`` (``update``)."""
+        host ints (the plan's, advanced here, each leaf stepped through ``whole_step``); ``None``:
+        read from ``state.steps`` (``update``)."""
         g_leaves, treespec = flatten(updates)
         fields = [treespec.flatten_up_to(getattr(state, f)) for f in LEAF_FIELDS]
         if learning_rate is not None and params is None:
@@ -478,12 +493,19 @@ def scale_by_soap(
             if old[1] is None:
                 raise ValueError(f"scale_by_soap: leaf {i} has a gradient but no state (its param was None at init)")
             steps = int(old[0]) if host_steps is None else host_steps[i]
-            leaf = _Leaf(steps, *old[1:], bjorck_steps=n_bjorck)
-            out[i] = step_leaf(g, p_leaves[i], leaf, lr, wd)
-            if host_steps is not None:
-                host_steps[i] = steps + 1
-            for f, value in zip(new_fields, leaf.stored(inplace, old)):
-                f[i] = value
+
+            def one(old, p, g, steps=steps, i=i):
+                leaf = _Leaf(steps, *old[1:], bjorck_steps=n_bjorck)
+                u = step_leaf(g, p, leaf, lr, wd)
+                for f, value in zip(new_fields, leaf.stored(inplace, old)):
+                    f[i] = value
+                return u
+
+            if host_steps is None:
+                out[i] = one(old, p_leaves[i], g)
+                continue
+            out[i] = (whole_step or _here)(i + leaf_offset, old, p_leaves[i], g, one)
+            host_steps[i] = steps + 1
         return treespec.unflatten(out), [treespec.unflatten(f) for f in new_fields]
 
     def update(updates, state, params=None, **extra):
@@ -496,18 +518,32 @@ def scale_by_soap(
         schedule and Adam's ``t`` come from them). A step reads the leaves of ``state``'s per-leaf
         lists and of ``params`` when it is called, so a caller may point one at another tensor of
         the same shape and kind between steps (the bridge's owner of a sharded param points them
-        at the states it gathers)."""
+        at the states it gathers). With ``write`` each update is added to its param (in the
+        param's dtype) and ``None`` returned for it."""
         treespec = flatten(params)[1]
         host_steps = [None if n is None else int(n) for n in treespec.flatten_up_to(state.steps)]
 
         def step(updates: list) -> list:
-            out, _ = run(treespec.unflatten(list(updates)), state, params, True, host_steps)
+            out, _ = run(treespec.unflatten(list(updates)), state, params, True, host_steps, leaf_offset)
             state.count.add_(1)
-            return treespec.flatten_up_to(out)
+            out = treespec.flatten_up_to(out)
+            if not write:
+                return out
+            p_leaves = treespec.flatten_up_to(params)
+            for k, u in enumerate(out):
+                if u is not None and updates[k] is not None:
+                    p_leaves[k].add_(u.to(p_leaves[k].dtype))
+                    out[k] = None
+            return out
 
         return step
 
     return GradientTransformation(init, update, plan)
+
+
+def _here(index: int, old: tuple, param, grad, step: Callable):
+    """The default ``whole_step``: the leaf stepped as it is."""
+    return step(old, param, grad)
 
 
 def _rotate(x: torch.Tensor, d: int, r: torch.Tensor) -> torch.Tensor:

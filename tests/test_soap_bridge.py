@@ -2,6 +2,7 @@
 state-dict round trips (weights_only), skip_nonfinite, refusals by name."""
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
@@ -162,26 +163,53 @@ def test_a_checkpoint_written_by_the_earlier_soap_class_loads_and_steps_on(name)
     assert int(opt.state[ps["w"]]["soap_step"]) == data["soap_step_after"]
 
 
-def test_the_transformation_and_each_plan_are_built_once_over_20_steps():
-    """20 steps, the learning rate changed at each (a scheduler's new number): one transformation
-    for the group and one plan per param; a changed weight decay builds the transformation and the
-    plans once more, a loaded state dict (new state objects) the plans."""
+def test_the_transformation_and_the_plan_are_built_once_over_20_steps(monkeypatch):
+    """20 steps, the learning rate changed at each (a scheduler's new number): the group's
+    transformation (calls of its factory, ``bridge.soap.soap_of_group``) and its plan
+    (``GroupPlan``) are built in the first step and never again; a changed weight decay is
+    injected too (nothing built); a changed ``precondition_frequency`` (static) builds both once
+    more, and so does a loaded state dict (new state objects) the plan."""
+    import bridge.optimizer
+    import bridge.soap
+
+    built = {"transform": 0, "plan": 0}
+    factory, group_plan = bridge.soap.soap_of_group, bridge.optimizer.GroupPlan
+
+    @functools.wraps(factory)  # (its signature: the optimizer reads which arguments it takes)
+    def counted_factory(*args, **kwargs):
+        built["transform"] += 1
+        return factory(*args, **kwargs)
+
+    class CountedPlan(group_plan):
+        def __init__(self, *args, **kwargs):
+            built["plan"] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bridge.soap, "soap_of_group", counted_factory)
+    monkeypatch.setattr(bridge.optimizer, "GroupPlan", CountedPlan)
     cls, _ = CLASSES["8bit"]
     params = _params()
     opt = cls(params, **OPTS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    seen = []
     for gs in _grads(20):
         for p, g in zip(params, gs):
             p.grad = g.clone()
         opt.step()
         sched.step()
-    assert opt.builds == {"transform": 1, "plan": len(params)}
+        seen.append(dict(built))
+    assert seen[0]["plan"] == 1 and seen[0]["transform"] >= 1
+    assert all(s == seen[0] for s in seen), seen  # nothing built after the first step
     opt.param_groups[0]["weight_decay"] = 0.02
     _train(opt, params, _grads(2, seed=3))
-    assert opt.builds == {"transform": 2, "plan": 2 * len(params)}
+    assert built == seen[0]
+    opt.param_groups[0]["precondition_frequency"] = 4
+    _train(opt, params, _grads(2, seed=3))
+    assert built["plan"] == 2 and built["transform"] > seen[0]["transform"]
+    again = dict(built)
     opt.load_state_dict(opt.state_dict())
     _train(opt, params, _grads(2, seed=4))
-    assert opt.builds["plan"] == 3 * len(params)
+    assert built["plan"] == again["plan"] + 1
 
 
 @pytest.mark.parametrize("fmt", list(CLASSES))
