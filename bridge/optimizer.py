@@ -37,28 +37,7 @@ from .group_plan import GroupPlan
 from .report import StateReportRow  # noqa: F401  (re-exported: bridge.optimizer.StateReportRow)
 from .state_dict import STATE_DICT_VERSION, STATIC_KEYS, VERSION_KEY, export_torch, load_into, save_state_dict  # noqa: F401  (re-exported)
 
-__all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow", "all_grads_finite"]
-
-
-def all_grads_finite(groups: list, params: list) -> bool | None:
-    """Whether every gradient of ``groups``' params is finite (``None`` if none has one): what a
-    group's ``skip_nonfinite`` reads. Read on the host: free for CPU tensors, one device sync on
-    CUDA (like GradScaler's). With a DTensor among ``params`` (all the optimizer's), every rank
-    gets the same answer (an all-reduce of the flag: each rank's blocks)."""
-    flags = []
-    device = None
-    for group in groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                g = local_grad(p)
-                device = g.device
-                flags.append(torch.isfinite(g).all() if g.numel() else torch.ones((), dtype=torch.bool, device=g.device))
-    if not flags:
-        return None
-    ok = torch.stack([f.to(device) for f in flags]).all()
-    if any(is_dtensor(p) for p in params):
-        return all_ranks_finite(ok)
-    return bool(ok)
+__all__ = ["LowBitOptimizer", "STATE_DICT_VERSION", "StateReportRow"]
 
 
 # ----------------------------------------------------------------------------
@@ -254,14 +233,29 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # -- step -------------------------------------------------------------------
     def _all_finite(self) -> bool | None:
-        """Whether every gradient of this step is finite (None if no group asks):
-        :func:`all_grads_finite` over all the groups."""
+        """Whether every gradient of this step is finite (None if no group asks).
+
+        Read on the host: free for CPU tensors, one device sync on CUDA (like
+        GradScaler's). Under FSDP2 all ranks agree (an all-reduce of the flag)."""
         for group in self.param_groups:  # (a loop, not any(...): no call on a step that does not ask)
             if group.get("skip_nonfinite"):
                 break
         else:
             return None
-        return all_grads_finite(self.param_groups, [p for g in self.param_groups for p in g["params"]])
+        flags = []
+        device = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    g = local_grad(p)
+                    device = g.device
+                    flags.append(torch.isfinite(g).all() if g.numel() else torch.ones((), dtype=torch.bool, device=g.device))
+        if not flags:
+            return None
+        ok = torch.stack([f.to(device) for f in flags]).all()
+        if any(is_dtensor(p) for group in self.param_groups for p in group["params"]):
+            return all_ranks_finite(ok)
+        return bool(ok)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
