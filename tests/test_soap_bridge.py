@@ -238,3 +238,26 @@ def test_a_step_reads_no_tensor_on_the_host(fmt, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(torch.Tensor, "__int__", refuse)
             int(torch.zeros(()))
+
+
+def test_steps_in_backward_are_the_steps_of_step():
+    """As a LowBitOptimizer, SOAP steps each param inside the backward pass
+    (``bridge.step_in_backward``: each param's plan over the group's list, the others absent) with
+    the bits of ``step()``, refreshes included."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    a, b = model(), model()
+    kw = dict(precondition_frequency=2, min_quant_size=16)
+    opt_a, opt_b = bridge.SOAP8bit(a.parameters(), **kw), bridge.SOAP8bit(b.parameters(), **kw)
+    bridge.step_in_backward(b, opt_b, per_param_transform=True)
+    for _ in range(5):
+        a(x).square().mean().backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        b(x).square().mean().backward()
+        opt_b.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert int(opt_b.state[b[0].weight]["soap_step"]) == 5
