@@ -100,6 +100,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     # -- copies and pickles ------------------------------------------------------
+    _whole_steps = False
+    """Whether a sharded param is stepped whole on one process (SOAP), not shard by shard
+    (:class:`bridge.param_states.ParamStates`' ``whole_steps``)."""
+
     PICKLED = ("_factory", "_group_to_kwargs", "_pure_kwargs")
     """Attributes beyond torch.optim's (defaults, state, param_groups) that a copy or a pickle
     keeps; the caches are rebuilt on the first step."""
@@ -108,7 +112,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._transforms: dict = {}  # the static key of _transform_of -> the transformation
         # id(group) -> (group, its values, the positions of its _mutable ones, their repr, _transform's result)
         self._split_cache: dict = {}
-        self.param_states = ParamStates(self._transform, type(self).__name__)
+        self.param_states = ParamStates(self._transform, type(self).__name__, whole_steps=self._whole_steps)
         # (the group's offset among all params, positions stepped) -> (static key, GroupPlan): the
         # whole group's plan of step() and, beside it, one per param stepped alone (step_param);
         # a plan checks that it still holds (GroupPlan.current) before it runs

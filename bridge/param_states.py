@@ -31,7 +31,7 @@ import lowbit_tree as lt
 from lowbit_tree import records
 from lowbit_tree.rules import SCALAR_STATES
 
-from .distributed import mesh_axes, shard_block_size, to_local, wrap_like
+from .distributed import is_dtensor, mesh_axes, shard_block_size, to_local, wrap_like
 from .qstate import QState
 from .rank1_shard import rank1_reduce
 from .state_tree import Binding, binding
@@ -66,16 +66,22 @@ class ParamStates:
         transformation (its ``init`` gives the layouts) and a hashable key of its static
         arguments (two groups with equal keys keep the same states for the same params).
       owner: the optimizer's class name, for error messages.
+      whole_steps: whether a sharded param is stepped whole on one process (SOAP: its states
+        gathered to an owner, :mod:`bridge.soap_states`) rather than shard by shard: its states
+        then keep the unsharded layout (no tensor-parallel block size, no rank-1 reducer) and are
+        placed as :func:`bridge.soap_states.placements` says.
     """
 
-    def __init__(self, transform_of: Callable[[dict], tuple], owner: str):
+    def __init__(self, transform_of: Callable[[dict], tuple], owner: str, whole_steps: bool = False):
         self.transform_of = transform_of
         self.owner = owner
+        self.whole_steps = whole_steps
         self._layouts: dict = {}  # (tx key, global shape, dtype, local shape) -> {name: (kind, meta)}
         self._bindings: dict = {}  # (tx key, ((shape, dtype) per param), positions) -> Binding
         self._reducers: dict = {}  # param -> its rank-1 reduce (None: unsharded)
         self._live: dict = {}  # param -> {state name: (its QState, the core record over it)}
         self._scalars: dict = {}  # layout key -> the rule scalars the state keeps
+        self._shapes: dict = {}  # layout key -> {name: whole shape} of each state
 
     # -- layouts ------------------------------------------------------------------
     def layout(self, p: torch.Tensor, group: dict) -> dict:
@@ -90,17 +96,25 @@ class ParamStates:
             layout = {}
             b = binding(tx.init([meta]))
             self._scalars[cache_key] = b.scalar_names
+            self._shapes[cache_key] = {name: tuple(leaf.shape) for name, leaf in b.state_leaves(0).items()}
             for name, leaf in b.state_leaves(0).items():
                 kind = records.kind_of(leaf)
                 if kind is None:
                     layout[name] = (None, leaf.dtype)
                     continue
                 meta = kind.meta_of(leaf)
-                if "block_size" in meta:  # tensor parallel: whole blocks on every shard
+                if "block_size" in meta and not self.whole_steps:  # tensor parallel: whole blocks on every shard
                     meta["block_size"] = shard_block_size(p, meta["block_size"], lt.get_format(meta["format"]).bits)
                 layout[name] = (kind, meta)
             self._layouts[cache_key] = layout
         return layout
+
+    def shapes(self, p: torch.Tensor, group: dict) -> dict:
+        """``{name: whole shape}`` of the states ``group`` keeps for ``p`` (the param's shape, or a
+        per-dimension factor's: SOAP's ``(n, n)`` bases), found with its :meth:`layout`."""
+        tx, key, _ = self.transform_of(group)
+        self.layout(p, group)
+        return self._shapes[(key, tuple(p.shape), p.dtype, tuple(to_local(p).shape))]
 
     def scalar_names(self, p: torch.Tensor, group: dict) -> tuple:
         """The rule scalars ``group`` keeps for ``p`` beside ``step`` (NAdam's ``mu_product``),
@@ -138,6 +152,9 @@ class ParamStates:
         st: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32, device="cpu")}  # as torch.optim: a CPU count
         for name in self.scalar_names(p, group):  # as torch.optim.NAdam's mu_product: a CPU float32 scalar
             st[name] = torch.full((), SCALAR_STATES[name], dtype=torch.float32, device="cpu")
+        if self.whole_steps:
+            st.update(self._whole_stepped(p, group))
+            return st
         for name, (kind, meta) in self.layout(p, group).items():
             if kind is None:
                 st[name] = wrap_like(torch.zeros(local.shape, dtype=meta, device=local.device), p)
@@ -147,6 +164,21 @@ class ParamStates:
             record = kind.zeros(tuple(local.shape), dict(meta), local.device)
             st[name] = wrap_like(QState(record, mesh_axes(p)), p)
         return st
+
+    def _whole_stepped(self, p: torch.Tensor, group: dict) -> dict:
+        """The new states of a param stepped whole (``whole_steps``): zeros of the whole states'
+        shapes; a DTensor param's cut to this rank's blocks (:func:`bridge.soap_states.create`)."""
+        from . import soap_states
+
+        shapes, local = self.shapes(p, group), to_local(p)
+        device = "meta" if is_dtensor(p) else local.device
+        whole = {}
+        for name, (kind, meta) in self.layout(p, group).items():
+            if kind is None:
+                whole[name] = torch.zeros(shapes[name], dtype=meta, device=device)
+            else:
+                whole[name] = QState(kind.zeros(shapes[name], dict(meta), device))
+        return soap_states.create(p, whole) if is_dtensor(p) else whole
 
     def check(self, p: torch.Tensor, group: dict, st: dict) -> None:
         """Refuses a state that is not what ``group`` keeps for ``p`` now: the param's dtype
@@ -191,7 +223,7 @@ class ParamStates:
         """The core record of state ``q`` of param ``p`` (sharing its storage), with the wiring
         its kind takes (:attr:`lowbit_tree.records.RecordKind.wiring`)."""
         kind = q.kind
-        if not kind.wiring:
+        if not kind.wiring or self.whole_steps:  # (a param stepped whole needs no shard's wiring)
             return q.record
         meta = q.meta
         meta["reduce"] = self.reducer(p)

@@ -1,71 +1,64 @@
 """``bridge.SOAP``, ``SOAP8bit``, ``SOAP4bit``: the reference SOAP optimizer's signature over
-:func:`lowbit_tree.scale_by_soap`, one process.
+:func:`lowbit_tree.scale_by_soap`, a :class:`~bridge.LowBitOptimizer` like every other class.
 
-SOAP's factors are not shaped like their param (an ``(n, n)`` basis per dimension), so this is
-not a :class:`~bridge.LowBitOptimizer` (whose states, layouts, state dicts and FSDP2 placements
-follow the param's rows); it is a plain ``torch.optim.Optimizer`` that keeps each param's core
-state under names in ``optimizer.state[p]``, every value a tensor:
+Each param's states live in ``optimizer.state[p]`` under the names the core's state declares
+(``ScaleBySoapState.roles``), every value a tensor:
 
 - ``step`` (float32, 0-d, torch's), ``soap_step`` (int32: gradients seen), ``precond_failures``
   (int32: refreshes that kept an old basis);
 - ``exp_avg``, ``exp_avg_sq``: shaped like the param (a :class:`~bridge.QState` when quantized);
 - per rotated dimension ``d``: ``eigenbasis_d`` and ``coupling_d`` (``(n, n)``, float32 or a
-  QState of a block record) and ``eigenvalues_d`` (float32 ``(n,)``).
+  QState of a block record) and ``eigenvalues_d`` (float32 ``(n,)``): per-dimension roles
+  (``"eigenbasis_{dim}"``), whose shapes the layouts keep (:class:`bridge.param_states.ParamStates`).
 
-The core's in-place plan steps these tensors themselves (a QState's record shares its storage).
-``state_dict()`` holds plain tensors only (a record as a dict of its parts), so it loads with
-``weights_only=True``; ``load_state_dict`` checks every name and part shape against a fresh
-state before it writes anything.
+The step, state dict, load (with its checks), report, finiteness check and DCP path are
+``LowBitOptimizer``'s: one :class:`~bridge.group_plan.GroupPlan` per group, built once, runs the
+core's in-place plan (the group's transformation built once; ``lr`` and the betas, ``eps``,
+``weight_decay`` and ``shampoo_beta`` injected, so a scheduler changes them without a rebuild).
 
 A DTensor param (FSDP2, tensor parallel, both, HSDP: any ``Shard`` / ``Replicate`` placements on a
-1-D mesh or a 2-D mesh over all processes) keeps every state but the 0-d scalars as a DTensor on
-its mesh (:mod:`bridge.soap_states`: the moments placed like the param, the factors by rows), so
-``full_tensor()`` gives the one-process state. It has an owner rank,
-:func:`bridge.owner_step.owner_rank` of its index over all groups (on a 1-D mesh: that index
-modulo the mesh size): the ranks gather their blocks of the param, its gradient and its states to
-the owner, which alone runs the unsharded step and scatters each rank its block of the update (in
-the param's dtype, to add) and of the new states -- the same bits as one process. ``state_dict()``
-holds the DTensors, so DCP reshards them at any world size. ``skip_nonfinite`` decides on every
-rank alike (an all-reduce).
+1-D mesh or a 2-D mesh over all processes) is stepped whole (``whole_steps``): every state but the
+0-d counters is a DTensor on its mesh (:mod:`bridge.soap_states`: the moments placed like the
+param, the factors by rows), so ``full_tensor()`` gives the one-process state. It has an owner
+rank, :func:`bridge.owner_step.owner_rank` of its index over all groups (on a 1-D mesh: that index
+modulo the mesh size): :class:`OwnerStep`, the core's ``whole_step``, gathers every rank's blocks
+of the param, its gradient and its states to the owner, which alone runs the unsharded step and
+scatters each rank its block of the update (in the param's dtype, to add) and of the new states:
+the same bits as one process. ``state_dict()`` holds the DTensors (every param's states, zeros
+for one not stepped yet), so DCP reshards them at any world size.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from lowbit_tree import moments, records
+from lowbit_tree import moments
 from lowbit_tree.soap_transform import ScaleBySoapState, SoapLeafReport, scale_by_soap, soap_report
 
-from . import group_args, owner_step, soap_states
-from .collectives import all_ranks_finite
+from . import group_args, owner_step, report, soap_states
 from .distributed import is_dtensor, local_grad, to_local
+from .optimizer import LowBitOptimizer
 from .qstate import QState
 
-__all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT"]
+__all__ = ["SOAP", "SOAP8bit", "SOAP4bit", "SOAP4BIT_STATE_FORMAT", "OwnerStep", "soap_of_group"]
 
-STATIC_KEYS = ("state_format", "precond_format", "max_precond_dim", "precondition_1d", "merge_dims", "block_size",
-               "min_quant_size")
-"""Group options that decide which states exist and how they are stored: a state dict whose groups
-differ in one is refused (as the other classes refuse another ``state_format``)."""
-_PER_DIM = (("basis", "eigenbasis"), ("eigenvalues", "eigenvalues"), ("coupling", "coupling"))
-
-
-def _wrap(leaf):
-    return QState(leaf) if records.is_record(leaf) else leaf
-
-
-def _unwrap(value):
-    value = to_local(value)
-    return value.record if isinstance(value, QState) else value
-
-
+_PER_DIM = ("eigenbasis", "eigenvalues", "coupling")
 _GATHER = "SOAP's gather of a param's and its gradient's blocks to the owner"
 _GATHER_STATES = "SOAP's gather of a param's states' blocks to the owner"
 _SCATTER = "SOAP's scatter of the update's blocks from the owner"
 _SENT = ("gather", "scatter", "state_gather", "state_scatter")
 _REMEDY = "place it on a 1-D mesh or on a mesh over all processes"
+_OPTIONS = ("precondition_frequency", "max_precond_dim", "precondition_1d", "normalize_grads", "data_format",
+            "precond_format", "bjorck_steps", "state_format", "block_size", "min_quant_size")
+"""Group options that reach the core unchanged (static: changing one builds the group's
+transformation again)."""
+
+
+def _unwrap(value):
+    value = to_local(value)
+    return value.record if isinstance(value, QState) else value
 
 
 def _unsupported_sharding(p) -> str:
@@ -86,21 +79,94 @@ def _unsupported_sharding(p) -> str:
     return ""
 
 
-class SOAP(torch.optim.Optimizer):
+def _leaf(state: dict) -> tuple:
+    """One param's states (``optimizer.state[p]``'s names, whole or local) as the core's leaf
+    ``(steps, exp_avg, exp_avg_sq, bases, eigenvalues, couplings, failures)`` (records sharing the
+    states' storage; ``None`` for a dimension that is not rotated)."""
+    ndim = to_local(state["exp_avg"]).ndim
+    per_dim = [tuple(_unwrap(state[f"{name}_{d}"]) if f"{name}_{d}" in state else None for d in range(ndim))
+               for name in _PER_DIM]
+    return (state["soap_step"], _unwrap(state["exp_avg"]), _unwrap(state["exp_avg_sq"]), *per_dim,
+            state["precond_failures"])
+
+
+def soap_of_group(learning_rate, b1, b2, eps, weight_decay, shampoo_beta, options: dict):
+    """A SOAP group's transformation: :func:`lowbit_tree.scale_by_soap` with the group's numbers
+    (injected by the optimizer) and ``options`` (its static arguments and the ``whole_step``)."""
+    return scale_by_soap(b1, b2, shampoo_beta, eps, learning_rate=learning_rate, weight_decay=weight_decay,
+                         **options)
+
+
+class OwnerStep:
+    """The core's ``whole_step`` for a SOAP optimizer (:func:`lowbit_tree.scale_by_soap`): a plain
+    param's leaf is stepped as it is; a DTensor param's blocks (param, gradient, every state) are
+    gathered to its owner (:func:`bridge.owner_step.layout` of its index over all groups), which
+    steps the whole leaf and scatters each rank its block of the update and of the new states
+    (:mod:`bridge.soap_states`); each collective on :func:`~bridge.collectives.group_for`'s group
+    for the blocks' device (the mesh's, or a registered host group). ``params`` and ``offset``
+    (the group's params and the position of its first) are set before each group's step;
+    ``sent`` counts the bytes this rank sent since :meth:`reset` (``communication()``)."""
+
+    def __init__(self, state, owner: str):
+        self.state, self.owner = state, owner
+        self.params: list = []
+        self.offset = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent = dict.fromkeys(_SENT, 0)
+
+    def __call__(self, index: int, old: tuple, param, grad, step):
+        p = self.params[index - self.offset]
+        if not is_dtensor(p):
+            return step(old, param, grad)
+        lay = owner_step.layout(p, index, self.owner, _REMEDY)
+        local = to_local(p.detach())
+        state = self.state[p]
+        box = owner_step.whole_box
+        whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self.sent, "gather")
+        sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items() if is_dtensor(v)]
+        got = owner_step.gather(lay, [(t, boxes) for _, _, parts in sharded for _, t, boxes, _ in parts],
+                                _GATHER_STATES, self.sent, "state_gather")
+        u, out = None, [None] * len(sharded)
+        if whole is not None:
+            full_state, at = {name: v for name, v in state.items() if not is_dtensor(v)}, 0
+            for name, v, parts in sharded:
+                full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
+                at += len(parts)
+            u = step(_leaf(full_state), whole[0], whole[1]).to(p.dtype)
+            out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
+        one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
+        counters = [old[0], old[-1]]  # soap_step, precond_failures: 0-d, the same on every rank
+        parts = [(u, box, p.dtype)]
+        parts += [(None if w is None else w[j], boxes, t.dtype) for (_, _, ps), w in zip(sharded, out)
+                  for j, (_, t, boxes, _) in enumerate(ps)]
+        parts += [(c.reshape(1), one, c.dtype) for c in counters]
+        keys = ["scatter"] + ["state_scatter"] * (len(parts) - 1)
+        news = owner_step.scatter(lay, parts, _SCATTER, self.sent, keys, local.device)
+        targets = [t for _, _, ps in sharded for _, t, _, _ in ps] + counters
+        for t, new in zip(targets, news[1:]):
+            t.copy_(new.reshape(t.shape))
+        return news[0]
+
+
+class SOAP(LowBitOptimizer):
     """SOAP (github.com/nikhilvyas/SOAP ``soap.py`` at a1e5535: same arguments, defaults and
     param steps; ``lowbit_tree.soap_transform`` has the algorithm) with states in
     ``state_format`` (the Adam moments, as the other classes) and ``precond_format`` (the
     eigenbases and couplings: ``"fp32"``, ``"8bit"``, ``"4bit"``).
 
     ``merge_dims=True`` is refused (not implemented); ``data_format`` is checked and, without it,
-    changes nothing (as in the reference). ``skip_nonfinite=True`` skips the whole step (params,
-    states, steps) when any gradient of its groups is NaN or infinite (with DTensor params: in any
-    rank's block; every rank skips). ``bjorck_steps``, ``block_size``,
-    ``min_quant_size``: :func:`lowbit_tree.scale_by_soap`'s.
+    changes nothing (as in the reference). ``skip_nonfinite=True`` skips the step of its groups
+    (params, states, steps) when any gradient is NaN or infinite (with DTensor params: in any
+    rank's block; every rank skips), as every ``LowBitOptimizer``. ``bjorck_steps``,
+    ``block_size``, ``min_quant_size``: :func:`lowbit_tree.scale_by_soap`'s.
     """
 
     _default_state_format = "fp32"
     _default_precond_format = "fp32"
+    _whole_steps = True
+    PICKLED = LowBitOptimizer.PICKLED + ("_owner",)
 
     def __init__(self, params, lr: float = 3e-3, betas=(0.95, 0.95), shampoo_beta: float = -1, eps: float = 1e-8,
                  weight_decay: float = 0.01, precondition_frequency: int = 10, max_precond_dim: int = 10000,
@@ -109,6 +175,7 @@ class SOAP(torch.optim.Optimizer):
                  precond_format: Optional[str] = None, bjorck_steps: Optional[int] = None,
                  block_size: Optional[int] = None, min_quant_size: int = 4096, skip_nonfinite: bool = False):
         group_args.betas(type(self).__name__, betas)
+        self._owner = OwnerStep(None, type(self).__name__)
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_precond_dim=max_precond_dim,
                         merge_dims=merge_dims, precondition_1d=precondition_1d, normalize_grads=normalize_grads,
@@ -117,24 +184,39 @@ class SOAP(torch.optim.Optimizer):
                         precond_format=self._default_precond_format if precond_format is None else precond_format,
                         bjorck_steps=bjorck_steps, block_size=block_size, min_quant_size=min_quant_size,
                         skip_nonfinite=skip_nonfinite)
-        super().__init__(params, defaults)
+        super().__init__(params, soap_of_group, defaults, group_to_kwargs=self._kwargs)
+        self._owner.state = self.state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._owner.state = self.state
 
     def _state_format_default(self):
         return self._default_state_format
 
+    def _kwargs(self, group: dict) -> dict:
+        b1, b2 = group["betas"]
+        options = {k: group[k] for k in _OPTIONS}
+        options.update(bias_correction=group["correct_bias"], whole_step=self._owner)
+        return dict(learning_rate=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                    shampoo_beta=group["shampoo_beta"], options=options)
+
     # -- groups ------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        """torch's, then the group's arguments checked (a ValueError naming the class and the
-        argument) and its params: a DTensor is refused unless placed ``Shard`` / ``Replicate`` on a
-        1-D mesh or a 2-D mesh over all processes."""
+        """The base's, then the group's arguments checked (:meth:`_check_group`); a refused group
+        is not added."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        owner = type(self).__name__
         try:
-            group_args.betas(owner, group["betas"])
+            self._check_group(type(self).__name__, self.param_groups[-1])
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
+
+    def _check_group(self, owner: str, group: dict) -> None:
+        """A ValueError naming the class and the argument: betas, ``merge_dims``, ``skip_nonfinite``,
+        ``lr``, the core's checks; a DTensor param unless placed ``Shard`` / ``Replicate`` on a 1-D
+        mesh or a 2-D mesh over all processes."""
+        group_args.betas(owner, group["betas"])
         try:
             if group["merge_dims"] is not False:
                 raise ValueError("merge_dims=True is not implemented (the reference's folding of small "
@@ -143,183 +225,41 @@ class SOAP(torch.optim.Optimizer):
                 raise ValueError(f"skip_nonfinite must be True or False, got {group['skip_nonfinite']!r}")
             if not isinstance(group["lr"], (int, float)) or not group["lr"] >= 0:
                 raise ValueError(f"lr must be a number >= 0, got {group['lr']!r}")
-            self._tx(group)
+            kw = self._kwargs(group)
+            kw["learning_rate"] = float(kw["learning_rate"])
+            soap_of_group(**kw)
         except ValueError as e:
-            self.param_groups.pop()
             raise ValueError(f"{owner}: {e}") from None
-        for p in group["params"]:
+        for p in group_args.group_params(group):
             why = _unsupported_sharding(p)
             if why:
-                self.param_groups.pop()
                 raise ValueError(f"{owner}: a DTensor param of shape {tuple(p.shape)} {why}")
 
-    @staticmethod
-    def _tx(group: dict):
-        b1, b2 = group["betas"]
-        sb = group["shampoo_beta"]
-        return scale_by_soap(b1, b2, None if sb is None or sb < 0 else sb, group["eps"],
-                             group["precondition_frequency"], group["max_precond_dim"], group["precondition_1d"],
-                             group["normalize_grads"], group["data_format"], group["correct_bias"],
-                             learning_rate=float(group["lr"]), weight_decay=group["weight_decay"],
-                             state_format=group["state_format"], precond_format=group["precond_format"],
-                             bjorck_steps=group["bjorck_steps"], block_size=group["block_size"],
-                             min_quant_size=group["min_quant_size"])
-
-    # -- state: the core's one-leaf tree <-> optimizer.state[p] --------------------------------
-    @staticmethod
-    def _named(core: ScaleBySoapState) -> dict:
-        """``optimizer.state[p]``'s entries from a one-leaf core state."""
-        out = {"soap_step": core.steps[0], "exp_avg": _wrap(core.exp_avg[0]), "exp_avg_sq": _wrap(core.exp_avg_sq[0]),
-               "precond_failures": core.failures[0]}
-        for field, name in _PER_DIM:
-            for d, leaf in enumerate(getattr(core, field)[0]):
-                if leaf is not None:
-                    out[f"{name}_{d}"] = _wrap(leaf)
-        return out
-
-    @staticmethod
-    def _core(state: dict, count: torch.Tensor, template: ScaleBySoapState) -> ScaleBySoapState:
-        """The one-leaf core state over ``state``'s tensors (records sharing their storage)."""
-        per_dim = {}
-        for field, name in _PER_DIM:
-            per_dim[field] = [tuple(None if t is None else _unwrap(state[f"{name}_{d}"])
-                                    for d, t in enumerate(getattr(template, field)[0]))]
-        return ScaleBySoapState(count, [state["soap_step"]], [_unwrap(state["exp_avg"])],
-                                [_unwrap(state["exp_avg_sq"])], per_dim["basis"], per_dim["eigenvalues"],
-                                per_dim["coupling"], [state["precond_failures"]])
-
-    def _fresh(self, p: torch.Tensor, group: dict) -> tuple[dict, ScaleBySoapState]:
-        core = self._tx(group).init([p.detach()])
-        return self._named(core), core
-
     # -- the step ----------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if any(g["skip_nonfinite"] for g in self.param_groups) and not self._all_finite():
-            return loss
-        index = 0
-        self._sent = dict.fromkeys(_SENT, 0)
-        for group in self.param_groups:
-            tx = self._tx(group)
-            for p in group["params"]:
-                index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if is_dtensor(p):
-                    self._sharded_step(tx, group, p, index - 1)
-                else:
-                    self._unsharded_step(tx, group, p, p.detach(), p.grad)
-        return loss
+        self._owner.reset()
+        return super().step(closure)
 
-    def _all_finite(self) -> bool:
-        """Whether every gradient of the groups with ``skip_nonfinite`` is finite: with DTensor
-        params, on every rank alike (each rank's blocks, then
-        :func:`bridge.collectives.all_ranks_finite` over all processes)."""
-        grads = [local_grad(p) for g in self.param_groups if g["skip_nonfinite"] for p in g["params"]
-                 if p.grad is not None]
-        device = grads[0].device if grads else to_local(self._params()[0]).device
-        ok = torch.ones((), dtype=torch.bool, device=device)
-        for g in grads:
-            ok &= torch.isfinite(g).all().to(device)
-        if any(is_dtensor(p) for p in self._params()):
-            return all_ranks_finite(ok)
-        return bool(ok)
-
-    def _unsharded_step(self, tx, group: dict, p: torch.Tensor, full_p: torch.Tensor, full_g: torch.Tensor,
-                        state: Optional[dict] = None):
-        """One param's step on whole tensors: its states in ``state`` (``self.state[p]``, made at
-        the first step); returns the update in the param's dtype (added to ``p`` unless ``p`` is
-        sharded)."""
-        state = self.state[p] if state is None else state
-        _, template = self._fresh(torch.empty(full_p.shape, device="meta"), group)
-        if "soap_step" not in state:
-            state.update(self._fresh(full_p, group)[0])
-            state.setdefault("step", torch.zeros((), dtype=torch.float32))
-        count = torch.tensor(int(state["step"]), dtype=torch.int32)
-        core = self._core(state, count, template)
-        u = tx.plan(core, [full_p])([full_g])[0].to(p.dtype)
-        if not is_dtensor(p):
-            p.add_(u)
-        state["step"] += 1
-        return u
-
-    def _sharded_step(self, tx, group: dict, p: torch.Tensor, index: int) -> None:
-        """A DTensor param: every rank's block of the param, of its gradient and of its states
-        gathered to the owner (:func:`bridge.owner_step.layout`'s ``index``-th rank), which steps
-        the whole param and scatters each rank its block of the update and of the new states
-        (:mod:`bridge.soap_states`); each collective on :func:`~bridge.collectives.group_for`'s
-        group for the blocks' device (the mesh's, or a registered host group)."""
-        lay = owner_step.layout(p, index, type(self).__name__, _REMEDY)
-        local = to_local(p.detach())
-        state = self._sharded_state(p, group)
-        box = owner_step.whole_box
-        whole = owner_step.gather(lay, [(local, box), (local_grad(p), box)], _GATHER, self._sent, "gather")
-        sharded = [(name, v, soap_states.state_parts(v)) for name, v in state.items()
-                   if name not in soap_states.SOAP_SCALARS]
-        got = owner_step.gather(lay, [(t, boxes) for _, _, parts in sharded for _, t, boxes, _ in parts],
-                                _GATHER_STATES, self._sent, "state_gather")
-        u, out = None, [None] * len(sharded)
-        if whole is not None:
-            full_state, at = {name: state[name] for name in soap_states.SOAP_SCALARS}, 0
-            for name, v, parts in sharded:
-                full_state[name] = soap_states.assemble(v, got[at:at + len(parts)])
-                at += len(parts)
-            u = self._unsharded_step(tx, group, p, *whole, state=full_state)
-            out = [soap_states.whole_parts(full_state[name]) for name, _, _ in sharded]
-        else:
-            state["step"] += 1
-        one = owner_step.Boxes(dict.fromkeys(lay.blocks, ((0,), (1,))), ((0,), (1,)))  # a counter, to every rank
-        scalars = [state[n] for n in soap_states.SOAP_SCALARS if n != "step"]
-        parts = [(u, box, p.dtype)]
-        parts += [(None if w is None else w[j], boxes, t.dtype) for (_, _, ps), w in zip(sharded, out)
-                  for j, (_, t, boxes, _) in enumerate(ps)]
-        parts += [(s.reshape(1), one, s.dtype) for s in scalars]
-        keys = ["scatter"] + ["state_scatter"] * (len(parts) - 1)
-        news = owner_step.scatter(lay, parts, _SCATTER, self._sent, keys, local.device)
-        local.add_(news[0])
-        targets = [t for _, _, ps in sharded for _, t, _, _ in ps] + scalars
-        for t, new in zip(targets, news[1:]):
-            t.copy_(new.reshape(t.shape))
-
-    def _sharded_state(self, p, group: dict) -> dict:
-        """``self.state[p]`` of a DTensor param, its zero states made first if it has none
-        (:func:`bridge.soap_states.create`: zeros are the core's ``init``)."""
-        state = self.state[p]
-        if "soap_step" not in state:
-            state.update(soap_states.create(p, self._whole_template(p, group)))
-        return state
-
-    def _whole_template(self, p, group: dict) -> dict:
-        """The whole states of param ``p`` with ``step``, on the meta device: names, parts,
-        shapes and dtypes."""
-        fresh, _ = self._fresh(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group)
-        fresh["step"] = torch.zeros((), dtype=torch.float32, device="meta")
-        return fresh
+    def _step_group(self, group, params, offset, only=None):
+        self._owner.params, self._owner.offset = params, offset
+        super()._step_group(group, params, offset, only)
 
     def communication(self) -> dict:
         """Bytes this rank sent in the last step for DTensor params: ``gather`` (its blocks of the
         params it does not own and of their gradients, padded to the largest rank's extents),
         ``scatter`` (the other ranks' padded blocks of the updates of the params it owns),
-        ``state_gather`` and ``state_scatter`` (the same of their states, and the 0-d scalars
+        ``state_gather`` and ``state_scatter`` (the same of their states, and the 0-d counters
         scattered to every rank)."""
-        return dict(getattr(self, "_sent", dict.fromkeys(_SENT, 0)))
+        return dict(self._owner.sent)
 
     # -- reports -----------------------------------------------------------------------------
     def state_report(self) -> list:
-        """One :class:`lowbit_tree.ReportRow` per state (``param{i}/{name}``), then a total: this
-        rank's blocks of a DTensor param's states."""
+        """:func:`bridge.report.state_report`'s rows (this rank's blocks of a DTensor param's
+        states) as :class:`lowbit_tree.ReportRow`, ``param{i}/{name}``, then a total."""
         rows = []
-        for i, p in enumerate(self._params()):
-            for name, value in self.state.get(p, {}).items():
-                row = moments.leaf_row(f"param{i}/{name}", _unwrap(value))
-                if row is not None:
-                    rows.append(row)
+        for row in report.state_report(self):
+            p = self._params()[row.index]
+            rows.append(moments.leaf_row(f"param{row.index}/{row.name}", _unwrap(self.state[p][row.name])))
         rows.append(moments.ReportRow("total", "", (), sum(r.nbytes for r in rows)))
         return rows
 
@@ -331,116 +271,12 @@ class SOAP(torch.optim.Optimizer):
             state = self.state.get(p)
             if not state or "soap_step" not in state:  # none yet
                 continue
-            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-            _, template = self._fresh(torch.empty(p.shape, device="meta"), group)
-            row = soap_report(self._core(state, torch.zeros((), dtype=torch.int32), template))[0]
-            out.append(row._replace(index=i))
+            core = ScaleBySoapState(torch.zeros((), dtype=torch.int32), *([x] for x in _leaf(state)))
+            out.append(soap_report(core)[0]._replace(index=i))
         return out
 
     def _params(self) -> list:
         return [p for g in self.param_groups for p in g["params"]]
-
-    # -- state dicts ---------------------------------------------------------------------------
-    def _template(self, p, group: dict) -> dict:
-        """A fresh whole state of plain param ``p`` with its ``step``: the names, parts, shapes and
-        dtypes a saved state of ``p`` must have."""
-        fresh, _ = self._fresh(torch.zeros(tuple(p.shape), dtype=p.dtype, device=to_local(p).device), group)
-        fresh["step"] = torch.zeros((), dtype=torch.float32)
-        return fresh
-
-    def state_dict(self) -> dict:
-        """torch's layout, every state a tensor: a quantized state is a dict of its parts.
-
-        With DTensor params every param has an entry (a fresh one for a param not stepped yet:
-        its zero states are made now), a DTensor param's states as DTensors (a record's parts
-        each a DTensor of the whole record's part, views of the live storage;
-        :mod:`bridge.soap_states`), so ``torch.distributed.checkpoint`` saves each block once and
-        loads it at another world size."""
-        params = self._params()
-        if any(is_dtensor(p) for p in params):
-            for p in params:
-                if is_dtensor(p):
-                    self._sharded_state(p, self._group_of(p))
-        sd = super().state_dict()
-        state = {}
-        for k, entries in sd["state"].items():
-            state[k] = {name: (soap_states.saved(value) if is_dtensor(value) else
-                               dict(value.parts) if isinstance(value, QState) else value)
-                        for name, value in entries.items()}
-        if any(is_dtensor(p) for p in params):
-            ids = [i for g in sd["param_groups"] for i in g["params"]]
-            for k, p in zip(ids, params):
-                if not is_dtensor(p) and "soap_step" not in state.get(k, {}):
-                    state[k] = {name: (dict(v.parts) if isinstance(v, QState) else v)
-                                for name, v in self._template(p, self._group_of(p)).items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
-
-    def _group_of(self, p) -> dict:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Every param's saved states checked against a fresh state of this optimizer (names,
-        parts, whole shapes, dtypes) before anything is written; then torch's group restore. A
-        DTensor param's states take this rank's blocks of the saved ones (DTensors of any
-        placement, or whole tensors)."""
-        params = self._params()
-        saved_groups = state_dict["param_groups"]
-        ids = [i for g in saved_groups for i in g["params"]]
-        if len(ids) != len(params):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state dict has {len(ids)} params, "
-                             f"this optimizer {len(params)}")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state dict has {len(saved_groups)} param "
-                             f"groups, this optimizer {len(self.param_groups)}")
-        for n, (saved, live) in enumerate(zip(saved_groups, self.param_groups)):
-            for key in STATIC_KEYS:
-                if saved.get(key, self.defaults[key]) != live[key]:
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: param group {n} was saved with "
-                                     f"{key}={saved.get(key)!r}, this optimizer's has {live[key]!r}; build the "
-                                     f"optimizer with {key}={saved.get(key)!r} to load it")
-        by_id = dict(zip(ids, params))
-        new = {}
-        for k, entries in state_dict["state"].items():
-            p = by_id[k]
-            group = next(g for g in saved_groups if k in g["params"])
-            group = {**self.defaults, **{a: b for a, b in group.items() if a != "params"}}
-            fresh = self._whole_template(p, group) if is_dtensor(p) else self._template(p, group)
-            if set(entries) != set(fresh):
-                raise ValueError(f"{type(self).__name__}.load_state_dict: param {k} has states {sorted(entries)}, "
-                                 f"this optimizer keeps {sorted(fresh)} (another state_format, precond_format "
-                                 "or max_precond_dim?)")
-            for name, live in fresh.items():
-                value = entries[name]
-                parts = live.parts if isinstance(live, QState) else {"": live}
-                given = value if isinstance(value, dict) else {"": value}
-                for part, t in parts.items():
-                    s = given.get(part)
-                    want = torch.uint8 if t.dtype == torch.float8_e4m3fn and is_dtensor(p) else t.dtype
-                    if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype not in (t.dtype, want):
-                        what = f"{name}/{part}" if part else name
-                        raise ValueError(f"{type(self).__name__}.load_state_dict: param {k}'s {what} is "
-                                         f"{getattr(s, 'dtype', type(s).__name__)} {tuple(getattr(s, 'shape', ()))}, "
-                                         f"expected {t.dtype} {tuple(t.shape)}")
-            new[p] = (fresh, entries, group)
-        super().load_state_dict({"state": {}, "param_groups": saved_groups})
-        for p, (fresh, entries, group) in new.items():
-            if is_dtensor(p):
-                fresh = soap_states.create(p, fresh)
-                for name, live in fresh.items():
-                    if name in soap_states.SOAP_SCALARS:
-                        live.copy_(to_local(entries[name]))
-                    else:
-                        soap_states.load(live, entries[name])
-                self.state[p] = fresh
-                continue
-            for name, live in fresh.items():
-                value = entries[name]
-                if isinstance(live, QState):
-                    for part, t in live.parts.items():
-                        t.copy_(value[part])
-                else:
-                    live.copy_(value)
-            self.state[p] = fresh
 
 
 SOAP4BIT_STATE_FORMAT = {"exp_avg": "nf4", "exp_avg_sq": "8bit"}

@@ -13,11 +13,13 @@ as :class:`~bridge.LowBitOptimizer` keeps its states):
   scales are cut with its rows.
 - ``step``, ``soap_step``, ``precond_failures``: plain 0-d tensors, the same on every rank.
 
-A step gathers every rank's block of each state to the param's owner (:mod:`bridge.owner_step`,
-each part in its own :class:`~bridge.owner_step.Boxes`), which steps the whole state, and
-scatters the new blocks back with the update's. State dicts hold the DTensors (a record as a
-nested dict of its parts, each a DTensor of the whole record's part placed as its rows), so
-``torch.distributed.checkpoint`` reshards them by placement at any world size.
+A step gathers every rank's block of each state to the param's owner (:class:`bridge.soap.OwnerStep`,
+:mod:`bridge.owner_step`, each part in its own :class:`~bridge.owner_step.Boxes`), which steps the
+whole state, and scatters the new blocks back with the update's. These states are made by
+:class:`bridge.param_states.ParamStates` (``whole_steps``) through :func:`create`; state dicts are
+:mod:`bridge.state_dict`'s, as for every optimizer (a record as a nested dict of its parts, each a
+DTensor of the whole record's part placed as the state), so ``torch.distributed.checkpoint``
+reshards them by placement at any world size.
 """
 from __future__ import annotations
 
@@ -28,13 +30,11 @@ import torch
 from lowbit_tree.qtensor import row_layout
 
 from . import owner_step
-from .distributed import is_dtensor, to_local
+from .distributed import to_local
 from .qstate import QState
 
-__all__ = ["SOAP_SCALARS", "MOMENTS", "placements", "create", "state_parts", "assemble", "saved", "load"]
+__all__ = ["MOMENTS", "placements", "create", "state_parts", "assemble", "whole_parts"]
 
-SOAP_SCALARS = ("step", "soap_step", "precond_failures")
-"""0-d states kept whole and alike on every rank."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -78,7 +78,7 @@ def _axes(mesh, pls, ndim: int) -> dict:
 def create(p, template: dict) -> dict:
     """This rank's new states of DTensor param ``p``: zeros of ``template``'s whole states (the
     core's ``init``, which is zeros) cut to this rank's blocks, each a DTensor placed by
-    :func:`placements`; scalars plain."""
+    :func:`placements`; 0-d ones plain (``step`` on the CPU, as torch.optim keeps it)."""
     from torch.distributed.tensor import DTensor
 
     import torch.distributed as dist
@@ -86,7 +86,7 @@ def create(p, template: dict) -> dict:
     mesh, device, me = p.device_mesh, to_local(p).device, dist.get_rank()
     out = {}
     for name, t in template.items():
-        if name in SOAP_SCALARS:
+        if t.ndim == 0:
             out[name] = torch.zeros((), dtype=t.dtype, device="cpu" if name == "step" else device)
             continue
         pls = placements(p, name, t)
@@ -158,67 +158,3 @@ def whole_parts(whole) -> list:
     if isinstance(whole, QState):
         return [_saved_dtype(getattr(whole, part.name)) for part in whole.kind.parts]
     return [whole]
-
-
-# -- state dicts -------------------------------------------------------------------------------
-def _part_placements(pls, along: str) -> list:
-    """A record part's placements from its state's (``"param"`` parts: the same; ``"rows"``
-    parts follow the rows; ``"cols"`` parts the columns, as their dim 0)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    if along == "param":
-        return list(pls)
-    out = []
-    for pl in pls:
-        sharded = pl.is_shard() or type(pl).__name__ == "_StridedShard"
-        if sharded and along == "rows" and pl.dim == 0:
-            out.append(pl)
-        elif sharded and along == "cols" and pl.dim == 1:
-            out.append(Shard(0))
-        else:
-            out.append(Replicate())
-    return out
-
-
-def saved(v):
-    """State-dict form of a DTensor state: itself for a plain one; for a record, ``{part:
-    DTensor of the whole record's part}`` over views of the live parts (``dcp.load`` writes in
-    place)."""
-    from torch.distributed.tensor import DTensor
-
-    local = v.to_local()
-    if not isinstance(local, QState):
-        return v
-    out = {}
-    for (name, t, _, whole), part in zip(state_parts(v), local.kind.parts):
-        out[name] = DTensor.from_local(t, device_mesh=v.device_mesh,
-                                       placements=_part_placements(v.placements, part.along), run_check=False,
-                                       shape=whole, stride=_contiguous_stride(whole))
-    return out
-
-
-def _local_of(s: torch.Tensor, like: torch.Tensor, boxes, me: int) -> torch.Tensor:
-    """This rank's block of a saved tensor ``s`` (a DTensor placed like the live one: its local
-    tensor; placed otherwise: its whole tensor's block; a plain whole tensor: its block)."""
-    if is_dtensor(s):
-        if s.device_mesh == like.device_mesh and tuple(s.placements) == tuple(like.placements):
-            return s.to_local()
-        s = s.full_tensor()
-    off, ext = boxes.where[me]
-    return s[tuple(slice(o, o + n) for o, n in zip(off, ext))]
-
-
-def load(v, value) -> None:
-    """Copy a saved state (checked by the caller: whole shapes and dtypes) into DTensor state
-    ``v``'s local storage."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    local = v.to_local()
-    alongs = [part.along for part in local.kind.parts] if isinstance(local, QState) else [None]
-    given = value if isinstance(value, dict) else {"": value}
-    for (name, t, boxes, whole), along in zip(state_parts(v), alongs):
-        like = v if along is None else DTensor.from_local(
-            t, device_mesh=v.device_mesh, placements=_part_placements(v.placements, along), run_check=False,
-            shape=whole, stride=_contiguous_stride(whole))
-        t.copy_(_saved_dtype(_local_of(given[name], like, boxes, dist.get_rank()).to(t.device)))

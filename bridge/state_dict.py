@@ -48,8 +48,10 @@ RANK_KEY = "momentum_rank"
 # group keys that shape the state: fixed per param, compared on load (RANK1_KEY: _rank1_on_load;
 # RANK_KEY: a group saved without it, written before it existed, had none: _load_lowrank). The
 # flags that choose a rule's variant are the declaration's (lowbit_tree.rules.VARIANT_FLAGS).
+# SOAP_KEYS: SOAP's options that decide which per-dimension states exist and how they are stored
+SOAP_KEYS = ("precond_format", "max_precond_dim", "precondition_1d", "merge_dims")
 STATIC_KEYS = ("state_format", "block_size", "min_quant_size", *VARIANT_FLAGS, "bf16_stochastic_round",
-               RANK1_KEY, RANK_KEY)
+               RANK1_KEY, RANK_KEY, *SOAP_KEYS)
 
 HAS_MOMENTUM = "has_momentum"  # the variant flag that is ours: torch.optim's groups say it by their momentum
 CORRECTION = "param_correction"  # a bfloat16 / float16 param's state (and its group's option): its master's low bits
@@ -67,10 +69,17 @@ def save_state_dict(opt) -> dict:
     FSDP2 (views of the live storage, so ``dcp.load`` writes in place). Groups carry the
     format version."""
 
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if opt.param_states.whole_steps and any(is_dtensor(p) for p in params):
+        # every param's states, zeros for one not stepped yet (the core's init): the template a
+        # fresh optimizer's state dict offers torch.distributed.checkpoint to load into
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p].update(opt.param_states.create(p, g))
     sd = torch.optim.Optimizer.state_dict(opt)
     for group in sd["param_groups"]:
         group[VERSION_KEY] = STATE_DICT_VERSION
-    params = [p for g in opt.param_groups for p in g["params"]]
     new_state = {}
     ids = {i for g in sd["param_groups"] for i in g["params"]}
     for idx, st in sd["state"].items():
@@ -81,7 +90,7 @@ def save_state_dict(opt) -> dict:
         out = {}
         for name, v in st.items():
             local = to_local(v)
-            out[name] = saved_parts(local, p) if isinstance(local, QState) else v
+            out[name] = saved_parts(local, v if is_dtensor(v) else p) if isinstance(local, QState) else v
         new_state[idx] = out
     sd["state"] = new_state
     return sd
@@ -94,9 +103,10 @@ def _as_saved(t: torch.Tensor) -> torch.Tensor:
 
 def saved_parts(q: QState, p: torch.Tensor) -> dict:
     """A record state's state-dict form: its parts (float8 codes as their bits), each a DTensor
-    of the whole param's part shape laid out as its kind declares (placed like the param, or
+    of the whole state's part shape laid out as its kind declares (placed like the state, or
     per row / per column of it) under sharding, else the plain local tensors. Views of the live
-    storage, so ``dcp.load`` writes in place."""
+    storage, so ``dcp.load`` writes in place. ``p``: the DTensor state (placed like its param, or
+    a per-dimension factor's own placements), or the plain param."""
     kind, meta = q.kind, q.meta
     out = {}
     for part in kind.parts:
@@ -432,7 +442,7 @@ def _loaded_state(opt, saved: dict, p, group: dict, migrating: bool, gi: int, si
         elif isinstance(exp_local, QState):
             st[name] = _load_record(opt, saved, name, p, exp_local, expected, where)
         else:
-            st[name] = _load_plain(saved, name, p, exp_local, expected, where)
+            st[name] = _load_plain(saved, name, p, exp_local, expected, where, f"param {sid}'s {name}")
     known = set(fresh) | {f"{n}{s}" for n in fresh for s in STATE_SUFFIXES}
     unknown = sorted(k for k in saved if k not in known and not (migrating and saved[k] is None))
     if unknown:
@@ -454,24 +464,31 @@ def _loaded_step(saved: dict, exp_local: torch.Tensor, migrating: bool, where: s
     return step
 
 
-def _load_plain(saved: dict, name: str, p, exp_local: torch.Tensor, expected, where: str):
-    """A state this optimizer keeps unquantized: the saved tensor (this rank's rows), checked,
-    copied in the live dtype."""
+def _load_plain(saved: dict, name: str, p, exp_local: torch.Tensor, expected, where: str, label: str = ""):
+    """A state this optimizer keeps unquantized: the saved tensor (this rank's rows: of the
+    param's, or of a DTensor state placed otherwise, a per-dimension factor's), checked, copied
+    in the live dtype."""
     if name not in saved:
         raise ValueError(f"{where}: the state dict has no {name!r} (has {sorted(saved)})")
     if not isinstance(saved[name], torch.Tensor):
         raise ValueError(f"{where}: {name!r} is a {type(saved[name]).__name__}, expected a tensor: this "
                          f"optimizer keeps it unquantized ({_describe(exp_local)}); the state dict was "
                          "written with another state_format or min_quant_size")
-    value = _rows(saved[name], p, f"{where} {name}") if exp_local.shape == to_local(p).shape and p.ndim else saved[name]
+    if is_dtensor(expected):
+        value = _rows(saved[name], expected, f"{where} {name}")
+    elif exp_local.shape == to_local(p).shape and p.ndim:
+        value = _rows(saved[name], p, f"{where} {name}")
+    else:
+        value = saved[name]
     value = to_local(value)
     if tuple(value.shape) != tuple(exp_local.shape):
-        raise ValueError(f"{where}: {name!r} has shape {tuple(value.shape)}, expected {tuple(exp_local.shape)}")
+        raise ValueError(f"{where}: {label or repr(name)} has shape {tuple(value.shape)}, expected "
+                         f"{tuple(exp_local.shape)}")
     if value.is_floating_point() != exp_local.is_floating_point():
         want = "a float tensor" if exp_local.is_floating_point() else f"a {exp_local.dtype} tensor"
         raise ValueError(f"{where}: {name!r} has dtype {value.dtype}, expected {want}")
     local = value.detach().to(device=exp_local.device, dtype=exp_local.dtype).clone()
-    return wrap_like(local, p) if is_dtensor(expected) else local
+    return wrap_like(local, expected) if is_dtensor(expected) else local  # placed as the live state
 
 
 def _live_correction(opt, p, fresh_correction):
@@ -580,6 +597,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
     layout, then copied in); or a float state (torch.optim's, our fp32 export), stored into the
     record's kind; or a whole record saved on another block grid (tensor parallel), regridded."""
     kind = q.kind
+    like = expected if is_dtensor(expected) else p  # whose placements and whole shape the parts follow
     whole = saved.get(name)
     if isinstance(to_local(whole), QState):  # a record state as a tensor (e.g. gathered with full_tensor())
         w = to_local(whole)
@@ -593,7 +611,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
     if found is not None:
         found = {k: (label, _tensor(label, t, where)) for k, (label, t) in found.items()}
         if kind.regrid and not any(is_dtensor(t) for _, t in found.values()):
-            regridded = _regrid(found["codes"][1], found["scale"][1], name, p, q, where)
+            regridded = _regrid(found["codes"][1], found["scale"][1], name, like if is_dtensor(like) else q, q, where)
             if regridded is not None:
                 q.set_(regridded)
                 return expected
@@ -604,10 +622,10 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
                 loaded[part.name] = torch.zeros_like(live)
                 continue
             label, t = found[part.name]
-            if part.along == "param" and not is_dtensor(t) and is_dtensor(p) and (t.ndim == 0 or t.shape[0] != p.shape[0]):
+            if part.along == "param" and not is_dtensor(t) and is_dtensor(like) and (t.ndim == 0 or t.shape[0] != like.shape[0]):
                 raise ValueError(f"{where}: {label!r}: a full tensor of shape {tuple(t.shape)} cannot be sharded "
-                                 f"like a param with {p.shape[0]} rows")
-            t = to_local(part_local(t, p, part.along))
+                                 f"like a param with {like.shape[0]} rows")
+            t = to_local(part_local(t, like, part.along))
             if tuple(t.shape) == tuple(live.shape) and t.dtype != live.dtype:
                 raise ValueError(f"{where}: {label!r} has dtype {t.dtype}, expected {live.dtype}")
             if tuple(t.shape) != tuple(live.shape):
@@ -622,7 +640,7 @@ def _load_record(opt, saved, name, p, q: QState, expected, where):
             _as_saved(getattr(q, part.name)).copy_(loaded[part.name])
         return expected
     if name in saved:  # a float state (torch.optim, or an fp32 export): stored into this kind
-        value = to_local(_rows(_tensor(name, saved[name], where), p, f"{where} {name}"))
+        value = to_local(_rows(_tensor(name, saved[name], where), like, f"{where} {name}"))
         if not value.is_floating_point():
             raise ValueError(f"{where}: {name!r} is {_describe(value)}, expected a float tensor")
         if tuple(value.shape) != tuple(q.shape):

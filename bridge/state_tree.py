@@ -57,6 +57,8 @@ def _slot(accessor, leaf) -> Slot:
         if role == HYPERPARAMS:
             return Slot("hyper", str(rest[-1]), -1)
         if rest and isinstance(rest[0], int):
+            if "{dim}" in role and len(rest) > 1:  # a state per dimension of the param (SOAP's bases): the next
+                return Slot("state", role.format(dim=rest[1]), rest[0])  # index (none: an absent param's None)
             return Slot("state", role, rest[0])
     if leaf is not None and (isinstance(leaf, torch.Tensor) or is_record(leaf)):
         path = "/".join(str(getattr(e, "field", None) or e.entry) for e in entries)

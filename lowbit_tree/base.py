@@ -27,6 +27,7 @@ __all__ = [
     "identity",
     "init_count",
     "scalar_value",
+    "copy_into",
     "STEP",
     "SEED",
     "HYPERPARAMS",
@@ -87,8 +88,9 @@ class GradientTransformation(NamedTuple):
     plan: Optional[Callable] = None  # a PlanFn
 
 
-def _copy_into(old: State, new: State) -> None:
-    """Write every tensor of ``new`` into the tensor at the same place in ``old``."""
+def copy_into(old: State, new: State) -> None:
+    """Write every tensor of ``new`` into the tensor at the same place in ``old`` (records part by
+    part: a pytree node of its parts; ``None`` where ``old`` has ``None``)."""
     old_leaves, treespec = optree.tree_flatten(old, none_is_leaf=True)
     new_leaves = treespec.flatten_up_to(new)
     for o, n in zip(old_leaves, new_leaves):
@@ -110,7 +112,7 @@ def plan_from_update(update: UpdateFn) -> PlanFn:
 
         def step(updates: list) -> list:
             out, new = update(treespec.unflatten(list(updates)), state, params)
-            _copy_into(state, new)
+            copy_into(state, new)
             return treespec.flatten_up_to(out)
 
         return step
@@ -145,7 +147,9 @@ def state_roles(state_type: type) -> dict:
     """``{field: role}`` that a state class declares in its ``roles`` attribute. A role is
     :data:`STEP`, :data:`SEED`, :data:`HYPERPARAMS`, or, for a field holding one leaf per
     param, the state's torch.optim name (``"exp_avg"``): the name a ``torch.optim`` wrapper
-    keeps it under in ``optimizer.state[p]`` and in state dicts."""
+    keeps it under in ``optimizer.state[p]`` and in state dicts. A field holding, per param, a
+    tuple of one leaf per dimension of the param (SOAP's bases) has a role with ``{dim}``
+    (``"eigenbasis_{dim}"``): each leaf's name is the role with its dimension filled in."""
     return getattr(state_type, "roles", {})
 
 

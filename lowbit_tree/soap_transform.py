@@ -53,12 +53,12 @@ non-finite gradient otherwise goes into the moments and the param as in Adam (th
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from . import kernels, moments, records
-from .base import STEP, GradientTransformation, ScalarOrSchedule, init_count, renamed_argument, scalar_value
+from .base import STEP, GradientTransformation, ScalarOrSchedule, copy_into, init_count, renamed_argument, scalar_value
 from .qtensor import QTensor, row_layout
 from .tree_utils import flatten, map_leaves
 
@@ -101,8 +101,11 @@ class ScaleBySoapState(NamedTuple):
     coupling: Any  # per leaf, a tuple per dimension: S_d with a zero diagonal (n, n), or None
     failures: Any  # per leaf, int32 0-d: refreshes that kept the old basis (module docstring)
 
+    # a per-dimension field's role names one state per rotated dimension d ("eigenbasis_0", ...):
+    # ``{dim}`` is filled with the index after the leaf's (lowbit_tree.base.state_roles)
     roles = {"count": STEP, "steps": "soap_step", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
-             "basis": "eigenbasis", "eigenvalues": "eigenvalues", "coupling": "coupling", "failures": FAILURE}
+             "basis": "eigenbasis_{dim}", "eigenvalues": "eigenvalues_{dim}", "coupling": "coupling_{dim}",
+             "failures": FAILURE}
 
 
 LEAF_FIELDS = ("steps", "exp_avg", "exp_avg_sq", "basis", "eigenvalues", "coupling", "failures")
@@ -158,22 +161,38 @@ def _gram(x: torch.Tensor, d: int) -> torch.Tensor:
     return torch.tensordot(x, x, dims=(other, other))
 
 
-def _eigenbasis(gg: torch.Tensor) -> Optional[torch.Tensor]:
-    """The reference's ``get_orthogonal_matrix`` for one factor: eigenvectors by descending
-    eigenvalue, or ``None`` when the factor or its decomposition is not finite or eigh fails."""
-    if not bool(torch.isfinite(gg).all()):
-        return None
-    m = gg + 1e-30 * torch.eye(gg.shape[0], dtype=gg.dtype, device=gg.device)
+def _eigenbasis(gg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's ``get_orthogonal_matrix`` for one factor: ``(eigenvectors by descending
+    eigenvalue, True)``; where the factor or its decomposition is not finite, or eigh fails,
+    ``(the identity's columns reversed, False)``. The flag is a 0-d bool tensor on the factor's
+    device, chosen there (``torch.where``): no host sync (a non-finite factor is decomposed as the
+    identity, so eigh does not see it)."""
+    eye = torch.eye(gg.shape[0], dtype=gg.dtype, device=gg.device)
+    reversed_eye = torch.flip(eye, [1])
+    ok = torch.isfinite(gg).all()
+    m = torch.where(ok, gg + 1e-30 * eye, eye)
     try:
         _, q = torch.linalg.eigh(m)
     except torch.linalg.LinAlgError:
         try:
             _, q = torch.linalg.eigh(m.double())
         except torch.linalg.LinAlgError:
-            return None
+            return reversed_eye, torch.zeros((), dtype=torch.bool, device=gg.device)
         q = q.float()
     q = torch.flip(q, [1])
-    return q if bool(torch.isfinite(q).all()) else None
+    ok = ok & torch.isfinite(q).all()
+    return torch.where(ok, q, reversed_eye), ok
+
+
+def _chosen(ok: torch.Tensor, new: Any, old: Any) -> Any:
+    """``new`` where the 0-d flag ``ok`` is true, else ``old``: part by part for a record (chosen
+    on the device, no host sync)."""
+    kind = records.kind_of(old)
+    if kind is None:
+        return torch.where(ok, new, old)
+    new_parts = kind.parts_of(new)
+    parts = {name: torch.where(ok, new_parts[name], t) for name, t in kind.parts_of(old).items()}
+    return kind.make(parts, tuple(old.shape), kind.meta_of(old))
 
 
 def _split(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,17 +226,26 @@ def _store(x: torch.Tensor, like: Any) -> Any:
 
 
 class _Leaf:
-    """One leaf's stored state, decoded to float32 work tensors, and written back."""
+    """One leaf's stored state, decoded to float32 work tensors, and written back. ``steps`` is
+    the leaf's count of gradients seen as a host int (the plan keeps it there; the stored
+    ``steps`` tensor is only advanced on the device), ``failures`` stays a tensor: nothing here
+    reads a tensor on the host."""
 
-    def __init__(self, steps, m, v, basis, eig, coupling, failures, bjorck_steps):
+    def __init__(self, steps: int, m, v, basis, eig, coupling, failures, bjorck_steps):
         self.like = (m, v, basis, coupling)
-        self.steps, self.failures = int(steps), int(failures)
+        self.steps, self.failures = steps, failures
         self.m, self.v = _load(m), _load(v)
         self.q = [None if b is None else bjorck(_load(b), bjorck_steps if records.is_record(b) else 0)
                   for b in basis]
-        self.new_basis = [False] * len(basis)  # a basis built or refreshed this step; an unchanged one keeps
-        # its stored codes (re-encoding its rectified decode every step would walk it away from its value)
+        # per dimension: False (the stored basis is kept: re-encoding its rectified decode every step
+        # would walk it away from its value), True (built this step: stored), or a 0-d bool tensor
+        # (refreshed where it is true: stored there, else the stored codes are kept)
+        self.new_basis: list = [False] * len(basis)
         self.s = [None if e is None else _joined(e.float(), _load(c)) for e, c in zip(eig, coupling)]
+
+    def failed_unless(self, ok: torch.Tensor) -> None:
+        """One more failure where the 0-d flag ``ok`` is false (on the device)."""
+        self.failures = self.failures + (~ok).to(self.failures.dtype)
 
     def stored(self, inplace: bool, old: tuple) -> tuple:
         """``(steps, m, v, basis, eigenvalues, coupling, failures)`` in the stored kinds; with
@@ -227,8 +255,14 @@ class _Leaf:
         # form's copy into the old tensor, and the two forms must give the same bits
         m = _store(self.m.contiguous(), m_like)
         v = _store(self.v.contiguous(), v_like)
-        basis = tuple(None if q is None else _store(q.contiguous(), b) if new else b
-                      for q, b, new in zip(self.q, basis_like, self.new_basis))
+        basis = []
+        for q, b, new in zip(self.q, basis_like, self.new_basis):
+            if q is None or new is False:
+                basis.append(b)
+            elif new is True:
+                basis.append(_store(q.contiguous(), b))
+            else:
+                basis.append(_chosen(new, _store(q.contiguous(), b), b))
         eig, coupling = [], []
         for s, c in zip(self.s, coupling_like):
             if s is None:
@@ -238,35 +272,11 @@ class _Leaf:
             diag, off = _split(s)
             eig.append(diag)
             coupling.append(_store(off.contiguous(), c))
-        new = (torch.tensor(self.steps, dtype=torch.int32), m, v, basis, tuple(eig), tuple(coupling),
-               torch.tensor(self.failures, dtype=torch.int32))
+        new = (old[0] + 1, m, v, tuple(basis), tuple(eig), tuple(coupling), self.failures)
         if not inplace:
-            return tuple(_on(x, o) for x, o in zip(new, old))
-        for x, o in zip(new, old):
-            _copy_into(o, x)
+            return new
+        copy_into(old, new)
         return old
-
-
-def _on(x, like):
-    """``x`` on ``like``'s device (the counters are built on the CPU)."""
-    if isinstance(x, torch.Tensor) and isinstance(like, torch.Tensor) and x.device != like.device:
-        return x.to(like.device)
-    return x
-
-
-def _copy_into(old, new) -> None:
-    if old is None:
-        return
-    if isinstance(old, tuple) and not records.is_record(old):
-        for o, n in zip(old, new):
-            _copy_into(o, n)
-        return
-    kind = records.kind_of(old)
-    if kind is not None:
-        for name, t in kind.parts_of(old).items():
-            t.copy_(kind.parts_of(new)[name])
-    else:
-        old.copy_(new)
 
 
 # ----------------------------------------------------------------------------
@@ -277,7 +287,8 @@ def _check(b1, b2, shampoo_beta, eps, weight_decay, precondition_frequency, max_
     for name, value in (("b1", b1), ("b2", b2)):
         if isinstance(value, numbers.Real) and not 0 <= value < 1:
             raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    if shampoo_beta is not None and not (isinstance(shampoo_beta, numbers.Real) and shampoo_beta < 1):
+    if shampoo_beta is not None and not isinstance(shampoo_beta, torch.Tensor) and not (
+            isinstance(shampoo_beta, numbers.Real) and shampoo_beta < 1):
         raise ValueError(f"shampoo_beta must be a number < 1 (negative or None: b2, as the reference's -1), "
                          f"got {shampoo_beta!r}")
     for name, value in (("eps", eps), ("weight_decay", weight_decay)):
@@ -319,6 +330,7 @@ def scale_by_soap(
     bjorck_steps: Optional[int] = None,
     block_size: Optional[int] = None,
     min_quant_size: int = 4096,
+    whole_step: Optional[Callable] = None,
 ) -> GradientTransformation:
     """SOAP's update (the module docstring's steps, the reference's arguments and defaults).
 
@@ -344,6 +356,14 @@ def scale_by_soap(
         eigenvalues are float32 in every format.
       bjorck_steps: Bjorck iterations after decoding a quantized basis (``None``:
         ``DEFAULT_BJORCK_STEPS``; float32 bases take none).
+      whole_step: where the in-place plan's leaves are stepped: ``whole_step(index, old, param,
+        grad, step) -> update`` for each leaf with a gradient (``index``: its position plus the
+        plan's ``leaf_offset``; ``old``: its state ``(steps, exp_avg, exp_avg_sq, bases,
+        eigenvalues, couplings, failures)``), where ``step(old, param, grad) -> update`` steps a
+        whole leaf's state in place. A sharded caller gathers the leaf's blocks, runs ``step`` on
+        one process and returns each process its block of the update (in the param's dtype);
+        ``None`` (default): ``step`` on the leaf as it is. Each leaf's count advances on every
+        process alike (kept on the host).
     Returns:
       A transformation with state :class:`ScaleBySoapState`; updates are float32.
     """
@@ -360,7 +380,8 @@ def scale_by_soap(
     n_bjorck = DEFAULT_BJORCK_STEPS[precond_format] if bjorck_steps is None else bjorck_steps
 
     def sb() -> float:
-        return float(b2) if shampoo_beta is None or shampoo_beta < 0 else float(shampoo_beta)
+        beta = None if shampoo_beta is None else float(shampoo_beta)
+        return float(b2) if beta is None or beta < 0 else beta
 
     def square(n: int, device) -> Any:
         if block_format is None or not moments.should_quantize((n, n), min_quant_size):
@@ -397,32 +418,30 @@ def scale_by_soap(
             if q is None:
                 continue
             gg = torch.zeros_like(leaf.s[d]).lerp_(_gram(g, d), 1 - beta)
-            new = _eigenbasis(gg)
-            if new is None:
-                leaf.failures += 1
-                new = torch.flip(torch.eye(gg.shape[0], dtype=torch.float32, device=gg.device), [1])
+            new, ok = _eigenbasis(gg)
+            leaf.failed_unless(ok)
             leaf.q[d], leaf.new_basis[d] = new, True
             leaf.s[d] = new.T @ gg @ new
 
     def refresh(leaf: _Leaf) -> None:
-        """Step 3's refresh, in the eigenbasis' coordinates (module docstring)."""
+        """Step 3's refresh, in the eigenbasis' coordinates (module docstring). A dimension whose
+        factor, basis or QR is not finite keeps its basis, ``S_d`` and moments: chosen on the
+        device (``torch.where``; a non-finite input is decomposed as the identity instead)."""
         for d, q in enumerate(leaf.q):
             if q is None:
                 continue
             s = leaf.s[d]
-            if not bool(torch.isfinite(s).all() and torch.isfinite(q).all()):
-                leaf.failures += 1
-                continue
+            ok = torch.isfinite(s).all() & torch.isfinite(q).all()
             order = torch.argsort(s.diagonal(), descending=True)
-            new, _ = torch.linalg.qr(q @ s[:, order])
-            if not bool(torch.isfinite(new).all()):
-                leaf.failures += 1
-                continue
+            x = torch.where(ok, q @ s[:, order], torch.eye(q.shape[0], dtype=q.dtype, device=q.device))
+            new, _ = torch.linalg.qr(x)
+            ok = ok & torch.isfinite(new).all()
+            leaf.failed_unless(ok)
             r = q.T @ new
-            leaf.v = leaf.v.index_select(d, order)
-            leaf.m = _rotate(leaf.m, d, r)
-            leaf.s[d] = r.T @ s @ r
-            leaf.q[d], leaf.new_basis[d] = new, True
+            leaf.v = torch.where(ok, leaf.v.index_select(d, order), leaf.v)
+            leaf.m = torch.where(ok, _rotate(leaf.m, d, r), leaf.m)
+            leaf.s[d] = torch.where(ok, r.T @ s @ r, s)
+            leaf.q[d], leaf.new_basis[d] = torch.where(ok, new, q), ok
 
     def step_leaf(g, p, leaf: _Leaf, lr, wd) -> Optional[torch.Tensor]:
         g = g.float()
@@ -455,7 +474,10 @@ def scale_by_soap(
             new.add_(new, alpha=-(lr * wd))
         return new.sub_(pf)
 
-    def run(updates, state, params, inplace: bool):
+    def run(updates, state, params, inplace: bool, host_steps: Optional[list] = None, leaf_offset: int = 0):
+        """The step over every leaf with a gradient. ``host_steps``: each leaf's gradients seen as
+        host ints (the plan's, advanced here, each leaf stepped through ``whole_step``); ``None``:
+        read from ``state.steps`` (``update``)."""
         g_leaves, treespec = flatten(updates)
         fields = [treespec.flatten_up_to(getattr(state, f)) for f in LEAF_FIELDS]
         if learning_rate is not None and params is None:
@@ -470,10 +492,20 @@ def scale_by_soap(
             old = tuple(f[i] for f in fields)
             if old[1] is None:
                 raise ValueError(f"scale_by_soap: leaf {i} has a gradient but no state (its param was None at init)")
-            leaf = _Leaf(*old, bjorck_steps=n_bjorck)
-            out[i] = step_leaf(g, p_leaves[i], leaf, lr, wd)
-            for f, value in zip(new_fields, leaf.stored(inplace, old)):
-                f[i] = value
+            steps = int(old[0]) if host_steps is None else host_steps[i]
+
+            def one(old, p, g, steps=steps, i=i):
+                leaf = _Leaf(steps, *old[1:], bjorck_steps=n_bjorck)
+                u = step_leaf(g, p, leaf, lr, wd)
+                for f, value in zip(new_fields, leaf.stored(inplace, old)):
+                    f[i] = value
+                return u
+
+            if host_steps is None:
+                out[i] = one(old, p_leaves[i], g)
+                continue
+            out[i] = (whole_step or _here)(i + leaf_offset, old, p_leaves[i], g, one)
+            host_steps[i] = steps + 1
         return treespec.unflatten(out), [treespec.unflatten(f) for f in new_fields]
 
     def update(updates, state, params=None, **extra):
@@ -481,16 +513,37 @@ def scale_by_soap(
         return out, ScaleBySoapState(state.count + 1, *fields)
 
     def plan(state, params, *, write=False, leaf_offset=0):
+        """The in-place step over ``state``: each leaf's gradients seen are read here, once, and
+        kept as host ints beside the state (a step reads no tensor on the host: the refresh's
+        schedule and Adam's ``t`` come from them). A step reads the leaves of ``state``'s per-leaf
+        lists and of ``params`` when it is called, so a caller may point one at another tensor of
+        the same shape and kind between steps (the bridge's owner of a sharded param points them
+        at the states it gathers). With ``write`` each update is added to its param (in the
+        param's dtype) and ``None`` returned for it."""
         treespec = flatten(params)[1]
+        host_steps = [None if n is None else int(n) for n in treespec.flatten_up_to(state.steps)]
 
         def step(updates: list) -> list:
-            out, _ = run(treespec.unflatten(list(updates)), state, params, True)
+            out, _ = run(treespec.unflatten(list(updates)), state, params, True, host_steps, leaf_offset)
             state.count.add_(1)
-            return treespec.flatten_up_to(out)
+            out = treespec.flatten_up_to(out)
+            if not write:
+                return out
+            p_leaves = treespec.flatten_up_to(params)
+            for k, u in enumerate(out):
+                if u is not None and updates[k] is not None:
+                    p_leaves[k].add_(u.to(p_leaves[k].dtype))
+                    out[k] = None
+            return out
 
         return step
 
     return GradientTransformation(init, update, plan)
+
+
+def _here(index: int, old: tuple, param, grad, step: Callable):
+    """The default ``whole_step``: the leaf stepped as it is."""
+    return step(old, param, grad)
 
 
 def _rotate(x: torch.Tensor, d: int, r: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 state-dict round trips (weights_only), skip_nonfinite, refusals by name."""
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
@@ -137,3 +138,126 @@ def test_bad_betas_are_refused_naming_betas(cls, betas, words):
     with pytest.raises(ValueError, match=f"^{cls.__name__}: {words}"):
         opt.add_param_group({"params": params[1:], "betas": betas})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", ["SOAP8bit", "SOAP4bit"])
+def test_a_checkpoint_written_by_the_earlier_soap_class_loads_and_steps_on(name):
+    """tests/data/soap_state_dict.pt was written by commit 4c0ebd4's SOAP classes, which kept their own
+    state dict (tests/data/make_soap_state_dict.py, one thread); loaded here, two more steps of the same
+    gradients land on the params that code reached, bit for bit (the second refreshes the bases)."""
+    import os
+
+    torch.set_num_threads(1)
+    data = torch.load(os.path.join(os.path.dirname(__file__), "data", "soap_state_dict.pt"), weights_only=True)[name]
+    ps = {k: torch.nn.Parameter(v.clone()) for k, v in data["params"].items()}
+    opt = getattr(bridge, name)(list(ps.values()), lr=0.5, precondition_frequency=2, precondition_1d=True,
+                                min_quant_size=64)
+    opt.load_state_dict(data["saved"])
+    assert opt.param_groups[0]["lr"] == 1e-2  # the saved hyperparameters, as torch.optim restores them
+    for step in data["grads"]:
+        for k, p in ps.items():
+            p.grad = step[k].clone()
+        opt.step()
+    for k, p in ps.items():
+        assert torch.equal(p.detach(), data["params_after"][k]), k
+    assert int(opt.state[ps["w"]]["soap_step"]) == data["soap_step_after"]
+
+
+def test_the_transformation_and_the_plan_are_built_once_over_20_steps(monkeypatch):
+    """20 steps, the learning rate changed at each (a scheduler's new number): the group's
+    transformation (calls of its factory, ``bridge.soap.soap_of_group``) and its plan
+    (``GroupPlan``) are built in the first step and never again; a changed weight decay is
+    injected too (nothing built); a changed ``precondition_frequency`` (static) builds both once
+    more, and so does a loaded state dict (new state objects) the plan."""
+    import bridge.optimizer
+    import bridge.soap
+
+    built = {"transform": 0, "plan": 0}
+    factory, group_plan = bridge.soap.soap_of_group, bridge.optimizer.GroupPlan
+
+    @functools.wraps(factory)  # (its signature: the optimizer reads which arguments it takes)
+    def counted_factory(*args, **kwargs):
+        built["transform"] += 1
+        return factory(*args, **kwargs)
+
+    class CountedPlan(group_plan):
+        def __init__(self, *args, **kwargs):
+            built["plan"] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(bridge.soap, "soap_of_group", counted_factory)
+    monkeypatch.setattr(bridge.optimizer, "GroupPlan", CountedPlan)
+    cls, _ = CLASSES["8bit"]
+    params = _params()
+    opt = cls(params, **OPTS)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    seen = []
+    for gs in _grads(20):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        sched.step()
+        seen.append(dict(built))
+    assert seen[0]["plan"] == 1 and seen[0]["transform"] >= 1
+    assert all(s == seen[0] for s in seen), seen  # nothing built after the first step
+    opt.param_groups[0]["weight_decay"] = 0.02
+    _train(opt, params, _grads(2, seed=3))
+    assert built == seen[0]
+    opt.param_groups[0]["precondition_frequency"] = 4
+    _train(opt, params, _grads(2, seed=3))
+    assert built["plan"] == 2 and built["transform"] > seen[0]["transform"]
+    again = dict(built)
+    opt.load_state_dict(opt.state_dict())
+    _train(opt, params, _grads(2, seed=4))
+    assert built["plan"] == again["plan"] + 1
+
+
+@pytest.mark.parametrize("fmt", list(CLASSES))
+def test_a_step_reads_no_tensor_on_the_host(fmt, monkeypatch):
+    """After the first step (which builds the plans, reading each count once), 20 steps with
+    refreshes every 3 run with ``Tensor.item``, ``__int__`` and ``__bool__`` raising: no host sync
+    in a step (``skip_nonfinite`` off). The same steps with them working give the same bits."""
+    cls, _ = CLASSES[fmt]
+    runs = []
+    for patched in (False, True):
+        params = _params()
+        opt = cls(params, **OPTS)
+        grads = _grads(21)
+        _train(opt, params, grads[:1])
+        with monkeypatch.context() as m:
+            if patched:
+                def refuse(self, *args, **kwargs):
+                    raise AssertionError("a host read of a tensor in a SOAP step")
+
+                for name in ("item", "__int__", "__bool__"):
+                    m.setattr(torch.Tensor, name, refuse)
+            _train(opt, params, grads[1:])
+        runs.append([p.detach().clone() for p in params])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(AssertionError, match="host read"):  # the patch can fail: a read does raise
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "__int__", refuse)
+            int(torch.zeros(()))
+
+
+def test_steps_in_backward_are_the_steps_of_step():
+    """As a LowBitOptimizer, SOAP steps each param inside the backward pass
+    (``bridge.step_in_backward``: each param's plan over the group's list, the others absent) with
+    the bits of ``step()``, refreshes included."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    a, b = model(), model()
+    kw = dict(precondition_frequency=2, min_quant_size=16)
+    opt_a, opt_b = bridge.SOAP8bit(a.parameters(), **kw), bridge.SOAP8bit(b.parameters(), **kw)
+    bridge.step_in_backward(b, opt_b, per_param_transform=True)
+    for _ in range(5):
+        a(x).square().mean().backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        b(x).square().mean().backward()
+        opt_b.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert int(opt_b.state[b[0].weight]["soap_step"]) == 5

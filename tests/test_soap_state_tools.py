@@ -62,3 +62,46 @@ def test_inspect_names_every_soap_state_and_its_bytes(cls, fmt, bits):
     total = sum(t.numel() * t.element_size() for st in sd["state"].values() for k, v in st.items() if k != "step"
                 for t in (v.values() if isinstance(v, dict) else [v]))
     assert sum(r.nbytes for r in rows.values()) == total
+
+
+def test_a_dcp_checkpoint_in_the_earlier_layout_loads_through_load_optimizer(tmp_path):
+    """A DCP checkpoint as the SOAP classes wrote it before they were LowBitOptimizers: the same
+    keys and shapes but no ``lowbit_tree_version`` in the param groups (checked against
+    tests/data/soap_state_dict.pt, written by that code). ``bridge.dcp.load_optimizer`` loads it
+    (it keeps the group keys a checkpoint lacks) and two more steps land on the uninterrupted run's
+    params, bit for bit; plain ``dcp.load`` into ``opt.state_dict()`` names the missing key."""
+    import traceback
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from bridge.dcp import load_optimizer
+    from bridge.state_dict import VERSION_KEY
+
+    old = torch.load(__file__.replace("test_soap_state_tools.py", "data/soap_state_dict.pt"), weights_only=True)
+    assert all(VERSION_KEY not in g for g in old["SOAP8bit"]["saved"]["param_groups"])
+    m, opt = trained(bridge.SOAP8bit)
+    osd = get_optimizer_state_dict(m, opt)
+    for g in osd["param_groups"]:
+        del g[VERSION_KEY]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP in one process, no process group: said once
+        dcp.save({"optim": osd}, checkpoint_id=str(tmp_path))
+        m2 = model(7)
+        m2.load_state_dict(m.state_dict())
+        opt2 = bridge.SOAP8bit(m2.parameters(), lr=1e-3, precondition_frequency=2, min_quant_size=1)
+        load_optimizer(m2, opt2, str(tmp_path))
+        with pytest.raises(CheckpointException) as refused:
+            dcp.load({"optim": bridge.SOAP8bit(model(7).parameters(), min_quant_size=1).state_dict()},
+                     checkpoint_id=str(tmp_path))
+    assert "Missing key in checkpoint state_dict: optim.param_groups.0.lowbit_tree_version" in "".join(
+        traceback.format_exception(refused.value))  # (DCP wraps each rank's error)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        x = torch.randn(4, 96, generator=gen)
+        for mm, oo in ((m, opt), (m2, opt2)):
+            mm(x).square().sum().backward()
+            oo.step()
+            oo.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
