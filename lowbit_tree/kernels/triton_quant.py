@@ -8,7 +8,9 @@ The block kernels are the step kernel's own state code (``triton_step.load_state
 program quantizes ``L`` elements of a row (``L`` a multiple of the block size and of 2), or ``k``
 short rows. The rank-1 encode divides by ``min(row_max, col_max)`` (1 where that is not > 0,
 NaN where either is NaN) with ``div_rn``; its maxima are taken on the values' bits (a negative or
-NaN value: NaN), as ``cpu.c`` does. Launched with ``enable_fp_fusion=False``.
+NaN value: NaN), as ``cpu.c`` does, by torch's integer ``amax`` (exact in any order; a kernel
+looping over a runtime row length fails under triton 3.6's interpreter with a current numpy).
+Launched with ``enable_fp_fusion=False``.
 
 On CUDA tensors it compiles for the GPU; on CPU tensors it runs under Triton's interpreter
 (``TRITON_INTERPRET=1``). Imported only where the triton backend is chosen.
@@ -154,34 +156,6 @@ def _rank1_decode_kernel(codes, row_max, col_max, dec, out, R, BLOCK: tl.constex
 
 
 @triton.jit
-def _maxima_bits(x):
-    """The bits a maximum is taken on: |x|'s for x >= 0, NaN's for a negative or NaN x."""
-    return tl.where(x >= 0.0, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x7FC00000)
-
-
-@triton.jit
-def _rank1_row_max_kernel(x, row_max, R, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
-    m = tl.zeros((BLOCK,), tl.int32)
-    for j0 in range(0, R, BLOCK):
-        j = j0 + tl.arange(0, BLOCK)
-        b = _maxima_bits(tl.load(x + i * R + j, mask=j < R, other=0.0))
-        m = tl.maximum(m, b)
-    tl.store(row_max + i, tl.max(m, axis=0).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _rank1_col_max_kernel(x, col_max, rows, R, BLOCK: tl.constexpr):
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = j < R
-    m = tl.zeros((BLOCK,), tl.int32)
-    for i in range(0, rows):
-        b = _maxima_bits(tl.load(x + i * R + j, mask=valid, other=0.0))
-        m = tl.maximum(m, b)
-    tl.store(col_max + j, m.to(tl.float32, bitcast=True), mask=valid)
-
-
-@triton.jit
 def _rank1_encode_kernel(x, row_max, col_max, thr, codes, R, last, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -225,10 +199,11 @@ def rank1_maxima(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dev = x2.device
     row_max = torch.zeros(rows, dtype=torch.float32, device=dev)
     col_max = torch.zeros(R, dtype=torch.float32, device=dev)
-    if rows and R:
-        x = x2.float().contiguous()
-        _rank1_row_max_kernel[(rows,)](x, row_max, R, BLOCK=_RANK1_BLOCK)
-        _rank1_col_max_kernel[(-(-R // _RANK1_BLOCK),)](x, col_max, rows, R, BLOCK=_RANK1_BLOCK)
+    if rows and R:  # maxima of the bits: integers, exact in any order, so torch's own amax
+        x = x2.float()
+        bits = torch.where(x >= 0.0, x.view(torch.int32) & 0x7FFFFFFF, 0x7FC00000)  # negative or NaN: NaN's
+        row_max = bits.amax(dim=1).view(torch.float32)
+        col_max = bits.amax(dim=0).view(torch.float32)
     return row_max, col_max
 
 
