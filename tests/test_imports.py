@@ -129,7 +129,8 @@ print(repr(failed))
 """
 
 
-NEEDS_PACKAGE = {"lowbit_tree.kernels.triton_step": "triton", "lowbit_tree.kernels.triton_backend": "triton"}
+NEEDS_PACKAGE = {"lowbit_tree.kernels.triton_step": "triton", "lowbit_tree.kernels.triton_backend": "triton",
+                 "lowbit_tree.kernels.triton_quant": "triton"}
 """Modules that need an extra's package (the ``triton`` extra's): where it is missing they must fail
 with exactly that package missing (the core itself never imports them without it)."""
 
