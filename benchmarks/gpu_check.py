@@ -262,7 +262,7 @@ def run_command(argv: list, env: dict, log: Path, budget_s: float, echo: bool = 
     with open(log, "ab", buffering=0) as f:
         f.write(("$ " + shlex.join(argv) + "\n").encode())
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, preexec_fn=os.setpgrp)
 
         def pump():
             for line in iter(proc.stdout.readline, b""):

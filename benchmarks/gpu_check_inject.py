@@ -29,7 +29,7 @@ def _flip(x) -> bool:
     return True
 
 
-def pytest_sessionstart(session):
+def pytest_configure(config):
     kinds = set(filter(None, os.environ.get("GPU_CHECK_INJECT", "").split(",")))
     unknown = kinds - {"bits", "skip", "hang"}
     if unknown:
