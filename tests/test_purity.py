@@ -159,8 +159,7 @@ def test_a_call_in_the_middle_of_another_changes_neither(monkeypatch):
     reaches the kernel step (``rule_builder.run_rule``, after its hyperparameters are in hand), call B
     (learning rate 1e-4, its own params and state) runs to its end, then A goes on. Each caller's
     params must be those of its run alone, bit for bit: a transformation that keeps the
-    hyperparameters where each call writes them (one set per device, as ``inject_hyperparams``
-    once did) gives A the rate of B. A's state is the first one made (the transformation kept
+    hyperparameters where each call writes them (one set per device) gives A the rate of B. A's state is the first one made (the transformation kept
     for its tensors runs it), B's has a learning rate of its own (built for each of its calls)."""
     from lowbit_tree import rule_builder
 
@@ -391,8 +390,8 @@ def test_what_a_transformation_closes_over_stays_as_it_was(name, inject):
     of a tree of these shapes), a second caller's call (other params, state and hyperparameter
     values, the same structure) and the first's again leave every tensor reachable from the
     closures bit for bit as it was and every container and object with the same entries. A
-    transformation that wrote its call's hyperparameters into tensors it closes over (as
-    ``inject_hyperparams`` once did) shows here as a changed tensor."""
+    transformation that wrote its call's hyperparameters into tensors it closes over shows here
+    as a changed tensor."""
     builder = _builders()[name]
     if inject and name == "inject_hyperparams":
         pytest.skip("inject_hyperparams is walked injected in its own row")

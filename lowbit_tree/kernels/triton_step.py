@@ -399,7 +399,7 @@ def step_kernel(leaves, tile_leaf, hyper, ftab, etab, links,
     rows = tl.load(row_ptr + 8)
     Rp = tl.load(row_ptr + 9).to(tl.int32)
     k = tl.load(row_ptr + 10).to(tl.int32)
-    geo = tile_geometry(t, R, rows, tpr, Rp, k, L, TILE, ALIGNED)  # the helpers' tile
+    geo = tile_geometry(t, R, rows, tpr, Rp, k, L, TILE, ALIGNED)  # the tile the state functions take
     r0, j0, base, loc, valid, lrow, lcol, pbase, ploc, pvalid = geo
     s0 = row_ptr + _HDR
     s1 = row_ptr + _HDR + _SLOT
